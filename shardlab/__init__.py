@@ -1,0 +1,1 @@
+"""shardlab: JAX-style, functional sharding for PyTorch."""

@@ -1,0 +1,273 @@
+"""Config: the whole run as immutable data, from a recipe file plus tyro overrides.
+
+Every struct is frozen and validated when built; `Config.resolve(world_size)` fills the mesh and
+runs the checks that need the world size. Derived numbers are properties, never stored fields.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from shardlab._base import Frozen, revalidate
+from shardlab.mesh import MeshSpec
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class RopeScaling(Frozen):
+    """Llama-3.1 RoPE frequency scaling (long-context interpolation of the low frequencies)."""
+
+    factor: float = 8.0
+    """Divides the frequencies whose wavelength exceeds original_max_position / low_freq_factor."""
+    low_freq_factor: float = 1.0
+    """Wavelengths longer than original_max_position / low_freq_factor are fully scaled."""
+    high_freq_factor: float = 4.0
+    """Wavelengths shorter than original_max_position / high_freq_factor are kept."""
+    original_max_position: Positive = 8192
+    """Context length the base model was trained with."""
+
+
+class ModelConfig(Frozen):
+    """Llama 3 architecture. The defaults are torchtitan's llama3 `debugmodel` (6.2M parameters)."""
+
+    dim: Positive = 256
+    """Width of the residual stream."""
+    n_layers: Positive = 6
+    """Number of transformer blocks."""
+    n_heads: Positive = 16
+    """Query heads; head_dim = dim / n_heads."""
+    n_kv_heads: Positive = 16
+    """Key/value heads (grouped-query attention when < n_heads)."""
+    ffn_dim: Positive = 768
+    """Hidden width of the SwiGLU MLP."""
+    vocab_size: Positive = 2048
+    """Rows of the embedding and of the output projection."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 500_000.0
+    """RoPE base frequency."""
+    rope_scaling: RopeScaling | None = RopeScaling()
+    """Llama-3.1 frequency scaling; None for plain RoPE."""
+    tie_embeddings: bool = False
+    """Share the embedding matrix with the output projection (Llama 3.2 1B/3B)."""
+    init_std: float = 0.02
+    """Std of the truncated-normal init of the projections."""
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; pick n_heads dividing dim")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
+                "grouped-query attention needs n_kv_heads dividing n_heads"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"model: head_dim={self.dim // self.n_heads} is odd; RoPE needs an even head_dim")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        d, h, kv = self.dim, self.head_dim, self.n_kv_heads
+        attn = d * self.n_heads * h * 2 + d * kv * h * 2
+        block = attn + 3 * d * self.ffn_dim + 2 * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.n_layers * block + d + head
+
+
+class PlanConfig(Frozen):
+    """How the rules become a layout: sequence/loss parallel, FSDP options, checkpointing, compile."""
+
+    sequence_parallel: bool = True
+    """Shard norms and the residual stream over tp along the sequence (needs seq_len % tp == 0)."""
+    loss_parallel: bool = True
+    """Keep the logits sharded over the vocabulary and compute the loss without gathering them."""
+    reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2)."""
+    param_dtype: Dtype = "float32"
+    """FSDP mixed precision: dtype of the gathered parameters, so of the compute."""
+    reduce_dtype: Dtype = "float32"
+    """FSDP mixed precision: dtype of gradient reduction."""
+    cpu_offload: bool = False
+    """FSDP: keep sharded parameters, grads and optimizer state on the CPU."""
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: none, every block (full), or every `ac_every`-th block."""
+    ac_every: Positive = 2
+    """With selective checkpointing, checkpoint one block in this many."""
+    compile: bool = False
+    """torch.compile each transformer block."""
+    allow_unused_rules: bool = False
+    """Accept rules that match no parameter (otherwise an error names them)."""
+    allow_uncovered: bool = False
+    """Replicate parameters that no rule covers (otherwise an error names them)."""
+
+
+class OptimConfig(Frozen):
+    """AdamW with linear warmup then cosine (or linear) decay, and global-norm gradient clipping."""
+
+    lr: float = 8e-4
+    """Peak learning rate, reached after warmup_steps."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of lr."""
+    warmup_steps: NonNegative = 2
+    """Steps of linear warmup from lr / (warmup_steps + 1)."""
+    decay: Literal["cosine", "linear"] = "cosine"
+    """Shape of the decay from lr to lr * min_lr_ratio over the remaining steps."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam beta1, beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to every parameter."""
+    max_norm: float | None = 1.0
+    """Clip gradients to this global L2 norm; None disables clipping."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr={self.lr}: must be > 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio}: must be within [0, 1]")
+        if self.max_norm is not None and self.max_norm <= 0:
+            raise ValueError(f"optim.max_norm={self.max_norm}: must be > 0, or None to disable clipping")
+
+
+class DataConfig(Frozen):
+    """Where tokens come from. The default needs no download: the Python standard library's docstrings."""
+
+    source: Literal["stdlib", "synthetic", "files"] = "stdlib"
+    """stdlib: docstrings of this Python's standard library, byte-level tokens; synthetic: random
+    tokens; files: `paths` (.txt, .jsonl, or pre-tokenized .bin)."""
+    paths: tuple[str, ...] = ()
+    """Files for source=files: .txt / .jsonl (byte-level tokenized) or .bin (pre-tokenized)."""
+    jsonl_field: str = "text"
+    """Field holding the text in each JSONL line."""
+    bin_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Token dtype of .bin files."""
+    seed: int = 1234
+    """Seed of the data order (and of synthetic tokens)."""
+
+    def __post_init__(self) -> None:
+        if self.source == "files" and not self.paths:
+            raise ValueError("data.paths is empty but data.source='files'; pass --data.paths FILE [FILE ...]")
+        if self.source != "files" and self.paths:
+            raise ValueError(f"data.paths is set but data.source={self.source!r}; set --data.source files")
+
+
+class TrainConfig(Frozen):
+    """The optimization run: steps, batch (the same maths whatever the layout), seed, where to write."""
+
+    steps: Positive = 20
+    """Optimizer steps."""
+    global_batch: Positive = 8
+    """Sequences per optimizer step, summed over all data-parallel ranks and accumulation steps."""
+    micro_batch: Positive | None = None
+    """Sequences per data-parallel rank per forward; None = global_batch / dp (no accumulation)."""
+    seq_len: Positive = 256
+    """Tokens per sequence."""
+    seed: int = 42
+    """Seed of the initialisation (the data order has its own, data.seed)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA when available (NCCL), else CPU (gloo)."""
+    run_dir: str = "runs/{name}"
+    """Output directory (config.json, plan.json, metrics.jsonl); {name} is replaced by Config.name."""
+
+    def grad_accum(self, dp: int) -> int:
+        """Accumulation steps for a data-parallel size `dp` (validated by Config.resolve)."""
+        per_rank = self.global_batch // dp
+        return per_rank // (self.micro_batch or per_rank)
+
+
+class LogConfig(Frozen):
+    """Progress bar, log lines, metrics.jsonl and wandb."""
+
+    every: Positive = 1
+    """Log (and write metrics.jsonl) every this many steps."""
+    progress: bool = True
+    """Show a rich progress bar on rank 0."""
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode: offline never touches the network; online only when asked."""
+    wandb_project: str = "shardlab"
+    """wandb project name."""
+
+
+class CheckpointConfig(Frozen):
+    """Checkpointing (lands with the checkpoint issue: setting `every` is an error until then)."""
+
+    every: Positive | None = None
+    """Save every this many steps; None never saves."""
+
+    def __post_init__(self) -> None:
+        if self.every is not None:
+            raise ValueError("checkpoint.every: checkpointing is not implemented yet (issue 3); leave it unset")
+
+
+class Config(Frozen):
+    """A complete run: mesh, model, plan options, optimizer, data, training, logging."""
+
+    name: str = "shardlab"
+    """Run name (used in run_dir and by wandb)."""
+    mesh: MeshSpec = MeshSpec()
+    """Named mesh axes; -1 on one axis fills the rest of the world."""
+    model: ModelConfig = ModelConfig()
+    """Llama architecture."""
+    plan: PlanConfig = PlanConfig()
+    """Layout options applied on top of the model's rules."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer and learning-rate schedule."""
+    data: DataConfig = DataConfig()
+    """Training data."""
+    train: TrainConfig = TrainConfig()
+    """Steps, batch, seed, output directory."""
+    log: LogConfig = LogConfig()
+    """Logging."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpointing."""
+
+    def __post_init__(self) -> None:
+        m, tp = self.model, self.mesh.tp
+        if tp > 1:
+            for field, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("ffn_dim", m.ffn_dim), ("vocab_size", m.vocab_size)):
+                if value % tp:
+                    raise ValueError(f"model.{field}={value} is not divisible by mesh.tp={tp}; pick a tp that divides it")
+            if self.plan.sequence_parallel and self.train.seq_len % tp:
+                raise ValueError(
+                    f"train.seq_len={self.train.seq_len} is not divisible by mesh.tp={tp}; sequence parallel shards the "
+                    "sequence over tp: change seq_len, or set plan.sequence_parallel=False"
+                )
+        if self.mesh.is_resolved:
+            self._check_batch(self.mesh.size("dp"))
+
+    def _check_batch(self, dp: int) -> None:
+        t = self.train
+        if t.global_batch % dp:
+            raise ValueError(
+                f"train.global_batch={t.global_batch} is not divisible by the data-parallel size dp_replicate x dp_shard = {dp}; "
+                "pick a global_batch that is a multiple of it"
+            )
+        per_rank = t.global_batch // dp
+        if t.micro_batch is not None and per_rank % t.micro_batch:
+            raise ValueError(
+                f"train.micro_batch={t.micro_batch} does not divide the {per_rank} sequences each data-parallel rank gets "
+                f"per step (global_batch {t.global_batch} / dp {dp}); pick a micro_batch dividing {per_rank}"
+            )
+
+    def resolve(self, world_size: int) -> Config:
+        """Fill the mesh for `world_size` and run the checks that need it."""
+        cfg = msgspec.structs.replace(self, mesh=self.mesh.resolve(world_size))
+        cfg._check_batch(cfg.mesh.size("dp"))
+        return cfg
+
+    def validated(self) -> Config:
+        """Re-check `msgspec.Meta` constraints (tyro builds structs without them)."""
+        return revalidate(self)
+
+    @property
+    def run_dir(self) -> str:
+        return self.train.run_dir.replace("{name}", self.name)

@@ -1,0 +1,1 @@
+"""Models that name their parameter dims logically and contain no parallel code."""
