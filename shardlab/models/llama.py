@@ -1,0 +1,287 @@
+"""Llama 3 (GQA, RoPE with Llama-3.1 scaling, RMSNorm, SwiGLU) built from a ModelConfig, with no parallel code.
+
+Parameter names and the RoPE convention (rotate_half) are Hugging Face's, so a `LlamaForCausalLM` state_dict
+loads by name. Every reshape infers the head count from the tensor, so tensor parallelism can hand the
+modules local shards without changing this file.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlab.config import ModelConfig, RopeScaling
+
+
+def _llama3(*, dim: int, n_layers: int, n_heads: int, ffn_dim: int, factor: float, tied: bool = False) -> ModelConfig:
+    """A released Llama 3 shape: 8 kv heads, 128256-token vocabulary, theta 5e5, Llama-3.1 RoPE scaling."""
+    return ModelConfig(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        ffn_dim=ffn_dim,
+        vocab_size=128_256,
+        norm_eps=1e-5,
+        rope_theta=500_000.0,
+        rope_scaling=RopeScaling(factor=factor),
+        tie_embeddings=tied,
+    )
+
+
+# The public Hugging Face config.json values: Llama 3.2 1B/3B, Llama 3.1 8B/70B/405B.
+SIZES: dict[str, ModelConfig] = {
+    "debug": ModelConfig(),
+    "1B": _llama3(dim=2048, n_layers=16, n_heads=32, ffn_dim=8192, factor=32.0, tied=True),
+    "3B": _llama3(dim=3072, n_layers=28, n_heads=24, ffn_dim=8192, factor=32.0, tied=True),
+    "8B": _llama3(dim=4096, n_layers=32, n_heads=32, ffn_dim=14_336, factor=8.0),
+    "70B": _llama3(dim=8192, n_layers=80, n_heads=64, ffn_dim=28_672, factor=8.0),
+    "405B": _llama3(dim=16_384, n_layers=126, n_heads=128, ffn_dim=53_248, factor=8.0),
+}
+
+
+def llama_config(size: str, **overrides: Any) -> ModelConfig:
+    """The named size, with `overrides` applied to its fields (validated like any ModelConfig)."""
+    if size not in SIZES:
+        raise ValueError(f"model size {size!r} is unknown; choose one of {', '.join(SIZES)}")
+    return msgspec.structs.replace(SIZES[size], **overrides)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim / 2], bit-identical to transformers' "default" and "llama3" rope types."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    low_freq_wavelen = rs.original_max_position / rs.low_freq_factor
+    high_freq_wavelen = rs.original_max_position / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with RoPE; head counts come from the (possibly sharded) projections."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # Non-persistent so the state_dict holds exactly HF's parameters; init_weights rebuilds it after to_empty.
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1, not cfg.n_heads: under tensor parallelism each rank sees only its local heads.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        freqs = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), self.inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:  # explicit repeat rather than enable_gqa: every SDPA backend accepts it
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm transformer block; submodules take one positional tensor so TP input/output hooks can wrap them."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, blocks and final norm (HF's `model.` prefix): tokens [b, s] -> hidden states [b, s, dim]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(LlamaBlock(cfg, i) for i in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.norm(h)
+
+
+class Llama(nn.Module):
+    """Llama 3 causal LM: tokens LongTensor[b, s] -> logits [b, s, vocab_size]; the loss lives outside.
+
+    Build on the meta device, then `to_empty(device=...)` and `init_weights()` (seed torch's RNG first).
+    With `tie_embeddings`, `lm_head.weight` is the embedding Parameter, as in HF: the state_dict holds both
+    names, and a load may omit `lm_head.weight` (HF's safetensors files do).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+            self.register_load_state_dict_pre_hook(_fill_tied_head)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model(tokens))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Re-tie, rebuild the RoPE buffers and initialise every parameter in a fixed order (torchtitan's scheme).
+
+        Projections into a block get std init_std; projections out of it (o, down) and up_proj get
+        init_std / sqrt(2 (layer_id + 1)); all cut at 3 std. A tied matrix gets the output-projection
+        init (std dim**-0.5), because std-1 embeddings as the head would give logits of std sqrt(dim).
+        Works on plain tensors and on DTensors (in-place init only).
+        """
+        cfg, embed = self.cfg, self.model.embed_tokens
+        if cfg.tie_embeddings and self.lm_head.weight is not embed.weight:  # to_empty / distribute_module untie
+            if getattr(self.lm_head.weight, "placements", None) != getattr(embed.weight, "placements", None):
+                raise ValueError(
+                    "Llama.init_weights: tied embed_tokens and lm_head are placed differently; give both the same layout"
+                )
+            self.lm_head.weight = embed.weight
+        if not cfg.tie_embeddings:
+            nn.init.normal_(embed.weight, mean=0.0, std=1.0)
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.inv_freq = rope_inv_freq(cfg).to(attn.inv_freq.device)
+            depth_std = cfg.init_std / math.sqrt(2 * (layer.layer_id + 1))
+            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj):
+                _trunc_normal(linear.weight, cfg.init_std)
+            for linear in (attn.o_proj, mlp.up_proj, mlp.down_proj):
+                _trunc_normal(linear.weight, depth_std)
+            nn.init.ones_(layer.input_layernorm.weight)
+            nn.init.ones_(layer.post_attention_layernorm.weight)
+        nn.init.ones_(self.model.norm.weight)
+        _trunc_normal(self.lm_head.weight, cfg.dim**-0.5)
+
+
+def _trunc_normal(w: torch.Tensor, std: float) -> None:
+    nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+def _fill_tied_head(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load pre-hook: HF drops `lm_head.weight` from tied checkpoints; take it from the embedding."""
+    head, embed = prefix + "lm_head.weight", prefix + "model.embed_tokens.weight"
+    if head not in state_dict and embed in state_dict:
+        state_dict[head] = state_dict[embed]
+
+
+def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """A transformers `LlamaConfig(**d)` / config.json dict (classic rope_theta + rope_scaling keys).
+
+    Tokenizer ids (bos/eos) are not part of ModelConfig; add them before exporting a real checkpoint.
+    """
+    rs = cfg.rope_scaling
+    rope_scaling = None
+    if rs is not None:
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": rs.factor,
+            "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling,
+        # Llama 3.1/3.2 publish 131072; nothing here depends on it (RoPE needs no cache length).
+        "max_position_embeddings": 131_072 if rs is not None else 8192,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def from_hf_config(d: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from a Llama config.json dict, old (rope_scaling) or transformers 5 (rope_parameters) form."""
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"from_hf_config: rope_type={rope_type!r} is not supported; only 'default' and 'llama3' are")
+    if d.get("attention_bias") or d.get("mlp_bias") or d.get("hidden_act", "silu") != "silu":
+        raise ValueError("from_hf_config: biases or a non-silu activation are not Llama 3; use a plain Llama 3 config")
+    dim, n_heads = d["hidden_size"], d["num_attention_heads"]
+    if d.get("head_dim") not in (None, dim // n_heads):
+        raise ValueError(
+            f"from_hf_config: head_dim={d['head_dim']} != hidden_size / num_attention_heads = {dim // n_heads}; not supported"
+        )
+    scaling = None
+    if rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position=int(rope["original_max_position_embeddings"]),
+        )
+    return ModelConfig(
+        dim=dim,
+        n_layers=d["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=d.get("num_key_value_heads") or n_heads,
+        ffn_dim=d["intermediate_size"],
+        vocab_size=d["vocab_size"],
+        norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10_000.0))),
+        rope_scaling=scaling,
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        init_std=float(d.get("initializer_range", 0.02)),
+    )

@@ -1,0 +1,428 @@
+"""make_plan(model on meta, MeshSpec, Rules) -> Plan: the whole layout as data, before any process starts.
+
+Per parameter: global shape, PartitionSpec (rules + FSDP), DTensor placements, local shape, bytes
+per rank and the rule that decided it. Per module: the derived TP style. Plus FSDP units and
+options. A Plan holds no modules, meshes or tensors: it prints, diffs and round-trips through JSON.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Literal
+
+import msgspec
+import torch
+from torch import nn
+
+from shardlab._base import Frozen, to_json
+from shardlab.config import PlanConfig
+from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec
+from shardlab.rules import Activation, Rules, logical_to_spec, matches, resolve
+from shardlab.spec import Entry, P, check_shape, expand, local_shape, placements
+
+PLAN_VERSION = 1
+DATA_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "dp", "dp_shard_cp", "batch")
+"""Axes rules may not put in a parameter spec: FSDP (and later PP/CP) owns them."""
+
+Spec = tuple[Entry, ...]
+Style = Literal["colwise", "rowwise", "embedding_rowwise", "embedding_colwise", "sequence_parallel", "prepare_input"]
+
+
+class ParamPlan(Frozen):
+    """Where one parameter lives."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: Spec
+    """Full PartitionSpec: the rule's model-parallel axes, plus FSDP's axes as the minor part of dim 0."""
+    placements: tuple[str, ...]
+    """DTensor placement per mesh axis (`Plan.mesh.axis_names` order)."""
+    local_shape: tuple[int, ...]
+    """Largest per-rank shard (FSDP pads the last shards when dim 0 is uneven)."""
+    bytes_per_rank: int
+    rule: int | None
+    """Index of the rule that decided the spec; None when replicated by plan.allow_uncovered."""
+    shadowed: tuple[int, ...] = ()
+    fallbacks: tuple[str, ...] = ()
+    fsdp_unit: str | None = None
+    """FSDP unit owning it ('' is the root); None without FSDP."""
+    padded: bool = False
+    """FSDP pads dim 0 (it is not divisible by the FSDP shards)."""
+    aliases: tuple[str, ...] = ()
+    """Other names of the same tensor (tied weights)."""
+
+    @property
+    def tp_dim(self) -> int | None:
+        return next((d for d, e in enumerate(self.spec) if "tp" in P(e).axes(0)), None)
+
+
+class ModulePlan(Frozen):
+    """A TP style derived from a module's parameter specs and declared activation layouts."""
+
+    fqn: str
+    style: Style
+    inputs: tuple[Spec | None, ...] | None = None
+    """Layout of positional inputs as they arrive (None = the style's default)."""
+    desired_inputs: tuple[Spec | None, ...] | None = None
+    output: Spec | None = None
+    """Layout of the output (None = the style's default)."""
+    local_output: bool = True
+    """Hand the next module a plain local tensor (False keeps a DTensor, e.g. vocab-sharded logits)."""
+
+
+class FsdpPlan(Frozen):
+    """fully_shard per unit, then at the root."""
+
+    axes: tuple[str, ...]
+    """Mesh axes of the FSDP mesh: (dp_shard,) or (dp_replicate, dp_shard) for HSDP."""
+    units: tuple[tuple[str, ...], ...]
+    """Module fqns sharded together, in application order (the root is applied last)."""
+    reshard_after_forward: bool
+    param_dtype: str
+    reduce_dtype: str
+    cpu_offload: bool
+
+
+class Plan(Frozen):
+    """The layout of one model on one mesh. Made by `make_plan`, consumed by `apply`."""
+
+    version: int
+    mesh: MeshSpec
+    rules: Rules
+    params: tuple[ParamPlan, ...]
+    modules: tuple[ModulePlan, ...]
+    fsdp: FsdpPlan | None
+    blocks: tuple[str, ...]
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    ac_every: int = 2
+    compile: bool = False
+    loss_parallel: bool = False
+
+    def param(self, fqn: str) -> ParamPlan:
+        for p in self.params:
+            if p.fqn == fqn or fqn in p.aliases:
+                return p
+        raise KeyError(f"{fqn!r} is not a parameter of this plan")
+
+    def module(self, fqn: str) -> ModulePlan | None:
+        return next((m for m in self.modules if m.fqn == fqn), None)
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return sum(p.bytes_per_rank for p in self.params)
+
+    def to_json(self) -> bytes:
+        return to_json(self)
+
+    @staticmethod
+    def from_json(data: bytes | str) -> Plan:
+        plan = msgspec.json.decode(data, type=Plan)
+        if plan.version != PLAN_VERSION:
+            raise ValueError(f"plan: version {plan.version} is not supported (this shardlab reads {PLAN_VERSION}); re-run make_plan")
+        return plan
+
+    def check_mesh(self, mesh: MeshSpec) -> None:
+        if mesh != self.mesh:
+            raise ValueError(f"plan: made for mesh {self.mesh.describe()} but used with {mesh.describe()}; re-run make_plan for this mesh")
+
+    def explain(self, fqn: str) -> str:
+        """Why a parameter is laid out as it is: the winning rule, the shadowed ones, the fallbacks."""
+        p = self.param(fqn)
+        lines = [f"{p.fqn}  shape {p.shape}  spec {P(*p.spec)!r}"]
+        if p.rule is None:
+            lines.append("  no rule matched: replicated because plan.allow_uncovered=True")
+        else:
+            lines.append(f"  rule {p.rule}: {_rule_text(self.rules, p.rule)}  (first match wins)")
+        lines += [f"  shadowed rule {i}: {_rule_text(self.rules, i)}" for i in p.shadowed]
+        lines += [f"  logical fallback: {f}" for f in p.fallbacks]
+        if p.fsdp_unit is not None and self.fsdp is not None:
+            lines.append(f"  FSDP unit {p.fsdp_unit or '<root>'} over {' x '.join(self.fsdp.axes)}: dim 0 gets them as its minor axes" + (" (padded)" if p.padded else ""))
+        lines.append(f"  placements {_placements_text(p.placements, self.mesh)}  local {p.local_shape}  {p.bytes_per_rank:,} bytes/rank")
+        lines += [f"  alias {a}" for a in p.aliases]
+        return "\n".join(lines)
+
+    def table(self, collapse: bool = True) -> str:
+        """Readable table; with `collapse`, parameters of repeated blocks are shown once (`layers.*`)."""
+        head = (
+            f"Plan for mesh {self.mesh.describe()}  "
+            f"params {sum(math.prod(p.shape) for p in self.params):,}  "
+            f"{self.bytes_per_rank / 2**20:,.1f} MiB/rank (params)"
+        )
+        rows = [("parameter", "shape", "spec", "placements", "local", "MiB/rank", "rule")]
+        for fqn, p, count in _collapsed(self.params, collapse):
+            rows.append((
+                fqn + (f" (x{count})" if count > 1 else ""),
+                "x".join(map(str, p.shape)),
+                _spec_text(p.spec),
+                _placements_text(p.placements, self.mesh),
+                "x".join(map(str, p.local_shape)),
+                f"{p.bytes_per_rank / 2**20:.2f}",
+                "-" if p.rule is None else str(p.rule),
+            ))
+        out = [head, _columns(rows)]
+        if self.modules:
+            mrows = [("module", "style", "inputs", "output")]
+            for fqn, m, count in _collapsed(self.modules, collapse):
+                ins = m.desired_inputs or m.inputs
+                src = " -> ".join(_spec_text(s[0]) for s in (m.inputs, m.desired_inputs) if s) if ins else "-"
+                mrows.append((fqn + (f" (x{count})" if count > 1 else ""), m.style, src, _spec_text(m.output) if m.output else "-"))
+            out += ["", _columns(mrows)]
+        if self.fsdp:
+            f = self.fsdp
+            units = sorted({_layer_glob(" + ".join(u)) for u in f.units})
+            out += ["", f"FSDP over {' x '.join(f.axes)}: {len(f.units)} units + root ({', '.join(units)}); "
+                    f"reshard_after_forward={f.reshard_after_forward} param={f.param_dtype} reduce={f.reduce_dtype} "
+                    f"cpu_offload={f.cpu_offload}"]
+        extras = [f"loss_parallel={self.loss_parallel}", f"activation_checkpoint={self.activation_checkpoint}", f"compile={self.compile}"]
+        out.append("  ".join(extras))
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def make_plan(model: nn.Module, mesh: MeshSpec, rules: Rules, options: PlanConfig = PlanConfig()) -> Plan:
+    """Resolve `rules` against `model` (any nn.Module, normally on the meta device) for `mesh`. Pure: no process group."""
+    if not mesh.is_resolved:
+        raise ValueError("make_plan: the mesh has a -1 axis; call MeshSpec.resolve(world_size) first")
+    modules = dict(model.named_modules())
+    params, aliases = _unique_params(model)
+    unit_of, fsdp = _fsdp_plan(modules, params, aliases, mesh, rules, options)
+    used: set[int] = set()
+    uncovered: list[str] = []
+    out: list[ParamPlan] = []
+    for fqn, t in params.items():
+        match = resolve(fqn, t.ndim, rules)
+        if match is None:
+            uncovered.append(fqn)
+            spec: Spec = (None,) * t.ndim
+        else:
+            used.add(match.rule)
+            spec = match.spec
+            _check_model_axes(fqn, match.rule, rules, spec, mesh)
+            check_shape(P(*spec), mesh, t.shape, name=fqn)
+        out.append(_param_plan(fqn, t, spec, match, mesh, unit_of.get(fqn), aliases.get(fqn, ())))
+    if uncovered and not options.allow_uncovered:
+        more = f" (and {len(uncovered) - 1} more)" if len(uncovered) > 1 else ""
+        raise ValueError(
+            f"{uncovered[0]}{more}: no rule covers this parameter; add a rule for it "
+            "(spec=(None,) * ndim replicates) or set plan.allow_uncovered=True"
+        )
+    unused = [i for i in range(len(rules.params)) if i not in used and not _matches_any(rules.params[i].pattern, params)]
+    if unused and not options.allow_unused_rules:
+        i = unused[0]
+        raise ValueError(f"rules[{i}] {rules.params[i].pattern!r} matched no parameter; fix the glob or set plan.allow_unused_rules=True")
+    styles = _module_plans(modules, {p.fqn: p for p in out}, mesh, rules) if mesh.tp > 1 else ()
+    blocks = tuple(f for f in modules if any(matches(g, f) for g in rules.blocks))
+    if options.activation_checkpoint != "none" and not blocks:
+        raise ValueError("plan.activation_checkpoint is set but rules.blocks matched no module; add the block glob (e.g. 'model.layers.*')")
+    return Plan(
+        version=PLAN_VERSION,
+        mesh=mesh,
+        rules=rules,
+        params=tuple(out),
+        modules=styles,
+        fsdp=fsdp,
+        blocks=blocks,
+        activation_checkpoint=options.activation_checkpoint,
+        ac_every=options.ac_every,
+        compile=options.compile,
+        loss_parallel=any(not m.local_output and m.style == "colwise" for m in styles),
+    )
+
+
+def _unique_params(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, ...]]]:
+    first: dict[int, str] = {}
+    params: dict[str, torch.Tensor] = {}
+    aliases: dict[str, list[str]] = {}
+    for fqn, t in model.named_parameters(remove_duplicate=False):
+        if id(t) in first:
+            aliases.setdefault(first[id(t)], []).append(fqn)
+        else:
+            first[id(t)] = fqn
+            params[fqn] = t
+    return params, {k: tuple(v) for k, v in aliases.items()}
+
+
+def _matches_any(pattern: str, params: dict[str, torch.Tensor]) -> bool:
+    return any(matches(pattern, f) for f in params)
+
+
+def _check_model_axes(fqn: str, rule: int, rules: Rules, spec: Spec, mesh: MeshSpec) -> None:
+    expanded = expand(P(*spec), mesh, name=fqn)
+    for axis in P(*spec).used_axes:
+        if axis in DATA_AXES:
+            raise ValueError(
+                f"{fqn}: rules[{rule}] {rules.params[rule].pattern!r} puts {axis!r} in a parameter spec; FSDP shards "
+                "parameters over the data-parallel axes itself: use model-parallel axes (tp) in rules"
+            )
+    del expanded
+
+
+def _param_plan(fqn: str, t: torch.Tensor, spec: Spec, match, mesh: MeshSpec, unit: str | None, aliases: tuple[str, ...]) -> ParamPlan:
+    full = P(*spec) if spec else P()
+    padded = False
+    if unit is not None and mesh.dp_shard > 1 and t.ndim > 0:
+        tp_local = local_shape(full, mesh, t.shape)[0]
+        padded = tp_local % mesh.dp_shard != 0
+        full = full.with_minor(0, ("dp_shard",))
+    local = local_shape(full, mesh, t.shape)
+    return ParamPlan(
+        fqn=fqn,
+        shape=tuple(t.shape),
+        dtype=str(t.dtype).removeprefix("torch."),
+        spec=tuple(full),
+        placements=tuple(str(p) for p in placements(full, mesh, name=fqn)),
+        local_shape=local,
+        bytes_per_rank=math.prod(local) * t.element_size(),
+        rule=None if match is None else match.rule,
+        shadowed=() if match is None else match.shadowed,
+        fallbacks=() if match is None else match.fallbacks,
+        fsdp_unit=unit,
+        padded=padded,
+        aliases=aliases,
+    )
+
+
+def _fsdp_plan(modules, params, aliases, mesh: MeshSpec, rules: Rules, options: PlanConfig):
+    dp = mesh.dp_replicate * mesh.dp_shard
+    if dp == 1 and options.param_dtype == "float32" and options.reduce_dtype == "float32" and not options.cpu_offload:
+        return {}, None
+    units: list[tuple[str, ...]] = []
+    for i, group in enumerate(rules.fsdp_units):
+        found = [[f for f in modules if matches(g, f)] for g in group]
+        for g, hits in zip(group, found):
+            if not hits:
+                raise ValueError(f"rules.fsdp_units[{i}] {g!r} matched no module; fix the glob")
+        if len(group) == 1:
+            units.extend((f,) for f in found[0])
+        else:
+            units.append(tuple(f for hits in found for f in hits))
+    unit_of: dict[str, str] = {}
+    for fqn in params:
+        names = (fqn, *aliases.get(fqn, ()))
+        owners = {next((" + ".join(u) for u in reversed(units) for m in u if n.startswith(m + ".")), "") for n in names}
+        if len(owners) > 1:
+            raise ValueError(
+                f"{fqn}: this tied parameter lies in FSDP units {sorted(owners)}; leave those modules to the root "
+                "(drop them from rules.fsdp_units)"
+            )
+        unit_of[fqn] = owners.pop()
+    axes = ("dp_replicate", "dp_shard") if mesh.dp_replicate > 1 else ("dp_shard",)
+    return unit_of, FsdpPlan(
+        axes=axes,
+        units=tuple(units),
+        reshard_after_forward=options.reshard_after_forward,
+        param_dtype=options.param_dtype,
+        reduce_dtype=options.reduce_dtype,
+        cpu_offload=options.cpu_offload,
+    )
+
+
+def _activation(fqn: str, rules: Rules) -> Activation | None:
+    return next((a for a in rules.activations if matches(a.pattern, fqn)), None)
+
+
+def _lower(axes: tuple[str | None, ...] | None, rules: Rules, fqn: str) -> Spec | None:
+    return None if axes is None else tuple(logical_to_spec(axes, rules.logical, name=fqn)[0])
+
+
+def _tp_dim(spec: Spec | None) -> int | None:
+    if spec is None:
+        return None
+    return next((d for d, e in enumerate(spec) if "tp" in P(e).axes(0)), None)
+
+
+def _module_plans(modules: dict[str, nn.Module], plans: dict[str, ParamPlan], mesh: MeshSpec, rules: Rules) -> tuple[ModulePlan, ...]:
+    for i, a in enumerate(rules.activations):
+        if not any(matches(a.pattern, f) for f in modules):
+            raise ValueError(f"rules.activations[{i}] {a.pattern!r} matched no module; fix the glob")
+    out: list[ModulePlan] = []
+    for fqn, module in modules.items():
+        act = _activation(fqn, rules)
+        inputs = None if act is None or act.inputs is None else tuple(_lower(x, rules, fqn) for x in act.inputs)
+        desired = None if act is None or act.desired_inputs is None else tuple(_lower(x, rules, fqn) for x in act.desired_inputs)
+        output = None if act is None else _lower(act.output, rules, fqn)
+        own = {n: plans[f"{fqn}.{n}" if fqn else n] for n, _ in module.named_parameters(recurse=False) if (f"{fqn}.{n}" if fqn else n) in plans}
+        sharded = {n: p for n, p in own.items() if p.tp_dim is not None}
+        if sharded:
+            out.append(_parallel_style(fqn, module, own, inputs, output))
+        elif inputs and output and _tp_dim(inputs[0]) is not None and _tp_dim(inputs[0]) == _tp_dim(output):
+            out.append(ModulePlan(fqn=fqn, style="sequence_parallel", inputs=inputs, output=output, local_output=False))
+        elif inputs and desired and [_tp_dim(x) for x in inputs] != [_tp_dim(x) for x in desired]:
+            out.append(ModulePlan(fqn=fqn, style="prepare_input", inputs=inputs, desired_inputs=desired, local_output=False))
+    return tuple(out)
+
+
+def _parallel_style(fqn: str, module: nn.Module, own: dict[str, ParamPlan], inputs, output) -> ModulePlan:
+    weight = own.get("weight")
+    kinds = {nn.Linear: ("colwise", "rowwise"), nn.Embedding: ("embedding_colwise", "embedding_rowwise")}
+    kind = next((v for k, v in kinds.items() if isinstance(module, k)), None)
+    if kind is None or weight is None or weight.tp_dim is None:
+        raise ValueError(
+            f"{fqn}: a {type(module).__name__} with tp-sharded parameters {sorted(own)}; shardlab derives TP styles "
+            "for nn.Linear and nn.Embedding weights only: replicate these parameters over tp"
+        )
+    # nn.Linear weight is [out, in]: tp on dim 0 is colwise. nn.Embedding weight is [num, dim]: dim 1 is colwise.
+    colwise = (weight.tp_dim == 0) == isinstance(module, nn.Linear)
+    style = kind[0] if colwise else kind[1]
+    bias = own.get("bias")
+    if bias is not None and (bias.tp_dim == 0) != (style == "colwise"):
+        raise ValueError(
+            f"{fqn}.bias: a {style} Linear needs its bias {'sharded' if style == 'colwise' else 'replicated'} over tp; fix its rule"
+        )
+    local_output = output is None or _tp_dim(output) is None or style != "colwise"
+    if style == "embedding_rowwise" or style == "rowwise":
+        local_output = True
+    return ModulePlan(fqn=fqn, style=style, inputs=inputs, output=output, local_output=local_output)
+
+
+# -- printing ---------------------------------------------------------------------------------
+
+
+def _spec_text(spec: Spec | None) -> str:
+    if spec is None:
+        return "-"
+    views = {axes: name for name, axes in FLAT_VIEWS.items()}
+
+    def entry(e: Entry) -> str:
+        if e is None or isinstance(e, str):
+            return str(e)
+        return views.get(tuple(e)) or "(" + ",".join(e) + ")"
+
+    return "P(" + ", ".join(entry(e) for e in spec) + ")"
+
+
+def _placements_text(pl: tuple[str, ...], mesh: MeshSpec) -> str:
+    shown = [f"{a}:{p}" for a, p, s in zip(AXES, pl, mesh.axis_sizes) if s > 1]
+    return " ".join(shown) or "R"
+
+
+def _rule_text(rules: Rules, i: int) -> str:
+    r = rules.params[i]
+    return f"{r.pattern!r} -> " + (_spec_text(r.spec) if r.spec is not None else f"axes {r.axes}")
+
+
+def _layer_glob(fqn: str) -> str:
+    return ".".join("*" if part.isdigit() else part for part in fqn.split("."))
+
+
+def _collapsed(items, collapse: bool):
+    """Yield (name, item, count): items equal up to their layer index are merged under a `*` name."""
+    if not collapse:
+        for it in items:
+            yield it.fqn, it, 1
+        return
+    groups: dict[tuple, list] = {}
+    for it in items:
+        body = re.sub(rb"\.\d+(?=[.\"])", b".*", msgspec.json.encode(msgspec.structs.replace(it, fqn="")))
+        groups.setdefault((_layer_glob(it.fqn), body), []).append(it)
+    for (glob, _), members in groups.items():
+        yield (glob if len(members) > 1 else members[0].fqn), members[0], len(members)
+
+
+def _columns(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

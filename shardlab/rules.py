@@ -1,0 +1,146 @@
+"""Rules: ordered glob patterns over fully qualified names -> PartitionSpecs (directly or via logical axes).
+
+The first matching rule wins (as in EasyDeL/fjformer partition rules). A rule states either a
+PartitionSpec over mesh axes or logical dim names (`("vocab", "embed")`) that the logical table maps
+to mesh axes with Flax linen semantics. Every resolution says which rule matched and which were shadowed.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+from shardlab._base import Frozen
+from shardlab.spec import Entry, P
+
+LogicalTable = tuple[tuple[str, Entry], ...]
+"""Ordered (logical name, mesh axes) pairs; a later pair for the same name is a fallback."""
+
+
+class Rule(Frozen):
+    """One row of the rule table: parameters whose fqn matches `pattern` get `spec` (or logical `axes`)."""
+
+    pattern: str
+    """Glob over fully qualified names: `*` matches within one dotted component, `**` across components."""
+    spec: tuple[Entry, ...] | None = None
+    """PartitionSpec entries over mesh axes, one per tensor dim (shorter = trailing dims replicated)."""
+    axes: tuple[str | None, ...] | None = None
+    """Logical dim names, mapped to mesh axes by the logical table."""
+
+    def __post_init__(self) -> None:
+        if (self.spec is None) == (self.axes is None):
+            raise ValueError(f"rule {self.pattern!r}: give exactly one of spec= (mesh axes) or axes= (logical names)")
+        glob_regex(self.pattern)
+
+
+class Activation(Frozen):
+    """Declared layouts of a module's activations, in logical names (how SP and loss parallel are stated)."""
+
+    pattern: str
+    """Glob over module fqns."""
+    inputs: tuple[tuple[str | None, ...], ...] | None = None
+    """Layout of each positional input as it arrives."""
+    desired_inputs: tuple[tuple[str | None, ...], ...] | None = None
+    """Layout the module needs its inputs in (a redistribution is inserted when it differs)."""
+    output: tuple[str | None, ...] | None = None
+    """Layout of the output."""
+
+
+class Rules(Frozen):
+    """Everything that states a model's layout as data: parameter rules, the logical table, activations,
+    FSDP units and the blocks that activation checkpointing and compile wrap."""
+
+    params: tuple[Rule, ...]
+    """Parameter rules, first match wins."""
+    logical: LogicalTable = ()
+    """Logical name -> mesh axes (Flax semantics: ordered; a pair applies only if its axes are still free)."""
+    activations: tuple[Activation, ...] = ()
+    """Activation layouts per module (sequence parallel, loss parallel)."""
+    fsdp_units: tuple[tuple[str, ...], ...] = ()
+    """FSDP units, each a group of module globs sharded together; the root takes the rest."""
+    blocks: tuple[str, ...] = ()
+    """Globs of the repeated blocks (activation checkpointing and torch.compile wrap these)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def glob_regex(pattern: str) -> re.Pattern[str]:
+    """`layers.*.attn.q_proj.weight`: `*` never crosses a dot (as torch's parallelize_module), `**` does."""
+    if not pattern or pattern.startswith(".") or pattern.endswith(".") or ".." in pattern:
+        raise ValueError(f"rule pattern {pattern!r} is not a dotted name glob; write e.g. 'model.layers.*.mlp.up_proj.weight'")
+    out = []
+    for part in re.split(r"(\*\*|\*|\?)", pattern):
+        out.append({"**": ".*", "*": "[^.]*", "?": "[^.]"}.get(part, re.escape(part)))
+    return re.compile("".join(out))
+
+
+def matches(pattern: str, fqn: str) -> bool:
+    return glob_regex(pattern).fullmatch(fqn) is not None
+
+
+class Match(Frozen):
+    """How one parameter's spec was decided."""
+
+    spec: tuple[Entry, ...]
+    rule: int | None
+    """Index of the winning rule; None when no rule covers it."""
+    shadowed: tuple[int, ...] = ()
+    """Later rules that also matched."""
+    fallbacks: tuple[str, ...] = ()
+    """Logical names whose preferred mesh axes were taken, so a fallback (or replication) applied."""
+
+
+def resolve(fqn: str, ndim: int, rules: Rules) -> Match | None:
+    """Spec of parameter `fqn` from the first matching rule; None when no rule matches."""
+    hits = [i for i, r in enumerate(rules.params) if matches(r.pattern, fqn)]
+    if not hits:
+        return None
+    rule = rules.params[hits[0]]
+    if rule.spec is not None:
+        spec, fallbacks = tuple(P(*rule.spec)), ()
+    else:
+        spec, fallbacks = logical_to_spec(rule.axes or (), rules.logical, name=fqn)
+    if len(spec) > ndim:
+        raise ValueError(f"{fqn}: rule {hits[0]} {rule.pattern!r} gives {len(spec)} entries for a {ndim}-dim parameter; fix the rule")
+    return Match(spec=tuple(spec) + (None,) * (ndim - len(spec)), rule=hits[0], shadowed=tuple(hits[1:]), fallbacks=fallbacks)
+
+
+def logical_to_spec(axes: tuple[str | None, ...], table: LogicalTable, *, name: str = "tensor") -> tuple[P, tuple[str, ...]]:
+    """Map logical dim names to a PartitionSpec (Flax linen `_logical_to_mesh_axes` semantics).
+
+    Pairs are tried in order; a pair applies only if all its mesh axes are still free for this
+    tensor (tuples are all-or-nothing). With table (("heads", "tp"), ("embed", "tp"), ("embed", None)):
+
+    >>> logical_to_spec(("heads", "embed"), (("heads", "tp"), ("embed", "tp"), ("embed", None)))
+    (P('tp', None), ('embed->None',))
+
+    ("embed" wanted tp, which "heads" took, so its fallback None applied and is reported.) A name with no
+    pair at all is an error; a name whose every pair is blocked is replicated and reported.
+    """
+    known = {n for n, _ in table}
+    used: set[str] = set()
+    entries: list[Entry] = [None] * len(axes)
+    fallbacks: list[str] = []
+    # Flax resolves dims in order of the rules, not of the tensor: a higher-priority name claims axes first.
+    pending = {i: n for i, n in enumerate(axes) if n is not None}
+    for n in pending.values():
+        if n not in known:
+            raise ValueError(f"{name}: logical axis {n!r} has no entry in the logical table; add ({n!r}, None) to replicate it")
+    done: set[int] = set()
+    tried: dict[int, int] = {}
+    for logical, mesh_axes in table:
+        for i, n in pending.items():
+            if n != logical or i in done:
+                continue
+            tried[i] = tried.get(i, 0) + 1
+            want = P(mesh_axes).axes(0) if mesh_axes is not None else ()
+            if any(a in used for a in want):
+                continue
+            used.update(want)
+            entries[i] = mesh_axes
+            done.add(i)
+            if tried[i] > 1:
+                fallbacks.append(f"{n}->{'None' if mesh_axes is None else mesh_axes}")
+    for i, n in pending.items():
+        if i not in done:
+            fallbacks.append(f"{n}->None")
+    return P(*entries), tuple(fallbacks)
