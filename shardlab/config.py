@@ -139,10 +139,10 @@ class OptimConfig(Frozen):
 
 
 class DataConfig(Frozen):
-    """Where tokens come from. The default needs no download: the Python standard library's docstrings."""
+    """Where tokens come from. The default needs no download: the source text of Python's standard library."""
 
     source: Literal["stdlib", "synthetic", "files"] = "stdlib"
-    """stdlib: docstrings of this Python's standard library, byte-level tokens; synthetic: random
+    """stdlib: the source files of this Python's standard library, byte-level tokens; synthetic: random
     tokens; files: `paths` (.txt, .jsonl, or pre-tokenized .bin)."""
     paths: tuple[str, ...] = ()
     """Files for source=files: .txt / .jsonl (byte-level tokenized) or .bin (pre-tokenized)."""

@@ -1,0 +1,293 @@
+"""Data: DataConfig -> documents -> one looping token stream -> this rank's rows of each global batch.
+
+Sequence i is stream[i*S : i*S + S + 1] (inputs = its first S tokens, labels = its last S). Step k's
+global batch is sequences [k*G, (k+1)*G), and data-parallel rank r of D takes rows [r*G/D, (r+1)*G/D).
+So the global batch does not depend on the layout, and resuming after a change of D is exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from shardlab.config import DataConfig
+
+BOS = 256
+EOS = 257
+BYTE_VOCAB = 258
+"""Byte-level tokens: 256 bytes, then BOS and EOS."""
+STDLIB_MAX_BYTES = 4 * 2**20
+"""Stop reading the stdlib after this many bytes of source, so startup stays well under a second."""
+_STDLIB_SKIP_DIRS = frozenset(
+    {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings"}
+)
+"""Not read: installed packages, tests, and `encodings` (generated codec tables rather than prose or code)."""
+
+
+class Batch(NamedTuple):
+    """One rank's rows of a step's global batch: int64 [rows, seq_len]; labels[:, t] follows inputs[:, t]."""
+
+    inputs: Tensor
+    labels: Tensor
+
+
+def encode(text: str) -> np.ndarray:
+    """Byte-level tokens of one document: BOS, its UTF-8 bytes, EOS (uint16)."""
+    body = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    return np.concatenate([[BOS], body, [EOS]]).astype(np.uint16)
+
+
+def decode(tokens: Any) -> str:
+    """Text of byte-level tokens (BOS/EOS dropped, invalid UTF-8 replaced), for looking at data."""
+    return bytes(int(t) for t in tokens if int(t) < 256).decode("utf-8", errors="replace")
+
+
+class TokenLoader:
+    """This rank's rows of every step's global batch, one `Batch` per optimizer step, forever.
+
+    `step` is the next step to yield; `batch(step)` gives any step's rows without moving it.
+    """
+
+    def __init__(
+        self,
+        sequence: Callable[[int], np.ndarray],
+        *,
+        seq_len: int,
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        source: str,
+        fingerprint: str,
+    ) -> None:
+        self._sequence = sequence
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.rows = global_batch // dp_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.source = source
+        self.fingerprint = fingerprint
+        self.step = 0
+
+    def batch(self, step: int) -> Batch:
+        first = step * self.global_batch + self.dp_rank * self.rows
+        seqs = torch.from_numpy(np.stack([self._sequence(first + j) for j in range(self.rows)]))
+        return Batch(inputs=seqs[:, :-1].contiguous(), labels=seqs[:, 1:].contiguous())
+
+    def __iter__(self) -> TokenLoader:
+        return self
+
+    def __next__(self) -> Batch:
+        batch = self.batch(self.step)
+        self.step += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The next step plus what identifies the stream (not dp: resuming on another layout is exact)."""
+        return {
+            "step": self.step,
+            "source": self.source,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "fingerprint": self.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, field in (
+            ("source", "data.source"),
+            ("seq_len", "train.seq_len"),
+            ("global_batch", "train.global_batch"),
+        ):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(
+                    f"data: the checkpoint's loader has {field}={state.get(key)!r} but this run has {getattr(self, key)!r}; "
+                    f"resume with {field}={state.get(key)!r}"
+                )
+        if state.get("fingerprint") != self.fingerprint:
+            raise ValueError(
+                f"data: the checkpoint's token stream (fingerprint {state.get('fingerprint')}) differs from this run's "
+                f"({self.fingerprint}); resume with the same data files, data.seed and model.vocab_size"
+            )
+        step = state.get("step")
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(
+                f"data: the checkpoint's loader step={step!r} is not an int >= 0; the state_dict is corrupt"
+            )
+        self.step = step
+
+
+def make_loader(
+    data: DataConfig, *, seq_len: int, global_batch: int, vocab_size: int, dp_rank: int, dp_size: int
+) -> TokenLoader:
+    """The loader for data-parallel rank `dp_rank` of `dp_size`, positioned at step 0."""
+    if global_batch % dp_size:
+        raise ValueError(
+            f"train.global_batch={global_batch} is not divisible by the data-parallel size {dp_size}; "
+            "pick a global_batch that is a multiple of it"
+        )
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(
+            f"make_loader: dp_rank={dp_rank} is outside [0, {dp_size}); pass this rank's index on the dp axes"
+        )
+    seed = data.seed % 2**64  # numpy seeds must be >= 0
+    digest = hashlib.blake2b(f"{data.source} {seed}".encode(), digest_size=8)
+    if data.source == "synthetic":
+        digest.update(f" {vocab_size}".encode())
+
+        def sequence(i: int) -> np.ndarray:
+            return np.random.default_rng([seed, i]).integers(0, vocab_size, seq_len + 1, dtype=np.int64)
+
+    else:
+        if vocab_size < BYTE_VOCAB and (data.source == "stdlib" or any(not p.endswith(".bin") for p in data.paths)):
+            raise ValueError(
+                f"model.vocab_size={vocab_size} is too small for the byte-level tokens of data.source={data.source!r} "
+                f"(256 bytes + BOS + EOS); set model.vocab_size >= {BYTE_VOCAB}"
+            )
+        corpus = _Corpus(_stdlib_documents() if data.source == "stdlib" else _file_documents(data, vocab_size), seed)
+        digest.update(corpus.lengths.tobytes())
+        for doc in corpus.docs:  # text documents are hashed whole, .bin memmaps by their ends
+            digest.update(np.ascontiguousarray(_ends(doc) if isinstance(doc, np.memmap) else doc).tobytes())
+
+        def sequence(i: int) -> np.ndarray:
+            return corpus.read(i * seq_len, seq_len + 1)
+
+    return TokenLoader(
+        sequence,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        source=data.source,
+        fingerprint=digest.hexdigest(),
+    )
+
+
+class _Corpus:
+    """Documents read back to back in an order reshuffled every epoch (seed (data.seed, epoch)), looping forever.
+
+    Position p of the stream is offset p % total of epoch p // total; only the per-epoch order and its
+    cumulative lengths are computed, never the epoch's tokens.
+    """
+
+    def __init__(self, docs: list[np.ndarray], seed: int) -> None:
+        self.docs = docs
+        self.lengths = np.array([d.size for d in docs], dtype=np.int64)
+        self.total = int(self.lengths.sum())
+        self.seed = seed
+        self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:
+                del self._orders[min(self._orders)]
+            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.docs))
+            self._orders[epoch] = (perm, np.concatenate([[0], np.cumsum(self.lengths[perm])]))
+        return self._orders[epoch]
+
+    def read(self, pos: int, n: int) -> np.ndarray:
+        out = np.empty(n, dtype=np.int64)
+        filled = 0
+        while filled < n:
+            epoch, offset = divmod(pos, self.total)
+            perm, starts = self._order(epoch)
+            j = int(np.searchsorted(starts, offset, side="right")) - 1
+            doc, start = self.docs[perm[j]], offset - int(starts[j])
+            take = min(n - filled, doc.size - start)
+            out[filled : filled + take] = doc[start : start + take]
+            filled += take
+            pos += take
+        return out
+
+
+def _stdlib_documents() -> list[np.ndarray]:
+    """This Python's stdlib `*.py` sources in sorted path order, one document each, up to STDLIB_MAX_BYTES."""
+    root = sysconfig.get_paths()["stdlib"]
+    paths = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in _STDLIB_SKIP_DIRS]
+        paths += [os.path.join(directory, f) for f in files if f.endswith(".py")]
+    docs, total = [], 0
+    for path in sorted(paths):
+        if total >= STDLIB_MAX_BYTES:
+            break
+        docs.append(encode(Path(path).read_text(encoding="utf-8", errors="replace")))
+        total += docs[-1].size
+    if not docs:
+        raise ValueError(f"data.source='stdlib': no *.py files under {root}; use data.source='synthetic' or 'files'")
+    return docs
+
+
+def _file_documents(data: DataConfig, vocab_size: int) -> list[np.ndarray]:
+    """.txt: one document per file; .jsonl: one per line; .bin: the file's tokens as one document (a memmap)."""
+    docs: list[np.ndarray] = []
+    for name in data.paths:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"data.paths: {name} does not exist or is not a file; check the path")
+        if path.suffix == ".bin":
+            docs.append(_bin_tokens(path, data.bin_dtype, vocab_size))
+        elif path.suffix in (".txt", ".jsonl"):
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"data.paths: {name} is not valid UTF-8 ({err.reason} at byte {err.start}); re-encode it"
+                ) from None
+            texts = [text] if path.suffix == ".txt" else _jsonl_texts(name, text, data.jsonl_field)
+            docs += [encode(t) for t in texts]
+        else:
+            raise ValueError(f"data.paths: {name} has suffix {path.suffix!r}; use .txt, .jsonl or .bin")
+    if not docs:
+        raise ValueError(f"data.paths: {', '.join(data.paths)} hold no documents; add a non-empty file")
+    return docs
+
+
+def _jsonl_texts(name: str, text: str, field: str) -> list[str]:
+    texts = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"data.paths: {name}:{lineno} is not valid JSON ({err.msg}); fix or drop the line"
+            ) from None
+        value = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(value, str):
+            raise ValueError(
+                f"data.paths: {name}:{lineno} has no string field {field!r}; set data.jsonl_field to the field holding the text"
+            )
+        texts.append(value)
+    return texts
+
+
+def _bin_tokens(path: Path, dtype: str, vocab_size: int) -> np.ndarray:
+    itemsize = np.dtype(dtype).itemsize
+    size = path.stat().st_size
+    if size == 0 or size % itemsize:
+        raise ValueError(
+            f"data.paths: {path} is {size} bytes, not a positive multiple of {itemsize} (data.bin_dtype={dtype}); "
+            "check data.bin_dtype"
+        )
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    if vocab_size <= np.iinfo(tokens.dtype).max and (top := int(tokens.max())) >= vocab_size:
+        raise ValueError(
+            f"data.paths: {path} holds token id {top} but model.vocab_size={vocab_size}; "
+            f"set model.vocab_size > {top} or re-tokenize with a smaller vocabulary"
+        )
+    return tokens
+
+
+def _ends(tokens: np.ndarray) -> np.ndarray:
+    """The first and last 2**19 tokens: enough to fingerprint a large file without reading all of it."""
+    return tokens if tokens.size <= 2**20 else np.concatenate([tokens[: 2**19], tokens[-(2**19) :]])

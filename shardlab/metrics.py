@@ -1,0 +1,160 @@
+"""Metrics: each step's values from the loop -> progress bar, log lines, run_dir/metrics.jsonl and wandb.
+
+Only the rank built with `enabled=True` (rank 0) writes or prints anything. Also the throughput helpers
+the loop needs: FLOPs per token, MFU and peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO
+
+import torch
+
+from shardlab.config import LogConfig
+
+_LINE_FORMATS = {
+    "loss": "loss {:.4f}",
+    "tokens_per_s": "{:,.0f} tok/s",
+    "mfu": "mfu {:.1%}",
+    "peak_memory_bytes": "mem {:.2f} GiB",
+    "grad_norm": "grad_norm {:.3f}",
+    "lr": "lr {:.2e}",
+}
+"""Keys the log line knows, in print order; other values follow as `key value`."""
+
+
+class MetricsWriter:
+    """Reports each step on rank 0: a rich progress bar every step; every `log.every` steps (and the last)
+    a log line, one JSON object appended to run_dir/metrics.jsonl (flushed) and a wandb row.
+
+    `record(step, values)` takes `step` = optimizer steps completed (1 after the first step). wandb is
+    offline unless log.wandb="online", writes under run_dir, and is imported only when used (slow import).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        log: LogConfig,
+        total_steps: int,
+        *,
+        enabled: bool,
+        config_dict: dict[str, Any] | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.log = log
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self._file: TextIO | None = None
+        self._progress: Any = None  # rich.progress.Progress, imported only when shown
+        self._wandb_run: Any = None
+        if not enabled:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if log.wandb != "disabled":  # first: if it fails, no bar is left running
+            import wandb
+
+            self._wandb_run = wandb.init(
+                project=log.wandb_project,
+                name=name,
+                config=config_dict,
+                dir=str(run_dir),
+                mode=log.wandb,
+                reinit="create_new",
+                settings=wandb.Settings(silent=True, console="off", disable_git=True, save_code=False),
+            )
+        self._file = (run_dir / "metrics.jsonl").open("a")  # append: a resumed run continues the file
+        if log.progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+            )
+            self._task = self._progress.add_task("train", total=total_steps, status="")
+            self._progress.start()
+
+    def record(self, step: int, values: dict[str, float | None]) -> None:
+        """Report the values after `step` steps; None values (e.g. an unknown MFU) are left out."""
+        if not self.enabled:
+            return
+        if values.get("loss") is None:
+            raise ValueError(
+                f"MetricsWriter.record: values has no 'loss' (keys: {sorted(values)}); pass the step's loss"
+            )
+        floats = {key: float(value) for key, value in values.items() if value is not None}
+        if self._progress is not None:
+            status = f"loss {floats['loss']:.4f}"
+            if "tokens_per_s" in floats:
+                status += f"  {floats['tokens_per_s']:,.0f} tok/s"
+            self._progress.update(self._task, completed=step, status=status)
+        if step % self.log.every and step != self.total_steps:
+            return
+        print(format_line(step, self.total_steps, floats), flush=True)
+        self._file.write(json.dumps({"step": step, **floats}) + "\n")
+        self._file.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log(floats, step=step)
+
+    def close(self) -> None:
+        """Finish the bar, the file and the wandb run; safe to call twice."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def format_line(step: int, total_steps: int, values: dict[str, float]) -> str:
+    """`step 10/100 | loss 3.4521 | 12,345 tok/s | mfu 41.2% | mem 1.23 GiB | grad_norm 0.812 | lr 8.00e-04`."""
+    shown = {**values}
+    if "peak_memory_bytes" in shown:
+        shown["peak_memory_bytes"] /= 2**30
+    parts = [f"step {step}/{total_steps}"]
+    parts += [fmt.format(shown[key]) for key, fmt in _LINE_FORMATS.items() if key in shown]
+    parts += [f"{key} {value:.4g}" for key, value in shown.items() if key not in _LINE_FORMATS]
+    return " | ".join(parts)
+
+
+def flops_per_token(n_params: int, n_layers: int, dim: int, seq_len: int) -> float:
+    """Training FLOPs per token, forward + backward: 6N for the weights plus 12 * L * dim * S for attention
+    scores and values (PaLM, Chowdhery et al. 2022, appendix B). Whether N includes the embedding table is
+    the caller's choice; its lookup costs no FLOPs.
+    """
+    return 6.0 * n_params + 12.0 * n_layers * dim * seq_len
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation in [0, 1]; None when the peak is unknown. Both rates must cover the same devices."""
+    if peak_flops is None:
+        return None
+    return tokens_per_s * flops_per_token / peak_flops
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak bytes: CUDA's max_memory_allocated on a GPU, else this process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource  # POSIX only
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
