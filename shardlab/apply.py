@@ -1,0 +1,145 @@
+"""apply(model, plan, mesh): the one door to torch's parallel APIs, in the order the layout needs.
+
+TP/SP (`parallelize_module`) -> activation checkpointing -> compile -> FSDP/HSDP (`fully_shard`
+per unit, then the root). Also the JAX-like helpers `shard` (device_put with a spec) and
+`constrain` (with_sharding_constraint for activations).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint as checkpoint_module
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import Placement
+
+from shardlab.mesh import AXES, MeshSpec
+from shardlab.plan import ModulePlan, Plan, Spec
+from shardlab.spec import P, placements
+
+NOT_YET = {
+    "pp": "pipeline parallelism is not implemented yet (issue 4)",
+    "cp": "context parallelism is not implemented yet (issue 5)",
+    "ep": "expert parallelism is not implemented yet (issue 5)",
+}
+
+
+def check_supported(mesh: MeshSpec) -> None:
+    """Raise for mesh axes the planner accepts but apply cannot run yet (called before launching)."""
+    for axis, why in NOT_YET.items():
+        if mesh.size(axis) > 1:
+            raise ValueError(f"mesh.{axis}={mesh.size(axis)}: {why}; set mesh.{axis}=1")
+
+
+def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
+    """Parallelize `model` in place as `plan` says, on `mesh` (from `make_mesh`), and return it."""
+    _check_mesh(plan, mesh)
+    check_supported(plan.mesh)
+    if plan.mesh.tp > 1:
+        parallelize_module(model, mesh["tp"], {m.fqn: _tp_style(m) for m in plan.modules})
+        _retie(model, plan)
+    blocks = [model.get_submodule(f) for f in plan.blocks]
+    for i, block in enumerate(blocks):
+        if plan.activation_checkpoint == "full" or (plan.activation_checkpoint == "selective" and i % plan.ac_every == 0):
+            checkpoint_module(block)
+    if plan.compile:
+        for block in blocks:
+            block.compile()
+    # FSDP goes last: fully_shard must see the TP-sharded DTensors to shard them again over dp.
+    if plan.fsdp is not None:
+        f = plan.fsdp
+        dp_mesh = mesh[f.axes] if len(f.axes) > 1 else mesh[f.axes[0]]
+        kwargs = dict(
+            mesh=dp_mesh,
+            reshard_after_forward=f.reshard_after_forward,
+            mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(f.param_dtype), reduce_dtype=_dtype(f.reduce_dtype)),
+            offload_policy=CPUOffloadPolicy() if f.cpu_offload else OffloadPolicy(),
+        )
+        for unit in f.units:
+            modules = [model.get_submodule(m) for m in unit]
+            fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
+        fully_shard(model, **kwargs)
+    return model
+
+
+def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
+    names, sizes = tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape)
+    if names != AXES or sizes != plan.mesh.axis_sizes:
+        raise ValueError(
+            f"apply: the DeviceMesh has axes {dict(zip(names, sizes))} but the plan was made for {plan.mesh.describe()}; "
+            "build the mesh with make_mesh(plan.mesh)"
+        )
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _tp(spec: Spec | None) -> Placement | None:
+    """The tp placement of an activation spec: Shard(dim) where tp splits it, else Replicate."""
+    if spec is None:
+        return None
+    dim = next((d for d, e in enumerate(spec) if "tp" in P(e).axes(0)), None)
+    return Replicate() if dim is None else Shard(dim)
+
+
+def _tp_style(m: ModulePlan) -> ParallelStyle:
+    inp = _tp(m.inputs[0]) if m.inputs else None
+    out = _tp(m.output)
+    if m.style in ("colwise", "embedding_colwise"):
+        return ColwiseParallel(input_layouts=inp, output_layouts=out, use_local_output=m.local_output)
+    if m.style in ("rowwise", "embedding_rowwise"):
+        default_in = Replicate() if m.style == "embedding_rowwise" else None
+        return RowwiseParallel(input_layouts=inp or default_in, output_layouts=out, use_local_output=m.local_output)
+    if m.style == "sequence_parallel":
+        return SequenceParallel(sequence_dim=inp.dim, use_local_output=m.local_output)
+    if m.style == "prepare_input":
+        return PrepareModuleInput(
+            input_layouts=tuple(_tp(x) for x in m.inputs),
+            desired_input_layouts=tuple(_tp(x) for x in m.desired_inputs),
+            use_local_output=m.local_output,
+        )
+    raise ValueError(f"{m.fqn}: unknown style {m.style!r} in the plan; re-run make_plan")
+
+
+def _retie(model: nn.Module, plan: Plan) -> None:
+    """parallelize_module replaces each module's parameters separately: point tied names at one tensor again."""
+    for p in plan.params:
+        for alias in p.aliases:
+            owner, _, name = alias.rpartition(".")
+            setattr(model.get_submodule(owner), name, model.get_parameter(p.fqn))
+
+
+def _mesh_spec(mesh: DeviceMesh) -> MeshSpec:
+    names = tuple(mesh.mesh_dim_names or ())
+    unknown = [n for n in names if n not in AXES]
+    if unknown:
+        raise ValueError(f"mesh dims {unknown} are not shardlab axes ({', '.join(AXES)}); use a mesh from make_mesh or a slice of it")
+    return MeshSpec(**{a: (mesh.size(names.index(a)) if a in names else 1) for a in AXES})
+
+
+def _placements_on(mesh: DeviceMesh, spec: P) -> list[Placement]:
+    full = placements(spec, _mesh_spec(mesh))
+    return [full[AXES.index(n)] for n in mesh.mesh_dim_names]
+
+
+def shard(tensor: torch.Tensor, mesh: DeviceMesh, spec: P) -> DTensor:
+    """`jax.device_put(x, NamedSharding(mesh, spec))`: distribute a full tensor with a PartitionSpec."""
+    return distribute_tensor(tensor, mesh, _placements_on(mesh, P(*spec)))
+
+
+def constrain(x: torch.Tensor, spec: P) -> torch.Tensor:
+    """`with_sharding_constraint`: redistribute a DTensor to `spec` on its own mesh; a plain tensor is returned as is."""
+    if not isinstance(x, DTensor):
+        return x
+    return x.redistribute(x.device_mesh, _placements_on(x.device_mesh, P(*spec)))

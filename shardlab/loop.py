@@ -1,0 +1,97 @@
+"""train(config): data, logging and run-directory output around `step`; the loop a CLI run executes.
+
+Builds the model on the meta device, plans it, materialises it with the config's seed (the same
+full weights on every rank, so every layout starts from the same model), applies the plan, then
+steps. Returns the per-step metrics, so tests and researchers can compare layouts directly.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardlab._base import to_json
+from shardlab.apply import apply, check_supported
+from shardlab.config import Config
+from shardlab.data import make_loader
+from shardlab.mesh import make_mesh
+from shardlab.metrics import MetricsWriter, flops_per_token, peak_memory_bytes
+from shardlab.models.llama import Llama
+from shardlab.models.llama_rules import llama_rules
+from shardlab.plan import Plan, make_plan
+from shardlab.rules import Rules
+from shardlab.step import Metrics, TrainState, init_state, make_step
+
+
+def build_model(cfg: Config, rules: Rules | None = None, device: torch.device | str = "cpu") -> tuple[nn.Module, Plan, object]:
+    """Model + plan + mesh for the current process group (or a single process), parallelized and ready to train."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg = cfg.resolve(world)
+    check_supported(cfg.mesh)
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    plan = make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan)
+    model.to_empty(device=device)
+    torch.manual_seed(cfg.train.seed)
+    with torch.no_grad():
+        model.init_weights()
+    mesh = None
+    if plan.fsdp is not None or plan.mesh.tp > 1:
+        if not dist.is_initialized():
+            # FSDP mixed precision on one process still needs a (one-rank) process group.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        mesh = make_mesh(cfg.mesh, torch.device(device).type)
+        apply(model, plan, mesh)
+    return model, plan, mesh
+
+
+def train(cfg: Config, rules: Rules | None = None, *, device: torch.device | str = "cpu", write: bool = True) -> list[Metrics]:
+    """Run cfg.train.steps steps; rank 0 writes config.json, plan.json and metrics.jsonl into the run directory."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    cfg = cfg.resolve(world)
+    model, plan, mesh = build_model(cfg, rules, device)
+    dp = cfg.mesh.size("dp")
+    dp_rank = cfg.mesh.group_index(rank, ("dp_replicate", "dp_shard"))
+    step = make_step(
+        cfg.optim,
+        cfg.train.steps,
+        grad_accum=cfg.train.grad_accum(dp),
+        dp_size=dp,
+        loss_group=mesh["batch"].get_group() if mesh is not None and cfg.mesh.size("batch") > 1 else None,
+        use_loss_parallel=plan.loss_parallel,
+    )
+    state: TrainState = init_state(model, cfg.optim)
+    loader = make_loader(
+        cfg.data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size,
+        dp_rank=dp_rank, dp_size=dp,
+    )  # fmt: skip
+    run_dir = Path(cfg.run_dir)
+    is_writer = write and rank == 0
+    if is_writer:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_bytes(to_json(cfg))
+        (run_dir / "plan.json").write_bytes(plan.to_json())
+    fpt = flops_per_token(cfg.model.n_params, cfg.model.n_layers, cfg.model.dim, cfg.train.seq_len)
+    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+    history: list[Metrics] = []
+    with MetricsWriter(run_dir, cfg.log, cfg.train.steps, enabled=is_writer, config_dict=json.loads(to_json(cfg)), name=cfg.name) as writer:
+        for _ in range(cfg.train.steps):
+            start = time.perf_counter()
+            state, metrics = step(state, next(loader))
+            elapsed = time.perf_counter() - start
+            metrics = {**metrics, "step_s": elapsed, "tokens_per_s": tokens_per_step / elapsed,
+                       "flops_per_token": fpt, "peak_memory_bytes": peak_memory_bytes(torch.device(device))}  # fmt: skip
+            history.append(metrics)
+            writer.record(state.step, metrics)
+    return history
+
+
+def resolved_json(cfg: Config) -> dict:
+    return msgspec.to_builtins(cfg)

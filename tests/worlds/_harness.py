@@ -1,0 +1,199 @@
+"""run_world: one spawned gloo world per test module, many checks in it, each reported on its own.
+
+Every rank runs the checks in order; after each one the ranks all-gather pass/fail, so one failure stops
+the world cleanly and later checks read "not run". Each rank writes its results to files as it goes, so a
+killed world still reports what finished, and a failure names the rank that failed first with its own
+traceback (mp.spawn can blame a bystander, TORCH_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+PG_TIMEOUT_S = 120
+"""Collectives of 4 ranks sharing 2 cores can stall for a while; this is not the hang detector (timeout_s is)."""
+GRACE_S = 10
+"""After a rank fails or dies, how long the others get to finish the pass/fail all-gather before they are killed."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One check on one rank: status is "passed" or "failed"; `at` orders failures across ranks."""
+
+    status: str
+    value: Any = None
+    error: str = ""
+    at: float = 0.0
+
+
+def _write(out: Path, key: str, outcome: Outcome) -> None:
+    tmp = out / f".{key}.tmp"
+    tmp.write_bytes(pickle.dumps(outcome))
+    os.replace(tmp, out / f"{key}.{outcome.status}")  # atomic; the status is in the name
+
+
+def _rank_main(rank: int, world_size: int, port: int, checks: list[Callable], kwargs: dict, out: Path) -> None:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size}
+    os.environ.update({k: str(v) for k, v in env.items()})  # for code under test that reads the launcher's env
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
+    except BaseException:
+        _write(out, f"setup.{rank}", Outcome("failed", error=traceback.format_exc(), at=time.time()))
+        raise
+    for i, check in enumerate(checks):
+        try:
+            value = check(rank, world_size, **kwargs)
+            pickle.dumps(value)  # an unpicklable value fails here, with the check's name on it
+            outcome = Outcome("passed", value=value)
+        except BaseException:
+            outcome = Outcome("failed", error=traceback.format_exc(), at=time.time())
+        _write(out, f"{i}.{rank}", outcome)
+        passed: list[Any] = [None] * world_size
+        dist.all_gather_object(passed, outcome.status == "passed")
+        if not all(passed):
+            break  # every rank stops here; the parent reports the later checks as "not run"
+    dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class WorldResult:
+    """What one world did: ask it with `raise_for(check)` and `value(check, rank)`."""
+
+    checks: list[Callable]
+    world_size: int
+    outcomes: dict[str, Outcome]
+    """Keyed "<check index>.<rank>" (and "setup.<rank>" if joining the process group failed)."""
+    died: dict[int, int]
+    """Exit codes of the ranks that died on their own, before the parent killed the rest."""
+    cut: str
+    """Why the parent killed the world ("" if it did not)."""
+
+    def _index(self, check: Callable | str) -> int:
+        names = [c.__name__ for c in self.checks]
+        name = check if isinstance(check, str) else check.__name__
+        if name not in names:
+            raise KeyError(f"{name} is not one of this world's checks: {', '.join(names)}")
+        return names.index(name)
+
+    def _verdict(self, i: int) -> tuple[str, str]:
+        """("passed" | "failed" | "did not finish", message) of check i on its own, assuming the world reached it."""
+        name, ranks = self.checks[i].__name__, range(self.world_size)
+        got = {r: o for r in ranks if (o := self.outcomes.get(f"{i}.{r}"))}
+        failed = [r for _, r in sorted((o.at, r) for r, o in got.items() if o.status == "failed")]
+        crashed = [r for r in ranks if r not in got and r in self.died]
+        if crashed:  # it died inside the check: its peers' errors ("Connection reset by peer") are only echoes
+            rank, others = crashed[0], crashed[1:] + failed
+            head = (
+                f"{name} failed on rank {rank}: the process exited with code {self.died[rank]} inside the check "
+                "(no Python traceback; its stderr is in the test output)"
+            )
+        elif failed:
+            rank, others = failed[0], failed[1:]
+            head = f"{name} failed on rank {rank}:\n{got[rank].error}"
+        elif len(got) == self.world_size:
+            return "passed", ""
+        else:
+            return (
+                "did not finish",
+                f"{name} did not finish on ranks {[r for r in ranks if r not in got]}: {self._ending()}",
+            )
+        also = [
+            f"rank {r}: " + (got[r].error.strip().splitlines()[-1] if r in got else f"exited with code {self.died[r]}")
+            for r in others
+        ]
+        return "failed", head + "".join(f"\nalso failed on {line}" for line in also)
+
+    def _error(self, i: int) -> str | None:
+        name = self.checks[i].__name__
+        setup = sorted((o.at, r, o.error) for r in range(self.world_size) if (o := self.outcomes.get(f"setup.{r}")))
+        if setup:
+            return f"{name} was not run: rank {setup[0][1]} failed to join the world:\n{setup[0][2]}"
+        for j in range(i):  # the world stops at the first check that does not pass everywhere
+            kind, _ = self._verdict(j)
+            if kind == "failed":
+                return f"{name} was not run: an earlier check failed ({self.checks[j].__name__})"
+            if kind == "did not finish":
+                return f"{name} was not run: an earlier check did not finish ({self.checks[j].__name__})"
+        kind, message = self._verdict(i)
+        return None if kind == "passed" else message
+
+    def _ending(self) -> str:
+        died = [f"rank {r} exited with code {code}" for r, code in sorted(self.died.items())]
+        return ", ".join([*died, self.cut] if self.cut else died) or "the ranks exited without a result"
+
+    def raise_for(self, check: Callable | str) -> None:
+        """Raise AssertionError("<check> failed on rank 2:\\n<traceback>") or ("<check> was not run: ..."), unless
+        the check passed on every rank."""
+        __tracebackhide__ = True
+        error = self._error(self._index(check))
+        if error is not None:
+            raise AssertionError(error)
+
+    def value(self, check: Callable | str, rank: int = 0) -> Any:
+        """What `check` returned on `rank` (raises like raise_for if it did not pass)."""
+        __tracebackhide__ = True
+        self.raise_for(check)
+        return self.outcomes[f"{self._index(check)}.{rank}"].value
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world_size: int, checks: list[Callable], timeout_s: float = 300, **kwargs: Any) -> WorldResult:
+    """Run `check(rank, world_size, **kwargs)` for each check on `world_size` spawned gloo ranks.
+
+    Checks must be module-level functions (the spawned ranks import them by name) and may return a picklable
+    value. The parent kills the world after `timeout_s`, or GRACE_S after a rank fails or dies.
+    """
+    for check in checks:
+        if "<" in check.__qualname__:
+            raise TypeError(
+                f"check {check.__qualname__} must be a module-level function: the spawned ranks import checks by name"
+            )
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="world-") as tmp:
+        out, port = Path(tmp), _free_port()
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, world_size, port, checks, kwargs, out)) for r in range(world_size)
+        ]
+        start, trouble_at, cut = time.monotonic(), None, ""
+        try:
+            for p in procs:
+                p.start()
+            while any(p.is_alive() for p in procs):
+                now = time.monotonic()
+                if trouble_at is None and (any(p.exitcode for p in procs) or any(out.glob("*.failed"))):
+                    trouble_at = now
+                if now - start > timeout_s:
+                    cut = f"the world timed out after {timeout_s:g} s and was killed"
+                    break
+                if trouble_at is not None and now - trouble_at > GRACE_S:
+                    cut = f"the rest were killed {GRACE_S} s after a rank failed or died"
+                    break
+                time.sleep(0.2)
+            died = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode}
+        finally:
+            for p in procs:
+                if p.pid is not None:
+                    p.kill()
+                    p.join()
+        outcomes = {f.name.rsplit(".", 1)[0]: pickle.loads(f.read_bytes()) for f in out.glob("[!.]*")}
+    return WorldResult(checks, world_size, outcomes, died, cut)

@@ -1,0 +1,66 @@
+"""Shared tiny config and the check functions the parity worlds run (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import msgspec
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from shardlab.config import Config, DataConfig, LogConfig, MeshSpec, ModelConfig, OptimConfig, PlanConfig, TrainConfig
+from shardlab.loop import build_model, train
+from shardlab.mesh import AXES
+
+STEPS = 10
+TOL = 1e-5
+
+
+def tiny(mesh: MeshSpec = MeshSpec(dp_shard=1), **plan: object) -> Config:
+    """dim 64, 2 layers, GQA 4/2 heads, 10 steps of 8 x 64 stdlib tokens, fp32."""
+    return Config(
+        mesh=mesh,
+        model=ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512),
+        plan=PlanConfig(**plan),
+        optim=OptimConfig(lr=1e-2, warmup_steps=2),
+        train=TrainConfig(steps=STEPS, seq_len=64, global_batch=8, run_dir="/tmp/shardlab-tests/{name}"),
+        log=LogConfig(wandb="disabled", progress=False, every=1000),
+        data=DataConfig(source="stdlib"),
+    )
+
+
+def losses(cfg: Config) -> list[float]:
+    return [m["loss"] for m in train(cfg, write=False)]
+
+
+def layout_losses(layouts: dict[str, Config]) -> dict[str, list[float]]:
+    """Every rank runs every layout; rank 0's loss curves come back to the test."""
+    return {name: losses(cfg) for name, cfg in layouts.items()}
+
+
+def placements_match_plan(rank: int, world_size: int, cfg: Config) -> None:
+    """Each parameter's actual DTensor placements are the ones the Plan predicted."""
+    model, plan, _ = build_model(cfg)
+    for fqn, param in model.named_parameters():
+        want = plan.param(fqn).placements
+        if isinstance(param, DTensor):
+            by_axis = dict(zip(param.device_mesh.mesh_dim_names, param.placements))
+            got = tuple(str(by_axis[a]) if a in by_axis else "R" for a in AXES)
+        else:
+            got = ("R",) * len(AXES)
+        # size-1 axes are Replicate in the plan; compare the axes that matter
+        sizes = plan.mesh.axis_sizes
+        got = tuple(g if s > 1 else "R" for g, s in zip(got, sizes))
+        want = tuple(w if s > 1 else "R" for w, s in zip(want, sizes))
+        if got != want:
+            raise AssertionError(f"rank {rank} {fqn}: placements {got} but the plan says {want}")
+        local = param.to_local().shape if isinstance(param, DTensor) else param.shape
+        if tuple(local) != plan.param(fqn).local_shape and not plan.param(fqn).padded:
+            raise AssertionError(f"rank {rank} {fqn}: local shape {tuple(local)} but the plan says {plan.param(fqn).local_shape}")
+    dist.barrier()
+
+
+def replace_plan(cfg: Config, **plan: object) -> Config:
+    return msgspec.structs.replace(cfg, plan=msgspec.structs.replace(cfg.plan, **plan))
+
+
+def with_micro_batch(cfg: Config, micro_batch: int) -> Config:
+    return msgspec.structs.replace(cfg, train=msgspec.structs.replace(cfg.train, micro_batch=micro_batch))

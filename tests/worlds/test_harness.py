@@ -1,0 +1,123 @@
+"""run_world itself: results, values, blame for the failing rank, "not run", hangs and crashes.
+
+Three small worlds of 2 ranks (~3 s to start each) plus one that hangs until HANG_TIMEOUT_S.
+Run: pytest tests/worlds/test_harness.py
+"""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ._harness import run_world
+
+HANG_TIMEOUT_S = 15
+
+
+def check_all_reduce(rank, world_size, **_):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world_size
+
+
+def check_returns_value(rank, world_size, scale=1.0):
+    return {"rank": rank, "loss": scale * (rank + 1)}
+
+
+def check_fails_on_rank_1(rank, world_size, **_):
+    dist.barrier()
+    if rank == 1:
+        raise AssertionError("rank one disagrees: 1.5 != 1.25")
+
+
+def check_never_runs(rank, world_size, **_):
+    raise RuntimeError("unreachable: an earlier check failed")
+
+
+def check_hangs(rank, world_size):
+    if rank == 0:
+        dist.barrier()  # rank 1 never enters it: it goes on to the pass/fail all-gather, which gloo never matches
+
+
+def check_crashes(rank, world_size):
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+MAIN = [check_all_reduce, check_returns_value, check_fails_on_rank_1, check_never_runs]
+
+
+@pytest.fixture(scope="module")
+def main_world():
+    return run_world(2, MAIN, timeout_s=120, scale=10.0)
+
+
+@pytest.mark.world
+def test_passing_checks_raise_nothing(main_world):
+    assert main_world.raise_for(check_all_reduce) is None
+    assert main_world.raise_for("check_returns_value") is None
+
+
+@pytest.mark.world
+def test_values_come_back_per_rank(main_world):
+    assert main_world.value(check_returns_value) == {"rank": 0, "loss": 10.0}
+    assert main_world.value(check_returns_value, rank=1) == {"rank": 1, "loss": 20.0}
+
+
+@pytest.mark.world
+def test_failure_names_the_failing_rank_with_its_traceback(main_world):
+    with pytest.raises(AssertionError, match=r"^check_fails_on_rank_1 failed on rank 1:\nTraceback") as err:
+        main_world.raise_for(check_fails_on_rank_1)
+    assert "rank one disagrees: 1.5 != 1.25" in str(err.value)
+    assert 'raise AssertionError("rank one disagrees' in str(err.value)  # the failing line, from rank 1 itself
+
+
+@pytest.mark.world
+def test_checks_after_a_failure_are_not_run(main_world):
+    with pytest.raises(
+        AssertionError, match=r"^check_never_runs was not run: an earlier check failed \(check_fails_on_rank_1\)$"
+    ):
+        main_world.raise_for(check_never_runs)
+    with pytest.raises(AssertionError, match="check_never_runs was not run"):
+        main_world.value(check_never_runs)
+
+
+@pytest.mark.world
+def test_hang_is_killed_after_timeout():
+    start = time.monotonic()
+    world = run_world(2, [check_all_reduce, check_hangs, check_never_runs], timeout_s=HANG_TIMEOUT_S)
+    assert time.monotonic() - start < HANG_TIMEOUT_S + 10
+    world.raise_for(check_all_reduce)
+    with pytest.raises(AssertionError, match=r"check_hangs did not finish on ranks \[0\]: the world timed out"):
+        world.raise_for(check_hangs)
+    with pytest.raises(AssertionError, match="check_never_runs was not run: an earlier check did not finish"):
+        world.raise_for(check_never_runs)
+
+
+@pytest.mark.world
+def test_crash_names_the_rank_and_exit_code():
+    world = run_world(2, [check_crashes, check_never_runs], timeout_s=120)
+    message = (
+        r"^check_crashes failed on rank 1: the process exited with code 3 inside the check .*"
+        r"\nalso failed on rank 0: RuntimeError: .*Connection"
+    )
+    with pytest.raises(AssertionError, match=message):
+        world.raise_for(check_crashes)
+    with pytest.raises(AssertionError, match="check_never_runs was not run"):
+        world.raise_for(check_never_runs)
+
+
+def test_checks_must_be_importable_by_the_spawned_ranks():
+    def nested(rank, world_size):
+        pass
+
+    with pytest.raises(TypeError, match=r"check test_checks_must_be.*nested must be a module-level function"):
+        run_world(2, [nested])
+
+
+def test_unknown_check_is_a_key_error(main_world):
+    with pytest.raises(KeyError, match="check_hangs is not one of this world's checks: check_all_reduce, "):
+        main_world.raise_for(check_hangs)
