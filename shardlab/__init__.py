@@ -1,1 +1,58 @@
-"""shardlab: JAX-style, functional sharding for PyTorch."""
+"""shardlab: JAX-style, functional sharding for PyTorch.
+
+Config -> MeshSpec -> make_plan (rules, logical axes, PartitionSpecs) -> apply -> step.
+"""
+
+from shardlab.apply import apply, constrain, shard
+from shardlab.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    PlanConfig,
+    TrainConfig,
+)
+from shardlab.debug import visualize, visualize_spec
+from shardlab.loop import build_model, train
+from shardlab.mesh import MeshSpec, make_mesh
+from shardlab.models.llama import Llama, llama_config
+from shardlab.models.llama_rules import llama_rules
+from shardlab.plan import Plan, make_plan
+from shardlab.rules import Activation, Rule, Rules
+from shardlab.spec import P, placements
+from shardlab.step import TrainState, init_state, make_step
+
+__all__ = [
+    "Activation",
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "Llama",
+    "LogConfig",
+    "MeshSpec",
+    "ModelConfig",
+    "OptimConfig",
+    "P",
+    "Plan",
+    "PlanConfig",
+    "Rule",
+    "Rules",
+    "TrainConfig",
+    "TrainState",
+    "apply",
+    "build_model",
+    "constrain",
+    "init_state",
+    "llama_config",
+    "llama_rules",
+    "make_mesh",
+    "make_plan",
+    "make_step",
+    "placements",
+    "shard",
+    "train",
+    "visualize",
+    "visualize_spec",
+]

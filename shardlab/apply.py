@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement
 
-from shardlab.mesh import AXES, MeshSpec
+from shardlab.mesh import AXES, MeshSpec, mesh_spec_of
 from shardlab.plan import ModulePlan, Plan, Spec
 from shardlab.spec import P, placements
 
@@ -50,7 +50,9 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
         _retie(model, plan)
     blocks = [model.get_submodule(f) for f in plan.blocks]
     for i, block in enumerate(blocks):
-        if plan.activation_checkpoint == "full" or (plan.activation_checkpoint == "selective" and i % plan.ac_every == 0):
+        if plan.activation_checkpoint == "full" or (
+            plan.activation_checkpoint == "selective" and i % plan.ac_every == 0
+        ):
             checkpoint_module(block)
     if plan.compile:
         for block in blocks:
@@ -120,16 +122,8 @@ def _retie(model: nn.Module, plan: Plan) -> None:
             setattr(model.get_submodule(owner), name, model.get_parameter(p.fqn))
 
 
-def _mesh_spec(mesh: DeviceMesh) -> MeshSpec:
-    names = tuple(mesh.mesh_dim_names or ())
-    unknown = [n for n in names if n not in AXES]
-    if unknown:
-        raise ValueError(f"mesh dims {unknown} are not shardlab axes ({', '.join(AXES)}); use a mesh from make_mesh or a slice of it")
-    return MeshSpec(**{a: (mesh.size(names.index(a)) if a in names else 1) for a in AXES})
-
-
 def _placements_on(mesh: DeviceMesh, spec: P) -> list[Placement]:
-    full = placements(spec, _mesh_spec(mesh))
+    full = placements(spec, mesh_spec_of(mesh))
     return [full[AXES.index(n)] for n in mesh.mesh_dim_names]
 
 

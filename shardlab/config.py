@@ -59,7 +59,9 @@ class ModelConfig(Frozen):
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
-            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; pick n_heads dividing dim")
+            raise ValueError(
+                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; pick n_heads dividing dim"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
@@ -134,6 +136,12 @@ class OptimConfig(Frozen):
             raise ValueError(f"optim.lr={self.lr}: must be > 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio}: must be within [0, 1]")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas={self.betas}: each must be within [0, 1)")
+        if self.eps <= 0:
+            raise ValueError(f"optim.eps={self.eps}: must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
         if self.max_norm is not None and self.max_norm <= 0:
             raise ValueError(f"optim.max_norm={self.max_norm}: must be > 0, or None to disable clipping")
 
@@ -195,6 +203,8 @@ class LogConfig(Frozen):
     """wandb mode: offline never touches the network; online only when asked."""
     wandb_project: str = "shardlab"
     """wandb project name."""
+    peak_tflops: float | None = None
+    """Per-device peak TFLOP/s for the MFU estimate; None looks known GPUs up (bf16 dense), no MFU on CPU."""
 
 
 class CheckpointConfig(Frozen):
@@ -233,9 +243,16 @@ class Config(Frozen):
     def __post_init__(self) -> None:
         m, tp = self.model, self.mesh.tp
         if tp > 1:
-            for field, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("ffn_dim", m.ffn_dim), ("vocab_size", m.vocab_size)):
+            for field, value in (
+                ("n_heads", m.n_heads),
+                ("n_kv_heads", m.n_kv_heads),
+                ("ffn_dim", m.ffn_dim),
+                ("vocab_size", m.vocab_size),
+            ):
                 if value % tp:
-                    raise ValueError(f"model.{field}={value} is not divisible by mesh.tp={tp}; pick a tp that divides it")
+                    raise ValueError(
+                        f"model.{field}={value} is not divisible by mesh.tp={tp}; pick a tp that divides it"
+                    )
             if self.plan.sequence_parallel and self.train.seq_len % tp:
                 raise ValueError(
                     f"train.seq_len={self.train.seq_len} is not divisible by mesh.tp={tp}; sequence parallel shards the "

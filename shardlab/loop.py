@@ -11,7 +11,6 @@ import json
 import time
 from pathlib import Path
 
-import msgspec
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,7 +20,7 @@ from shardlab.apply import apply, check_supported
 from shardlab.config import Config
 from shardlab.data import make_loader
 from shardlab.mesh import make_mesh
-from shardlab.metrics import MetricsWriter, flops_per_token, peak_memory_bytes
+from shardlab.metrics import MetricsWriter, device_peak_flops, flops_per_token, mfu, peak_memory_bytes
 from shardlab.models.llama import Llama
 from shardlab.models.llama_rules import llama_rules
 from shardlab.plan import Plan, make_plan
@@ -29,7 +28,9 @@ from shardlab.rules import Rules
 from shardlab.step import Metrics, TrainState, init_state, make_step
 
 
-def build_model(cfg: Config, rules: Rules | None = None, device: torch.device | str = "cpu") -> tuple[nn.Module, Plan, object]:
+def build_model(
+    cfg: Config, rules: Rules | None = None, device: torch.device | str = "cpu"
+) -> tuple[nn.Module, Plan, object]:
     """Model + plan + mesh for the current process group (or a single process), parallelized and ready to train."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = cfg.resolve(world)
@@ -51,7 +52,9 @@ def build_model(cfg: Config, rules: Rules | None = None, device: torch.device | 
     return model, plan, mesh
 
 
-def train(cfg: Config, rules: Rules | None = None, *, device: torch.device | str = "cpu", write: bool = True) -> list[Metrics]:
+def train(
+    cfg: Config, rules: Rules | None = None, *, device: torch.device | str = "cpu", write: bool = True
+) -> list[Metrics]:
     """Run cfg.train.steps steps; rank 0 writes config.json, plan.json and metrics.jsonl into the run directory."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -79,19 +82,23 @@ def train(cfg: Config, rules: Rules | None = None, *, device: torch.device | str
         (run_dir / "config.json").write_bytes(to_json(cfg))
         (run_dir / "plan.json").write_bytes(plan.to_json())
     fpt = flops_per_token(cfg.model.n_params, cfg.model.n_layers, cfg.model.dim, cfg.train.seq_len)
+    peak = device_peak_flops(torch.device(device), cfg.log.peak_tflops)
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     history: list[Metrics] = []
-    with MetricsWriter(run_dir, cfg.log, cfg.train.steps, enabled=is_writer, config_dict=json.loads(to_json(cfg)), name=cfg.name) as writer:
+    with MetricsWriter(
+        run_dir, cfg.log, cfg.train.steps, enabled=is_writer, config_dict=json.loads(to_json(cfg)), name=cfg.name
+    ) as writer:
         for _ in range(cfg.train.steps):
             start = time.perf_counter()
             state, metrics = step(state, next(loader))
             elapsed = time.perf_counter() - start
-            metrics = {**metrics, "step_s": elapsed, "tokens_per_s": tokens_per_step / elapsed,
-                       "flops_per_token": fpt, "peak_memory_bytes": peak_memory_bytes(torch.device(device))}  # fmt: skip
+            metrics = {
+                **metrics,
+                "tokens_per_s": tokens_per_step / elapsed,
+                "mfu": mfu(tokens_per_step / elapsed / world, fpt, peak),
+                "peak_memory_bytes": peak_memory_bytes(torch.device(device)),
+                "step_s": elapsed,
+            }
             history.append(metrics)
             writer.record(state.step, metrics)
     return history
-
-
-def resolved_json(cfg: Config) -> dict:
-    return msgspec.to_builtins(cfg)

@@ -49,7 +49,9 @@ class MeshSpec(Frozen):
                 raise ValueError(f"mesh.{axis}={size}: an axis size is >= 1, or -1 for the rest of the world")
         free = [a for a, s in sizes.items() if s == -1]
         if len(free) > 1:
-            raise ValueError(f"mesh: {' and '.join('mesh.' + a for a in free)} are all -1; at most one axis can fill the rest of the world")
+            raise ValueError(
+                f"mesh: {' and '.join('mesh.' + a for a in free)} are all -1; at most one axis can fill the rest of the world"
+            )
         if self.ep < 1:
             raise ValueError(f"mesh.ep={self.ep}: must be >= 1")
         if not free and self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
@@ -83,7 +85,9 @@ class MeshSpec(Frozen):
         if axis in FLAT_VIEWS:
             return math.prod(self.size(a) for a in FLAT_VIEWS[axis])
         if axis not in AXES and axis != "ep":
-            raise ValueError(f"unknown mesh axis {axis!r}; valid axes are {', '.join(AXES + ('ep',) + tuple(FLAT_VIEWS))}")
+            raise ValueError(
+                f"unknown mesh axis {axis!r}; valid axes are {', '.join(AXES + ('ep',) + tuple(FLAT_VIEWS))}"
+            )
         return getattr(self, axis)
 
     def resolve(self, world_size: int) -> MeshSpec:
@@ -93,7 +97,7 @@ class MeshSpec(Frozen):
         if self.is_resolved:
             if fixed != world_size:
                 raise ValueError(
-                    f"mesh: {described or 'all axes 1'} = {fixed} ranks but world_size is {world_size}; "
+                    f"mesh: {described or 'all axes 1'} = {fixed} rank{'s' if fixed > 1 else ''} but world_size is {world_size}; "
                     "change the axis sizes, or set one axis to -1 to fill the rest"
                 )
             return self
@@ -131,7 +135,7 @@ class MeshSpec(Frozen):
         """Index of `rank` within the flattened `axes` (major to minor), e.g. its data-parallel rank."""
         coord = self.coordinate(rank)
         index = 0
-        for axis in axes:
+        for axis in (a for name in axes for a in FLAT_VIEWS.get(name, (name,))):
             index = index * self.size(axis) + coord[axis]
         return index
 
@@ -140,8 +144,21 @@ class MeshSpec(Frozen):
         parts = [f"{a}={s}" for a, s in zip(AXES, self.axis_sizes) if s != 1]
         if self.ep != 1:
             parts.append(f"ep={self.ep}")
+        if not parts:
+            return "1 rank" if self.is_resolved else "all axes 1"
         total = f" ({self.world_size} ranks)" if self.is_resolved else ""
-        return (" x ".join(parts) or "1 rank") + total
+        return " x ".join(parts) + total
+
+
+def mesh_spec_of(mesh) -> MeshSpec:
+    """The MeshSpec of a DeviceMesh from `make_mesh` or a slice of it (absent axes have size 1)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    unknown = [n for n in names if n not in AXES]
+    if unknown:
+        raise ValueError(
+            f"mesh dims {unknown} are not shardlab axes ({', '.join(AXES)}); use a mesh from make_mesh or a slice of it"
+        )
+    return MeshSpec(**{a: (mesh.size(names.index(a)) if a in names else 1) for a in AXES})
 
 
 def make_mesh(spec: MeshSpec, device_type: str = "cpu"):

@@ -158,3 +158,17 @@ def peak_memory_bytes(device: torch.device) -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
+"""Dense bf16 peaks (vendor datasheets, SXM parts), for MFU when log.peak_tflops is not given."""
+
+
+def device_peak_flops(device: torch.device, peak_tflops: float | None = None) -> float | None:
+    """Peak FLOP/s of one device: the configured value, a known GPU's bf16 peak, or None (CPU, unknown GPU)."""
+    if peak_tflops is not None:
+        return peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tf * 1e12 for key, tf in PEAK_BF16_TFLOPS.items() if key in name), None)

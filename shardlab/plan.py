@@ -120,12 +120,16 @@ class Plan(Frozen):
     def from_json(data: bytes | str) -> Plan:
         plan = msgspec.json.decode(data, type=Plan)
         if plan.version != PLAN_VERSION:
-            raise ValueError(f"plan: version {plan.version} is not supported (this shardlab reads {PLAN_VERSION}); re-run make_plan")
+            raise ValueError(
+                f"plan: version {plan.version} is not supported (this shardlab reads {PLAN_VERSION}); re-run make_plan"
+            )
         return plan
 
     def check_mesh(self, mesh: MeshSpec) -> None:
         if mesh != self.mesh:
-            raise ValueError(f"plan: made for mesh {self.mesh.describe()} but used with {mesh.describe()}; re-run make_plan for this mesh")
+            raise ValueError(
+                f"plan: made for mesh {self.mesh.describe()} but used with {mesh.describe()}; re-run make_plan for this mesh"
+            )
 
     def explain(self, fqn: str) -> str:
         """Why a parameter is laid out as it is: the winning rule, the shadowed ones, the fallbacks."""
@@ -138,8 +142,13 @@ class Plan(Frozen):
         lines += [f"  shadowed rule {i}: {_rule_text(self.rules, i)}" for i in p.shadowed]
         lines += [f"  logical fallback: {f}" for f in p.fallbacks]
         if p.fsdp_unit is not None and self.fsdp is not None:
-            lines.append(f"  FSDP unit {p.fsdp_unit or '<root>'} over {' x '.join(self.fsdp.axes)}: dim 0 gets them as its minor axes" + (" (padded)" if p.padded else ""))
-        lines.append(f"  placements {_placements_text(p.placements, self.mesh)}  local {p.local_shape}  {p.bytes_per_rank:,} bytes/rank")
+            lines.append(
+                f"  FSDP unit {p.fsdp_unit or '<root>'} over {' x '.join(self.fsdp.axes)}: dim 0 gets them as its minor axes"
+                + (" (padded)" if p.padded else "")
+            )
+        lines.append(
+            f"  placements {_placements_text(p.placements, self.mesh)}  local {p.local_shape}  {p.bytes_per_rank:,} bytes/rank"
+        )
         lines += [f"  alias {a}" for a in p.aliases]
         return "\n".join(lines)
 
@@ -152,30 +161,46 @@ class Plan(Frozen):
         )
         rows = [("parameter", "shape", "spec", "placements", "local", "MiB/rank", "rule")]
         for fqn, p, count in _collapsed(self.params, collapse):
-            rows.append((
-                fqn + (f" (x{count})" if count > 1 else ""),
-                "x".join(map(str, p.shape)),
-                _spec_text(p.spec),
-                _placements_text(p.placements, self.mesh),
-                "x".join(map(str, p.local_shape)),
-                f"{p.bytes_per_rank / 2**20:.2f}",
-                "-" if p.rule is None else str(p.rule),
-            ))
+            rows.append(
+                (
+                    fqn + (f" (x{count})" if count > 1 else ""),
+                    "x".join(map(str, p.shape)),
+                    _spec_text(p.spec),
+                    _placements_text(p.placements, self.mesh),
+                    "x".join(map(str, p.local_shape)),
+                    f"{p.bytes_per_rank / 2**20:.2f}",
+                    "-" if p.rule is None else str(p.rule),
+                )
+            )
         out = [head, _columns(rows)]
         if self.modules:
             mrows = [("module", "style", "inputs", "output")]
             for fqn, m, count in _collapsed(self.modules, collapse):
                 ins = m.desired_inputs or m.inputs
                 src = " -> ".join(_spec_text(s[0]) for s in (m.inputs, m.desired_inputs) if s) if ins else "-"
-                mrows.append((fqn + (f" (x{count})" if count > 1 else ""), m.style, src, _spec_text(m.output) if m.output else "-"))
+                mrows.append(
+                    (
+                        fqn + (f" (x{count})" if count > 1 else ""),
+                        m.style,
+                        src,
+                        _spec_text(m.output) if m.output else "-",
+                    )
+                )
             out += ["", _columns(mrows)]
         if self.fsdp:
             f = self.fsdp
             units = sorted({_layer_glob(" + ".join(u)) for u in f.units})
-            out += ["", f"FSDP over {' x '.join(f.axes)}: {len(f.units)} units + root ({', '.join(units)}); "
-                    f"reshard_after_forward={f.reshard_after_forward} param={f.param_dtype} reduce={f.reduce_dtype} "
-                    f"cpu_offload={f.cpu_offload}"]
-        extras = [f"loss_parallel={self.loss_parallel}", f"activation_checkpoint={self.activation_checkpoint}", f"compile={self.compile}"]
+            out += [
+                "",
+                f"FSDP over {' x '.join(f.axes)}: {len(f.units)} units + root ({', '.join(units)}); "
+                f"reshard_after_forward={f.reshard_after_forward} param={f.param_dtype} reduce={f.reduce_dtype} "
+                f"cpu_offload={f.cpu_offload}",
+            ]
+        extras = [
+            f"loss_parallel={self.loss_parallel}",
+            f"activation_checkpoint={self.activation_checkpoint}",
+            f"compile={self.compile}",
+        ]
         out.append("  ".join(extras))
         return "\n".join(out)
 
@@ -189,6 +214,7 @@ def make_plan(model: nn.Module, mesh: MeshSpec, rules: Rules, options: PlanConfi
         raise ValueError("make_plan: the mesh has a -1 axis; call MeshSpec.resolve(world_size) first")
     modules = dict(model.named_modules())
     params, aliases = _unique_params(model)
+    _check_module_globs(modules, rules)
     unit_of, fsdp = _fsdp_plan(modules, params, aliases, mesh, rules, options)
     used: set[int] = set()
     uncovered: list[str] = []
@@ -210,14 +236,32 @@ def make_plan(model: nn.Module, mesh: MeshSpec, rules: Rules, options: PlanConfi
             f"{uncovered[0]}{more}: no rule covers this parameter; add a rule for it "
             "(spec=(None,) * ndim replicates) or set plan.allow_uncovered=True"
         )
-    unused = [i for i in range(len(rules.params)) if i not in used and not _matches_any(rules.params[i].pattern, params)]
+    unused = [
+        i for i in range(len(rules.params)) if i not in used and not _matches_any(rules.params[i].pattern, params)
+    ]
     if unused and not options.allow_unused_rules:
         i = unused[0]
-        raise ValueError(f"rules[{i}] {rules.params[i].pattern!r} matched no parameter; fix the glob or set plan.allow_unused_rules=True")
-    styles = _module_plans(modules, {p.fqn: p for p in out}, mesh, rules) if mesh.tp > 1 else ()
+        pattern = rules.params[i].pattern
+        alias = next(((a, f) for f, names in aliases.items() for a in names if matches(pattern, a)), None)
+        if alias is not None:
+            raise ValueError(
+                f"rules[{i}] {pattern!r} matches only {alias[0]!r}, a tied alias of {alias[1]!r} (tied parameters are "
+                "planned under their first name); drop the rule or set plan.allow_unused_rules=True"
+            )
+        raise ValueError(
+            f"rules[{i}] {pattern!r} matched no parameter; fix the glob or set plan.allow_unused_rules=True"
+        )
+    by_name = {name: p for p in out for name in (p.fqn, *p.aliases)}
+    styles = _module_plans(modules, by_name, mesh, rules) if mesh.tp > 1 else ()
     blocks = tuple(f for f in modules if any(matches(g, f) for g in rules.blocks))
-    if options.activation_checkpoint != "none" and not blocks:
-        raise ValueError("plan.activation_checkpoint is set but rules.blocks matched no module; add the block glob (e.g. 'model.layers.*')")
+    for option, on in (
+        ("activation_checkpoint", options.activation_checkpoint != "none"),
+        ("compile", options.compile),
+    ):
+        if on and not blocks:
+            raise ValueError(
+                f"plan.{option} is set but rules.blocks matched no module; add the block glob (e.g. 'model.layers.*')"
+            )
     return Plan(
         version=PLAN_VERSION,
         mesh=mesh,
@@ -261,7 +305,9 @@ def _check_model_axes(fqn: str, rule: int, rules: Rules, spec: Spec, mesh: MeshS
     del expanded
 
 
-def _param_plan(fqn: str, t: torch.Tensor, spec: Spec, match, mesh: MeshSpec, unit: str | None, aliases: tuple[str, ...]) -> ParamPlan:
+def _param_plan(
+    fqn: str, t: torch.Tensor, spec: Spec, match, mesh: MeshSpec, unit: str | None, aliases: tuple[str, ...]
+) -> ParamPlan:
     full = P(*spec) if spec else P()
     padded = False
     if unit is not None and mesh.dp_shard > 1 and t.ndim > 0:
@@ -291,11 +337,8 @@ def _fsdp_plan(modules, params, aliases, mesh: MeshSpec, rules: Rules, options: 
     if dp == 1 and options.param_dtype == "float32" and options.reduce_dtype == "float32" and not options.cpu_offload:
         return {}, None
     units: list[tuple[str, ...]] = []
-    for i, group in enumerate(rules.fsdp_units):
+    for group in rules.fsdp_units:
         found = [[f for f in modules if matches(g, f)] for g in group]
-        for g, hits in zip(group, found):
-            if not hits:
-                raise ValueError(f"rules.fsdp_units[{i}] {g!r} matched no module; fix the glob")
         if len(group) == 1:
             units.extend((f,) for f in found[0])
         else:
@@ -335,24 +378,44 @@ def _tp_dim(spec: Spec | None) -> int | None:
     return next((d for d, e in enumerate(spec) if "tp" in P(e).axes(0)), None)
 
 
-def _module_plans(modules: dict[str, nn.Module], plans: dict[str, ParamPlan], mesh: MeshSpec, rules: Rules) -> tuple[ModulePlan, ...]:
+def _check_module_globs(modules: dict[str, nn.Module], rules: Rules) -> None:
+    """Globs over modules must match at any mesh, not only at the one where they are used."""
     for i, a in enumerate(rules.activations):
         if not any(matches(a.pattern, f) for f in modules):
             raise ValueError(f"rules.activations[{i}] {a.pattern!r} matched no module; fix the glob")
+    for i, group in enumerate(rules.fsdp_units):
+        for g in group:
+            if not any(matches(g, f) for f in modules):
+                raise ValueError(f"rules.fsdp_units[{i}] {g!r} matched no module; fix the glob")
+
+
+def _module_plans(
+    modules: dict[str, nn.Module], plans: dict[str, ParamPlan], mesh: MeshSpec, rules: Rules
+) -> tuple[ModulePlan, ...]:
     out: list[ModulePlan] = []
     for fqn, module in modules.items():
         act = _activation(fqn, rules)
         inputs = None if act is None or act.inputs is None else tuple(_lower(x, rules, fqn) for x in act.inputs)
-        desired = None if act is None or act.desired_inputs is None else tuple(_lower(x, rules, fqn) for x in act.desired_inputs)
+        desired = (
+            None
+            if act is None or act.desired_inputs is None
+            else tuple(_lower(x, rules, fqn) for x in act.desired_inputs)
+        )
         output = None if act is None else _lower(act.output, rules, fqn)
-        own = {n: plans[f"{fqn}.{n}" if fqn else n] for n, _ in module.named_parameters(recurse=False) if (f"{fqn}.{n}" if fqn else n) in plans}
+        own = {
+            n: plans[f"{fqn}.{n}" if fqn else n]
+            for n, _ in module.named_parameters(recurse=False)
+            if (f"{fqn}.{n}" if fqn else n) in plans
+        }
         sharded = {n: p for n, p in own.items() if p.tp_dim is not None}
         if sharded:
             out.append(_parallel_style(fqn, module, own, inputs, output))
         elif inputs and output and _tp_dim(inputs[0]) is not None and _tp_dim(inputs[0]) == _tp_dim(output):
             out.append(ModulePlan(fqn=fqn, style="sequence_parallel", inputs=inputs, output=output, local_output=False))
         elif inputs and desired and [_tp_dim(x) for x in inputs] != [_tp_dim(x) for x in desired]:
-            out.append(ModulePlan(fqn=fqn, style="prepare_input", inputs=inputs, desired_inputs=desired, local_output=False))
+            out.append(
+                ModulePlan(fqn=fqn, style="prepare_input", inputs=inputs, desired_inputs=desired, local_output=False)
+            )
     return tuple(out)
 
 
@@ -361,8 +424,9 @@ def _parallel_style(fqn: str, module: nn.Module, own: dict[str, ParamPlan], inpu
     kinds = {nn.Linear: ("colwise", "rowwise"), nn.Embedding: ("embedding_colwise", "embedding_rowwise")}
     kind = next((v for k, v in kinds.items() if isinstance(module, k)), None)
     if kind is None or weight is None or weight.tp_dim is None:
+        where = ", ".join(p.fqn for p in own.values() if p.tp_dim is not None)
         raise ValueError(
-            f"{fqn}: a {type(module).__name__} with tp-sharded parameters {sorted(own)}; shardlab derives TP styles "
+            f"{where}: tp-sharded parameters of a {type(module).__name__}; shardlab derives TP styles "
             "for nn.Linear and nn.Embedding weights only: replicate these parameters over tp"
         )
     # nn.Linear weight is [out, in]: tp on dim 0 is colwise. nn.Embedding weight is [num, dim]: dim 1 is colwise.

@@ -66,7 +66,9 @@ class Rules(Frozen):
 def glob_regex(pattern: str) -> re.Pattern[str]:
     """`layers.*.attn.q_proj.weight`: `*` never crosses a dot (as torch's parallelize_module), `**` does."""
     if not pattern or pattern.startswith(".") or pattern.endswith(".") or ".." in pattern:
-        raise ValueError(f"rule pattern {pattern!r} is not a dotted name glob; write e.g. 'model.layers.*.mlp.up_proj.weight'")
+        raise ValueError(
+            f"rule pattern {pattern!r} is not a dotted name glob; write e.g. 'model.layers.*.mlp.up_proj.weight'"
+        )
     out = []
     for part in re.split(r"(\*\*|\*|\?)", pattern):
         out.append({"**": ".*", "*": "[^.]*", "?": "[^.]"}.get(part, re.escape(part)))
@@ -100,11 +102,17 @@ def resolve(fqn: str, ndim: int, rules: Rules) -> Match | None:
     else:
         spec, fallbacks = logical_to_spec(rule.axes or (), rules.logical, name=fqn)
     if len(spec) > ndim:
-        raise ValueError(f"{fqn}: rule {hits[0]} {rule.pattern!r} gives {len(spec)} entries for a {ndim}-dim parameter; fix the rule")
-    return Match(spec=tuple(spec) + (None,) * (ndim - len(spec)), rule=hits[0], shadowed=tuple(hits[1:]), fallbacks=fallbacks)
+        raise ValueError(
+            f"{fqn}: rule {hits[0]} {rule.pattern!r} gives {len(spec)} entries for a {ndim}-dim parameter; fix the rule"
+        )
+    return Match(
+        spec=tuple(spec) + (None,) * (ndim - len(spec)), rule=hits[0], shadowed=tuple(hits[1:]), fallbacks=fallbacks
+    )
 
 
-def logical_to_spec(axes: tuple[str | None, ...], table: LogicalTable, *, name: str = "tensor") -> tuple[P, tuple[str, ...]]:
+def logical_to_spec(
+    axes: tuple[str | None, ...], table: LogicalTable, *, name: str = "tensor"
+) -> tuple[P, tuple[str, ...]]:
     """Map logical dim names to a PartitionSpec (Flax linen `_logical_to_mesh_axes` semantics).
 
     Pairs are tried in order; a pair applies only if all its mesh axes are still free for this
@@ -124,7 +132,9 @@ def logical_to_spec(axes: tuple[str | None, ...], table: LogicalTable, *, name: 
     pending = {i: n for i, n in enumerate(axes) if n is not None}
     for n in pending.values():
         if n not in known:
-            raise ValueError(f"{name}: logical axis {n!r} has no entry in the logical table; add ({n!r}, None) to replicate it")
+            raise ValueError(
+                f"{name}: logical axis {n!r} has no entry in the logical table; add ({n!r}, None) to replicate it"
+            )
     done: set[int] = set()
     tried: dict[int, int] = {}
     for logical, mesh_axes in table:

@@ -85,10 +85,14 @@ def expand(spec: P, mesh: MeshSpec, *, name: str = "spec") -> P:
     return out
 
 
-def check_shape(spec: P, mesh: MeshSpec, shape: Sequence[int], *, name: str = "tensor", skip_dims: tuple[int, ...] = ()) -> None:
+def check_shape(
+    spec: P, mesh: MeshSpec, shape: Sequence[int], *, name: str = "tensor", skip_dims: tuple[int, ...] = ()
+) -> None:
     """Raise when the spec has more entries than dims, or a dim is not divisible by its axes' sizes."""
     if len(spec) > len(shape):
-        raise ValueError(f"{name}: {spec!r} has {len(spec)} entries but the tensor has {len(shape)} dims {tuple(shape)}")
+        raise ValueError(
+            f"{name}: {spec!r} has {len(spec)} entries but the tensor has {len(shape)} dims {tuple(shape)}"
+        )
     for d in range(len(spec)):
         n = math.prod(mesh.size(a) for a in spec.axes(d))
         if d not in skip_dims and shape[d] % n:

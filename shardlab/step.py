@@ -92,7 +92,9 @@ def make_step(
             group["lr"] = lr
         inputs, labels = batch
         if inputs.shape[0] % grad_accum:
-            raise ValueError(f"step: the batch has {inputs.shape[0]} rows per rank, not divisible by grad_accum={grad_accum}")
+            raise ValueError(
+                f"step: the batch has {inputs.shape[0]} rows per rank, not divisible by grad_accum={grad_accum}"
+            )
         device = next(model.parameters()).device
         inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         tokens = _all_reduce((labels != -100).sum().to(torch.float64), loss_group)
@@ -108,13 +110,14 @@ def make_step(
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss_total = _all_reduce(loss_sum, loss_group)
-        metrics = {"loss": (loss_total / tokens).item(), "grad_norm": grad_norm, "lr": lr, "tokens": tokens.item()}
+        metrics = {"loss": (loss_total / tokens).item(), "grad_norm": grad_norm, "lr": lr}
         return msgspec.structs.replace(state, step=state.step + 1), metrics
 
     return step
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    """The value of a (replicated) DTensor loss as a plain tensor."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
@@ -127,19 +130,33 @@ def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
     """Global L2 norm of all gradients (DTensors on any mix of meshes), clipped to max_norm in place.
 
-    Gradients are grouped by (mesh, placements) so each group's norm is one reduction, then the
-    squared norms add up. Returns the norm before clipping.
+    Gradients are grouped by (mesh, placements): a group's squared norm is summed locally, then
+    all-reduced over each mesh dim that shards it (Replicate dims hold copies). Returns the norm
+    before clipping, the same number one process computes.
     """
     groups: dict[object, list[torch.Tensor]] = {}
     for p in model.parameters():
         if p.grad is not None:
+            if isinstance(p, DTensor) and p.grad.placements != p.placements:
+                # a tensor used twice (tied embedding under TP) can collect a Partial grad: give it the param's layout
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
             g = p.grad
             key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
             groups.setdefault(key, []).append(g)
     total_sq = 0.0
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        total_sq += _local(norm).double().item() ** 2
+    for key, grads in groups.items():
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        sq = torch.stack([n.double() for n in torch._foreach_norm(local)]).pow(2).sum()
+        if key is not None:
+            mesh, placements = key
+            for dim, placement in enumerate(placements):
+                if placement.is_partial():
+                    raise ValueError(
+                        f"clip_grad_norm: a gradient is Partial over mesh dim {dim}; reduce it before clipping"
+                    )
+                if not placement.is_replicate():
+                    dist.all_reduce(sq, group=mesh.get_group(dim))
+        total_sq += sq.item()
     total = math.sqrt(total_sq)
     if max_norm is not None:
         coef = max_norm / (total + 1e-6)

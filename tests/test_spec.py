@@ -31,7 +31,9 @@ def assert_matches_jax(spec: P, mesh: MeshSpec, shape: tuple[int, ...]) -> None:
         coord = mesh.coordinate(rank)
         want = g[block(spec, mesh, shape, coord)]
         got = torch_local(g, spec, mesh, coord)
-        assert torch.equal(got, want), f"{spec} rank {rank} {coord}: {got.flatten().tolist()} != {want.flatten().tolist()}"
+        assert torch.equal(got, want), (
+            f"{spec} rank {rank} {coord}: {got.flatten().tolist()} != {want.flatten().tolist()}"
+        )
 
 
 MESHES = [

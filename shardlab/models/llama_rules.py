@@ -66,5 +66,13 @@ def llama_rules(model: ModelConfig, options: PlanConfig = PlanConfig()) -> Rules
     tied = model.tie_embeddings
     params = tuple(Rule(pattern=p, axes=a) for p, a in PARAM_AXES if not (tied and p == "lm_head.weight"))
     # A tied embedding is shared with lm_head: both must stay in the root FSDP unit.
-    units = (("model.layers.*",),) if tied else (("model.embed_tokens",), ("model.layers.*",), ("model.norm", "lm_head"))
-    return Rules(params=params, logical=logical_table(options), activations=ACTIVATIONS, fsdp_units=units, blocks=("model.layers.*",))
+    units = (
+        (("model.layers.*",),) if tied else (("model.embed_tokens",), ("model.layers.*",), ("model.norm", "lm_head"))
+    )
+    return Rules(
+        params=params,
+        logical=logical_table(options),
+        activations=ACTIVATIONS,
+        fsdp_units=units,
+        blocks=("model.layers.*",),
+    )

@@ -54,7 +54,9 @@ def placements_match_plan(rank: int, world_size: int, cfg: Config) -> None:
             raise AssertionError(f"rank {rank} {fqn}: placements {got} but the plan says {want}")
         local = param.to_local().shape if isinstance(param, DTensor) else param.shape
         if tuple(local) != plan.param(fqn).local_shape and not plan.param(fqn).padded:
-            raise AssertionError(f"rank {rank} {fqn}: local shape {tuple(local)} but the plan says {plan.param(fqn).local_shape}")
+            raise AssertionError(
+                f"rank {rank} {fqn}: local shape {tuple(local)} but the plan says {plan.param(fqn).local_shape}"
+            )
     dist.barrier()
 
 
@@ -64,3 +66,7 @@ def replace_plan(cfg: Config, **plan: object) -> Config:
 
 def with_micro_batch(cfg: Config, micro_batch: int) -> Config:
     return msgspec.structs.replace(cfg, train=msgspec.structs.replace(cfg.train, micro_batch=micro_batch))
+
+
+def tied(cfg: Config) -> Config:
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, tie_embeddings=True))

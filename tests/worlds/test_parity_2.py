@@ -8,7 +8,7 @@ import pytest
 from shardlab.config import MeshSpec
 
 from ._harness import run_world
-from .layouts import STEPS, TOL, layout_losses, losses, placements_match_plan, tiny
+from .layouts import STEPS, TOL, layout_losses, losses, placements_match_plan, tied, tiny
 
 LAYOUTS = {
     f"{name}-ac_{ac}": tiny(mesh, activation_checkpoint=ac, **opts)
@@ -20,7 +20,12 @@ LAYOUTS = {
     for ac in ("none", "full")
 }
 
-run_layouts = functools.partial(layout_losses, layouts=LAYOUTS)
+TIED = {
+    "tied-tp2_sp": tied(tiny(MeshSpec(dp_shard=1, tp=2))),
+    "tied-fsdp2": tied(tiny(MeshSpec(dp_shard=2))),
+}
+
+run_layouts = functools.partial(layout_losses, layouts={**LAYOUTS, **TIED})
 run_layouts.__name__ = "run_layouts"
 
 
@@ -60,3 +65,14 @@ def test_loss_matches_single_process(world2, reference, layout):
     diff = max(abs(a - b) for a, b in zip(got, reference))
     assert diff <= TOL, f"{layout}: max |loss diff| {diff:.2e} > {TOL}; {got} vs {reference}"
     assert reference[-1] < reference[0]
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("layout", list(TIED))
+def test_tied_embeddings_match_single_process(world2, layout):
+    """A tied embedding/lm_head stays one tensor under TP (re-tied after parallelize_module) and FSDP (root unit)."""
+    world2.raise_for(run)
+    got = world2.value(run)[layout]
+    reference = losses(tied(tiny()))
+    diff = max(abs(a - b) for a, b in zip(got, reference))
+    assert diff <= TOL, f"{layout}: max |loss diff| {diff:.2e} > {TOL}; {got} vs {reference}"

@@ -10,8 +10,14 @@ from ._harness import run_world
 from .layouts import STEPS, TOL, losses, placements_match_plan, tiny, with_micro_batch
 
 LAYOUTS = {
-    **{f"hsdp2x2-ac_{ac}": tiny(MeshSpec(dp_replicate=2, dp_shard=2), activation_checkpoint=ac) for ac in ("none", "full")},
-    **{f"fsdp2xtp2-ac_{ac}": tiny(MeshSpec(dp_shard=2, tp=2), activation_checkpoint=ac) for ac in ("none", "full", "selective")},
+    **{
+        f"hsdp2x2-ac_{ac}": tiny(MeshSpec(dp_replicate=2, dp_shard=2), activation_checkpoint=ac)
+        for ac in ("none", "full")
+    },
+    **{
+        f"fsdp2xtp2-ac_{ac}": tiny(MeshSpec(dp_shard=2, tp=2), activation_checkpoint=ac)
+        for ac in ("none", "full", "selective")
+    },
     # gradient accumulation (2 micro batches of 1 sequence per rank) changes nothing either
     "fsdp4-accum2": with_micro_batch(tiny(MeshSpec(dp_shard=4)), 1),
 }

@@ -1,0 +1,108 @@
+"""python -m shardlab [plan] RECIPE [overrides]: recipe + tyro overrides -> Config -> checks -> launch -> train.
+
+Every check (config, mesh vs world size, rules vs model, unsupported axes) runs here, in the first
+process, before torchrun starts anything.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world N]
+       python -m shardlab plan RECIPE [--section.field VALUE ...] [--world N]
+
+  RECIPE      a Python file defining `config = shardlab.Config(...)` (see recipes/)
+  plan        print the layout (per-parameter specs, placements, bytes per rank) and exit; no processes
+  --world N   world size for the mesh's -1 axis (default: the launcher's WORLD_SIZE, else the fixed axes' product)
+  RECIPE --help shows every field with the recipe's values as defaults."""
+
+
+def _pop_world(args: list[str]) -> int | None:
+    for i, a in enumerate(args):
+        if a == "--world" or a.startswith("--world="):
+            value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+            del args[i : i + (1 if "=" in a else 2)]
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"--world {value!r}: expected a positive integer number of ranks")
+            return int(value)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command = args.pop(0) if args[0] == "plan" else "train"
+    if not args:
+        print(USAGE, file=sys.stderr)
+        return 2
+    recipe_path, overrides = args[0], args[1:]
+    try:
+        return _run(command, recipe_path, overrides)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
+    import tyro
+
+    from shardlab.config import Config
+    from shardlab.launch import init_distributed, nproc_for, relaunch, under_launcher
+    from shardlab.recipe import load_recipe
+
+    world = _pop_world(overrides)
+    recipe = load_recipe(recipe_path)
+    launched = under_launcher()
+    rank = int(os.environ.get("RANK", "0"))
+    cfg = tyro.cli(
+        Config,
+        default=recipe.config,
+        args=overrides,
+        prog=f"python -m shardlab {recipe_path}",
+        console_outputs=rank == 0,
+    ).validated()
+    if launched:
+        world = int(os.environ["WORLD_SIZE"])
+    elif world is None:
+        world = math.prod(s for s in cfg.mesh.axis_sizes if s != -1)  # a -1 axis gets size 1 unless --world says more
+    cfg = cfg.resolve(world)
+    plan = _plan(cfg, recipe.rules(cfg))
+    if command == "plan":
+        print(plan.table())
+        return 0
+    from shardlab.apply import check_supported
+
+    check_supported(cfg.mesh)
+    if world > 1 and not launched:
+        print(f"shardlab: launching {world} ranks ({cfg.mesh.describe()}) through torch.distributed.run", flush=True)
+        return relaunch(nproc_for(world), [recipe_path, *overrides])
+    from shardlab.loop import train
+
+    dist_info = init_distributed(cfg.train.device)
+    train(cfg, recipe.rules(cfg), device=dist_info.device)
+    if dist_info.backend is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+def _plan(cfg, rules):
+    """The plan on the meta device: catches rule and shape errors before any process starts."""
+    import torch
+
+    from shardlab.models.llama import Llama
+    from shardlab.models.llama_rules import llama_rules
+    from shardlab.plan import make_plan
+
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    return make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

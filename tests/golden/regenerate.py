@@ -1,0 +1,58 @@
+"""Regenerate the golden plans: `python tests/golden/regenerate.py`, then review the diff of tests/golden/plans/.
+
+Each golden file is `Plan.to_json()` of `make_plan(Llama(size) on meta, mesh, llama_rules(size))` with the default
+PlanConfig (sequence parallel, loss parallel). tests/test_plan.py rebuilds the same plans and compares them with
+these files, so any change to the rules, the planner or the model layout shows up as a reviewable JSON diff.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from shardlab.config import PlanConfig
+from shardlab.mesh import MeshSpec
+from shardlab.models.llama import Llama, llama_config
+from shardlab.models.llama_rules import llama_rules
+from shardlab.plan import Plan, make_plan
+
+PLANS_DIR = Path(__file__).resolve().parent / "plans"
+
+CASES: dict[str, tuple[str, MeshSpec]] = {
+    # <model size>__<mesh>: (size in shardlab.models.llama.SIZES, mesh)
+    "debug__dp_shard2xtp2": ("debug", MeshSpec(dp_shard=2, tp=2)),
+    "debug__dp_replicate2xdp_shard2": ("debug", MeshSpec(dp_replicate=2, dp_shard=2)),
+    "debug__tp2": ("debug", MeshSpec(dp_shard=1, tp=2)),
+    "8B__dp_shard8xtp8": ("8B", MeshSpec(dp_shard=8, tp=8)),
+}
+
+
+def build(name: str) -> Plan:
+    """The plan a golden file holds, made now."""
+    size, mesh = CASES[name]
+    cfg = llama_config(size)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    return make_plan(model, mesh, llama_rules(cfg, PlanConfig()), PlanConfig())
+
+
+def path(name: str) -> Path:
+    return PLANS_DIR / f"{name}.json"
+
+
+def main() -> int:
+    PLANS_DIR.mkdir(parents=True, exist_ok=True)
+    for name in CASES:
+        data = build(name).to_json() + b"\n"
+        file = path(name)
+        old = file.read_bytes() if file.exists() else None
+        file.write_bytes(data)
+        state = "unchanged" if old == data else "written" if old is None else "UPDATED"
+        print(f"{state:9}  {file.relative_to(Path.cwd()) if file.is_relative_to(Path.cwd()) else file}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The CLI: bad input is a one-line error before any process starts; a real run trains and writes its run dir.
+
+Run: pytest tests/test_cli.py (the two end-to-end runs are marked slow: ~10 s and ~25 s on 2 cores).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardlab.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--model.dim", "64", "--model.n-layers", "2", "--model.n-heads", "4", "--model.n-kv-heads", "2",
+        "--model.ffn-dim", "128", "--model.vocab-size", "512", "--train.seq-len", "64", "--log.wandb", "disabled",
+        "--log.no-progress"]  # fmt: skip
+
+
+def error_of(args, capsys) -> str:
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert "\n" not in err, f"not one line: {err}"
+    return err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["recipes/nope.py"], r"recipe: no file 'recipes/nope.py'"),
+        (["recipes/llama_fsdp_tp.py", "--world", "8"], r"mesh: dp_shard=2 x tp=2 = 4 ranks but world_size is 8"),
+        (["recipes/llama_fsdp_tp.py", "--world", "x"], r"--world 'x': expected a positive integer"),
+        (["plan", "recipes/llama_fsdp_tp.py", "--mesh.pp", "2"], None),
+        (
+            ["recipes/llama_fsdp_tp.py", "--mesh.pp", "2", "--mesh.dp-shard", "1"],
+            r"mesh.pp=2: pipeline parallelism is not implemented yet",
+        ),
+        (
+            ["recipes/llama_fsdp_tp.py", "--mesh.cp", "2", "--mesh.dp-shard", "1"],
+            r"mesh.cp=2: context parallelism is not implemented yet",
+        ),
+        (["recipes/llama_fsdp_tp.py", "--mesh.tp", "4", "--mesh.dp-shard", "1", "--train.global-batch", "3"], None),
+    ],
+)
+def test_bad_input_is_one_line_before_launch(args, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    if message is None:  # valid for `plan`, or valid config: must not error here (nothing launches for plan)
+        if args[0] == "plan":
+            assert main(args) == 0
+        return
+    assert pytest.importorskip("re").search(message, error_of(args, capsys))
+
+
+def test_recipe_without_config(tmp_path, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text("x = 1\n")
+    assert "`config` must be a shardlab.Config, found nothing; add `config = Config(...)`" in error_of(
+        [str(bad)], capsys
+    )
+
+
+def test_rule_matching_nothing_is_an_error_before_launch(tmp_path, capsys):
+    recipe = tmp_path / "r.py"
+    recipe.write_text(
+        "from shardlab import Config, MeshSpec, Rule, Rules\n"
+        "config = Config(mesh=MeshSpec(dp_shard=2))\n"
+        "rules = Rules(params=(Rule(pattern='**', spec=()), Rule(pattern='model.layers.*.attn.wqkv.weight', spec=('tp',))))\n"
+    )
+    err = error_of([str(recipe)], capsys)
+    assert (
+        "rules[1] 'model.layers.*.attn.wqkv.weight' matched no parameter; fix the glob or set plan.allow_unused_rules=True"
+        in err
+    )
+
+
+def test_unknown_axis_in_a_rule(tmp_path, capsys):
+    recipe = tmp_path / "r.py"
+    recipe.write_text(
+        "from shardlab import Config, MeshSpec, Rule, Rules\n"
+        "config = Config(mesh=MeshSpec(dp_shard=2))\n"
+        "rules = Rules(params=(Rule(pattern='**', spec=('model',)),))\n"
+    )
+    assert "unknown mesh axis 'model'" in error_of([str(recipe)], capsys)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--mesh.tp", "3"], "model.n_heads=16 is not divisible by mesh.tp=3"),
+        (["--mesh.tq", "3"], "Unrecognized"),
+        (["--train.steps", "zero"], "train.steps"),
+        (["--train.steps", "0"], "Expected `int` >= 1"),
+    ],
+)
+def test_bad_override(args, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exit_info:
+        code = main(["recipes/llama_fsdp_tp.py", *args])
+        raise SystemExit(code)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert message in " ".join((captured.err + captured.out).split())
+
+
+def test_plan_prints_the_table(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["plan", "recipes/llama3_405b.py", "--world", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "Plan for mesh dp_shard=512 x tp=8 (4096 ranks)" in out
+    assert "model.layers.*.self_attn.q_proj.weight (x126)" in out
+
+
+@pytest.mark.slow
+def test_one_rank_run_writes_its_run_dir(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "shardlab", "recipes/llama_debug.py", *TINY, "--train.steps", "3",
+         "--train.run-dir", str(tmp_path / "run")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["steps"] == 3
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["version"] == 1
+
+
+@pytest.mark.slow
+def test_four_rank_run_relaunches_and_matches_one_rank(tmp_path):
+    """python -m shardlab RECIPE re-launches itself through torchrun with 4 gloo ranks."""
+
+    def losses(recipe: str, name: str) -> list[float]:
+        run = subprocess.run(
+            [sys.executable, "-m", "shardlab", recipe, *TINY, "--train.steps", "3", "--train.run-dir", str(tmp_path / name)],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        return [json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    four = losses("recipes/llama_fsdp_tp.py", "four")
+    one = losses("recipes/llama_debug.py", "one")
+    assert max(abs(a - b) for a, b in zip(four, one)) <= 1e-5, (four, one)

@@ -1,0 +1,207 @@
+"""shardlab.launch: launcher detection, nproc per node, the torchrun command line, and one real 2-process run.
+
+The pure tests pass an env dict; the two real runs start torchrun with 2 CPU ranks (~5 s each).
+"""
+
+import os
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardlab.launch import init_distributed, nproc_for, relaunch, relaunch_command, relaunch_env, under_launcher
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+@pytest.mark.parametrize(
+    ("env", "launched", "added"),
+    [
+        ({}, False, {}),
+        ({"LOCAL_RANK": "1"}, False, {}),
+        ({"LOCAL_RANK": "1", "WORLD_SIZE": "4"}, True, {}),
+        ({"SLURM_PROCID": "0"}, False, {}),
+        (
+            {
+                "SLURM_PROCID": "5",
+                "SLURM_NTASKS": "8",
+                "SLURM_LOCALID": "1",
+                "SLURM_NNODES": "2",
+                "SLURM_JOB_ID": "4242",
+            },
+            True,
+            {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_PORT": "24242"},
+        ),
+        (
+            {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NNODES": "1"},
+            True,
+            {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "20000", "MASTER_ADDR": "127.0.0.1"},
+        ),
+        (  # torchrun inside a slurm job: torchrun's variables win and nothing is mapped
+            {"LOCAL_RANK": "0", "WORLD_SIZE": "4", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"},
+            True,
+            {},
+        ),
+        (  # values the user exported are kept
+            {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_ADDR": "node7", "MASTER_PORT": "1234"},
+            True,
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+        ),
+    ],
+)
+def test_under_launcher(env, launched, added):
+    before = dict(env)
+    assert under_launcher(env) is launched
+    assert env == {**before, **added}
+
+
+@pytest.mark.parametrize(("world_size", "env", "nproc"), [(8, {}, 8), (8, {"NNODES": "1"}, 8), (8, {"NNODES": "2"}, 4)])
+def test_nproc_for(world_size, env, nproc):
+    assert nproc_for(world_size, env) == nproc
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"NNODES": "4"},
+            r"^world_size=6 is not divisible by NNODES=4; make the mesh a multiple of NNODES ranks$",
+        ),
+        ({"NNODES": "two"}, r"^NNODES='two' in the environment is not an integer$"),
+        ({"NNODES": "0"}, r"^NNODES='0' in the environment must be >= 1$"),
+    ],
+)
+def test_nproc_for_errors(env, message):
+    with pytest.raises(ValueError, match=message):
+        nproc_for(6, env)
+
+
+def test_relaunch_command_single_node():
+    cmd = relaunch_command(4, ["recipes/llama_debug.py", "--train.steps", "3"], {"MASTER_ADDR": "ignored"})
+    assert cmd == [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
+        "-m", "shardlab", "recipes/llama_debug.py", "--train.steps", "3",
+    ]  # fmt: skip
+
+
+def test_relaunch_command_multi_node():
+    env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29400"}
+    assert relaunch_command(8, ["r.py"], env, module="mytool") == [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=8", "--nnodes=2", "--node-rank=1",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.5:29400", "-m", "mytool", "r.py",
+    ]  # fmt: skip
+    assert "--rdzv-endpoint=10.0.0.5:29500" in relaunch_command(8, [], {**env, "MASTER_PORT": "29500"})
+
+
+@pytest.mark.parametrize(
+    ("nproc", "env", "message"),
+    [
+        (0, {}, r"^nproc=0 must be at least 1$"),
+        (
+            2,
+            {"NNODES": "2"},
+            r"^NNODES=2 needs NODE_RANK and MASTER_ADDR in the environment; export NODE_RANK=<0\.\.1> and ",
+        ),
+        (2, {"NNODES": "2", "NODE_RANK": "0"}, r"^NNODES=2 needs MASTER_ADDR in the environment"),
+        (
+            2,
+            {"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "h"},
+            r"^NODE_RANK=2 but NNODES=2; NODE_RANK counts nodes from 0$",
+        ),
+    ],
+)
+def test_relaunch_command_errors(nproc, env, message):
+    with pytest.raises(ValueError, match=message):
+        relaunch_command(nproc, [], env)
+
+
+def test_relaunch_env_splits_the_cores_unless_omp_is_set():
+    cores = len(os.sched_getaffinity(0))
+    assert relaunch_env(1, {"A": "b"}) == {"A": "b", "OMP_NUM_THREADS": str(cores)}
+    assert relaunch_env(cores * 2, {})["OMP_NUM_THREADS"] == "1"
+    assert relaunch_env(2, {"OMP_NUM_THREADS": "7"})["OMP_NUM_THREADS"] == "7"
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    for name in (*LAUNCHER_VARS, "SHARDLAB_PG_TIMEOUT_S"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_one_process_without_launcher_needs_no_process_group(no_launcher):
+    d = init_distributed("cpu")
+    assert (d.rank, d.world_size, d.local_rank, d.device, d.backend, d.is_main) == (
+        0,
+        1,
+        0,
+        torch.device("cpu"),
+        None,
+        True,
+    )
+    assert not dist.is_initialized()
+
+
+def test_init_distributed_errors(no_launcher, monkeypatch):
+    with pytest.raises(ValueError, match=r"^init_distributed: device='tpu' is not one of 'auto', 'cuda', 'cpu'$"):
+        init_distributed("tpu")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(
+        ValueError, match=r"^init_distributed: WORLD_SIZE=2 needs MASTER_ADDR and MASTER_PORT in the environment; start"
+    ):
+        init_distributed("cpu")
+    monkeypatch.setenv("SHARDLAB_PG_TIMEOUT_S", "ten")
+    with pytest.raises(ValueError, match=r"^SHARDLAB_PG_TIMEOUT_S='ten' in the environment is not a number$"):
+        init_distributed("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cuda_without_a_device_is_an_error(no_launcher):
+    with pytest.raises(ValueError, match=r"^init_distributed: device='cuda' needs cuda:0 \(LOCAL_RANK\) but 0 CUDA"):
+        init_distributed("cuda")
+
+
+@pytest.mark.gpu
+def test_auto_picks_cuda(no_launcher):
+    d = init_distributed("auto")
+    assert (d.device, d.backend) == (torch.device("cuda", 0), None)
+
+
+TINY = r"""
+import os
+
+import torch
+import torch.distributed as dist
+from shardlab.launch import init_distributed
+
+d = init_distributed("cpu")
+t = torch.tensor([float(d.rank + 1)])
+dist.all_reduce(t)
+line = f"rank {d.rank}/{d.world_size} backend={d.backend} threads={torch.get_num_threads()} sum={t.item()}\n"
+os.write(1, line.encode())  # one write: print() can split the text and the newline, and the ranks interleave
+if d.rank == 1 and "{fail}" == "yes":
+    raise SystemExit("rank 1 gives up")
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture
+def tiny_module(tmp_path, monkeypatch, no_launcher):
+    for fail in ("no", "yes"):
+        (tmp_path / f"tiny_{fail}.py").write_text(textwrap.dedent(TINY.replace("{fail}", fail)))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.mark.world
+def test_relaunch_runs_two_ranks(tiny_module, capfd):
+    assert relaunch(2, [], module="tiny_no") == 0
+    lines = sorted(line for line in capfd.readouterr().out.splitlines() if line.startswith("rank "))
+    assert lines == ["rank 0/2 backend=gloo threads=1 sum=3.0", "rank 1/2 backend=gloo threads=1 sum=3.0"]
+
+
+@pytest.mark.world
+def test_relaunch_returns_the_failure_exit_code(tiny_module, capfd):
+    assert relaunch(2, [], module="tiny_yes") == 1
+    assert "rank 1 gives up" in capfd.readouterr().err
