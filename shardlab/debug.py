@@ -34,7 +34,7 @@ def visualize_spec(
     shape: Sequence[int], spec: P, mesh: MeshSpec, *, ranks: dict[tuple[int, ...], int] | None = None
 ) -> str:
     """Pure form of `visualize`: the blocks `spec` gives a tensor of `shape` on `mesh`, and who holds each."""
-    spec = expand(P(*spec), mesh)
+    spec = expand(P(*spec, *([None] * (len(shape) - len(spec)))), mesh)
     holders: dict[tuple[slice, ...], list[int]] = {}
     for rank in range(mesh.world_size):
         coordinate = mesh.coordinate(rank)
@@ -44,7 +44,7 @@ def visualize_spec(
     title = f"{tuple(shape)} {spec!r} on {mesh.describe()}"
     sharded = [d for d in range(len(shape)) if len({k[d] for k in holders}) > 1]
     if len(sharded) > 2:
-        lines = [title] + [f"  [{', '.join(f'{a}:{b}' for a, b in k)}]  ranks {_ranks(v)}" for k, v in holders.items()]
+        lines = [title] + [f"  [{', '.join(f'{a}:{b}' for a, b in k)}]  {_ranks(v)}" for k, v in holders.items()]
         return "\n".join(lines)
     rows_dim = sharded[0] if sharded else None
     cols_dim = sharded[1] if len(sharded) > 1 else None

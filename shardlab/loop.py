@@ -89,7 +89,7 @@ def train(
         run_dir, cfg.log, cfg.train.steps, enabled=is_writer, config_dict=json.loads(to_json(cfg)), name=cfg.name
     ) as writer:
         for _ in range(cfg.train.steps):
-            start = time.perf_counter()
+            start = time.perf_counter()  # the step time includes loading the batch, as torchtitan's does
             state, metrics = step(state, next(loader))
             elapsed = time.perf_counter() - start
             metrics = {
