@@ -98,6 +98,7 @@ def train(
                 "mfu": mfu(tokens_per_step / elapsed / world, fpt, peak),
                 "peak_memory_bytes": peak_memory_bytes(torch.device(device)),
                 "step_s": elapsed,
+                "time": time.time(),  # wall clock at the end of the step: benchmarks time steps as torchtitan does
             }
             history.append(metrics)
             writer.record(state.step, metrics)

@@ -125,13 +125,15 @@ class MetricsWriter:
 
 
 def format_line(step: int, total_steps: int, values: dict[str, float]) -> str:
-    """`step 10/100 | loss 3.4521 | 12,345 tok/s | mfu 41.2% | mem 1.23 GiB | grad_norm 0.812 | lr 8.00e-04`."""
+    """`step 10/100 | loss 3.4521 | 12,345 tok/s | mfu 41.2% | mem 1.23 GiB | grad_norm 0.812 | lr 8.00e-04`.
+
+    The wall-clock `time` is kept for metrics.jsonl and left out of the line."""
     shown = {**values}
     if "peak_memory_bytes" in shown:
         shown["peak_memory_bytes"] /= 2**30
     parts = [f"step {step}/{total_steps}"]
     parts += [fmt.format(shown[key]) for key, fmt in _LINE_FORMATS.items() if key in shown]
-    parts += [f"{key} {value:.4g}" for key, value in shown.items() if key not in _LINE_FORMATS]
+    parts += [f"{key} {value:.4g}" for key, value in shown.items() if key not in _LINE_FORMATS and key != "time"]
     return " | ".join(parts)
 
 

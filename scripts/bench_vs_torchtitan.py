@@ -1,0 +1,100 @@
+"""shardlab vs torchtitan on CPU ranks, same model, data, batch, layout and timing rule, run back to back.
+
+    python scripts/bench_vs_torchtitan.py 4 2 2                 # FSDP 2 x TP 2, fp32, no activation checkpointing
+    python scripts/bench_vs_torchtitan.py 1 1 1 --dtype bfloat16
+    python scripts/bench_vs_torchtitan.py 2 2 1 --skip-torchtitan
+
+Mirrors ../shared/peers/torchtitan/README.md: torchtitan's llama3 debug model (shardlab's default
+ModelConfig), seq 2048, 8 sequences per data-parallel rank, AdamW 8e-4 with clipping at 1.0, the
+stdlib-docstrings JSONL the peer's setup.sh writes, and tok/s = (STEPS - 2) x global tokens / (time
+of step STEPS - time of step 2). Prints one summary line per run and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER = ROOT.parent / "shared" / "peers" / "torchtitan"
+TT_WORK = Path(os.environ.get("TT_WORK", "/tmp/tt-work"))
+
+
+def run_shardlab(n: int, dp: int, tp: int, steps: int, dtype: str, ac: str) -> dict:
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-shardlab-"))
+    data = TT_WORK / "data" / "docstrings.jsonl"
+    data_args = ["--data.source", "files", "--data.paths", str(data)] if data.exists() else []
+    cmd = [
+        sys.executable, "-m", "shardlab", "recipes/llama_debug.py", "--world", str(n),
+        "--mesh.dp-shard", str(dp), "--mesh.tp", str(tp), "--train.steps", str(steps),
+        "--train.seq-len", "2048", "--train.global-batch", str(8 * dp), "--optim.decay", "linear",
+        "--plan.param-dtype", dtype, "--plan.activation-checkpoint", ac, "--log.wandb", "disabled",
+        "--log.no-progress", "--train.run-dir", str(run_dir), *data_args,
+    ]  # fmt: skip
+    env = {**os.environ}
+    if n > 1:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    subprocess.run(cmd, cwd=ROOT, check=True, env=env)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r for r in rows}
+    tokens = (steps - 2) * 8 * dp * 2048
+    elapsed = by_step[steps]["time"] - by_step[2]["time"]
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return {
+        "tok_s_total": tokens / elapsed,
+        "loss_first": by_step[1]["loss"],
+        "loss_last": by_step[steps]["loss"],
+        "step_s": elapsed / (steps - 2),
+        "peak_rss_mib": rss,
+    }
+
+
+def run_torchtitan(n: int, dp: int, tp: int, steps: int, dtype: str, ac: str) -> dict:
+    flags = ["--training.mixed_precision_param", dtype, f"activation_checkpoint:{ac}"]
+    out = subprocess.run(
+        [str(PEER / "run.sh"), str(n), str(dp), str(tp), str(steps), *flags], capture_output=True, text=True
+    )
+    last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    if out.returncode or not last.startswith("torchtitan n="):
+        raise SystemExit(f"torchtitan failed (rc={out.returncode}): {last}\n{out.stderr[-2000:]}")
+    fields = dict(kv.split("=", 1) for kv in last.split()[1:])
+    return {k: float(fields[k]) for k in ("tok_s_total", "loss_first", "loss_last", "step_s", "peak_rss_mib")}
+
+
+def line(tool: str, n: int, dp: int, tp: int, steps: int, dtype: str, ac: str, r: dict) -> str:
+    return (
+        f"{tool} n={n} dp_shard={dp} tp={tp} steps={steps} tok_s_total={r['tok_s_total']:.0f} "
+        f"loss_first={r['loss_first']:.4f} loss_last={r['loss_last']:.4f} peak_rss_mib={r['peak_rss_mib']:.0f} "
+        f"step_s={r['step_s']:.2f} param_dtype={dtype} ac={ac}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("n", type=int)
+    parser.add_argument("dp_shard", type=int)
+    parser.add_argument("tp", type=int)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--ac", choices=("none", "full"), default="none")
+    parser.add_argument("--skip-torchtitan", action="store_true")
+    a = parser.parse_args()
+    if a.n != a.dp_shard * a.tp:
+        raise SystemExit(f"n={a.n} must equal dp_shard x tp = {a.dp_shard * a.tp}")
+    ours = run_shardlab(a.n, a.dp_shard, a.tp, a.steps, a.dtype, a.ac)
+    print(line("shardlab", a.n, a.dp_shard, a.tp, a.steps, a.dtype, a.ac, ours), flush=True)
+    if a.skip_torchtitan:
+        return
+    theirs = run_torchtitan(a.n, a.dp_shard, a.tp, a.steps, a.dtype, a.ac)
+    print(line("torchtitan", a.n, a.dp_shard, a.tp, a.steps, a.dtype, a.ac, theirs))
+    print(f"ratio shardlab/torchtitan tok/s = {ours['tok_s_total'] / theirs['tok_s_total']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
