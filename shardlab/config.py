@@ -181,6 +181,10 @@ class TrainConfig(Frozen):
     """Tokens per sequence."""
     seed: int = 42
     """Seed of the initialisation (the data order has its own, data.seed)."""
+    init: Literal["full", "sharded"] = "full"
+    """full: every rank builds the whole model from the seed, then shards it (every layout starts from the same
+    weights); sharded: apply the plan on the meta device, then initialise only each rank's shards (memory of one
+    shard, for models that do not fit one device; values then depend on the layout)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when available (NCCL), else CPU (gloo)."""
     run_dir: str = "runs/{name}"
@@ -260,6 +264,11 @@ class Config(Frozen):
                 )
         if self.mesh.is_resolved:
             self._check_batch(self.mesh.size("dp"))
+        if self.train.init == "sharded" and m.tie_embeddings:
+            raise ValueError(
+                "train.init='sharded' with model.tie_embeddings=True is not supported yet (the tie must be made before "
+                "FSDP wraps the weights); use train.init='full'"
+            )
 
     def _check_batch(self, dp: int) -> None:
         t = self.train

@@ -38,16 +38,19 @@ def build_model(
     with torch.device("meta"):
         model = Llama(cfg.model)
     plan = make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan)
-    model.to_empty(device=device)
-    torch.manual_seed(cfg.train.seed)
-    with torch.no_grad():
-        model.init_weights()
     mesh = None
     if plan.fsdp is not None or plan.mesh.tp > 1:
         if not dist.is_initialized():
             # FSDP mixed precision on one process still needs a (one-rank) process group.
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         mesh = make_mesh(cfg.mesh, torch.device(device).type)
+    if cfg.train.init == "sharded" and mesh is not None:
+        apply(model, plan, mesh)  # on the meta device: no rank ever holds more than its shards
+    model.to_empty(device=device)
+    torch.manual_seed(cfg.train.seed)
+    with torch.no_grad():
+        model.init_weights()
+    if cfg.train.init == "full" and mesh is not None:
         apply(model, plan, mesh)
     return model, plan, mesh
 

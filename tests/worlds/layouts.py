@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
@@ -70,3 +71,21 @@ def with_micro_batch(cfg: Config, micro_batch: int) -> Config:
 
 def tied(cfg: Config) -> Config:
     return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, tie_embeddings=True))
+
+
+def with_sharded_init(cfg: Config) -> Config:
+    return msgspec.structs.replace(cfg, train=msgspec.structs.replace(cfg.train, init="sharded"))
+
+
+def sharded_init_trains(rank: int, world_size: int, cfg: Config) -> list[float]:
+    """init='sharded' initialises on the meta-device plan: replicas over dp_replicate agree, and it trains."""
+    model, plan, mesh = build_model(with_sharded_init(cfg))
+    if plan.mesh.dp_replicate > 1:
+        group = mesh["dp_replicate"].get_group()
+        for fqn, param in model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            copies = [local.detach().clone() for _ in range(plan.mesh.dp_replicate)]
+            dist.all_gather(copies, local.detach().contiguous(), group=group)
+            if not all(torch.equal(copies[0], c) for c in copies):
+                raise AssertionError(f"rank {rank} {fqn}: replicas over dp_replicate differ after sharded init")
+    return losses(with_sharded_init(cfg))

@@ -7,7 +7,7 @@ import pytest
 from shardlab.config import MeshSpec
 
 from ._harness import run_world
-from .layouts import STEPS, TOL, losses, placements_match_plan, tiny, with_micro_batch
+from .layouts import STEPS, TOL, losses, placements_match_plan, sharded_init_trains, tiny, with_micro_batch
 
 LAYOUTS = {
     **{
@@ -37,7 +37,14 @@ def run_bf16(rank, world_size):
     return losses(BF16)
 
 
-CHECKS = [placements, run, run_bf16]
+def sharded_init(rank, world_size):
+    return {
+        "hsdp2x2": sharded_init_trains(rank, world_size, tiny(MeshSpec(dp_replicate=2, dp_shard=2))),
+        "fsdp2xtp2": sharded_init_trains(rank, world_size, tiny(MeshSpec(dp_shard=2, tp=2))),
+    }
+
+
+CHECKS = [placements, run, run_bf16, sharded_init]
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +79,11 @@ def test_bf16_mixed_precision_stays_close(world4, reference):
     got = world4.value(run_bf16)
     diff = max(abs(a - b) for a, b in zip(got, reference))
     assert 0 < diff < 0.05, f"bf16 differs from fp32 by {diff:.3g}"
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("layout", ["hsdp2x2", "fsdp2xtp2"])
+def test_sharded_init_trains(world4, layout):
+    """Initialising shards on the meta-device plan (for models larger than one device) trains too."""
+    got = world4.value(sharded_init)[layout]
+    assert got[-1] < got[0] - 0.5, got
