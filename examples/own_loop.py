@@ -37,22 +37,15 @@ def main() -> None:
     if WORLD > 1:
         mesh = shardlab.make_mesh(cfg.mesh)
         shardlab.apply(model, plan, mesh)
-    dp = cfg.mesh.size("dp")
-    step = shardlab.make_step(
-        cfg.optim,
-        cfg.train.steps,
-        dp_size=dp,
-        loss_group=mesh["batch"].get_group() if mesh is not None and dp > 1 else None,
-        use_loss_parallel=plan.loss_parallel,
-    )
+    step = shardlab.make_step(cfg, plan, mesh)
     state = shardlab.init_state(model, cfg.optim)
     loader = make_loader(
         cfg.data,
         seq_len=cfg.train.seq_len,
         global_batch=cfg.train.global_batch,
         vocab_size=cfg.model.vocab_size,
-        dp_rank=cfg.mesh.group_index(RANK, ("dp_replicate", "dp_shard")),
-        dp_size=dp,
+        dp_rank=cfg.mesh.group_index(RANK, ("dp",)),
+        dp_size=cfg.mesh.size("dp"),
     )
     for batch in loader:
         state, metrics = step(state, batch)

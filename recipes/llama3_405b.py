@@ -9,5 +9,5 @@ config = Config(
     model=llama_config("405B"),
     plan=PlanConfig(param_dtype="bfloat16", reduce_dtype="float32", activation_checkpoint="full"),
     optim=OptimConfig(lr=8e-5, warmup_steps=600),
-    train=TrainConfig(steps=1000, global_batch=2048, seq_len=8192, device="cuda"),
+    train=TrainConfig(steps=1000, global_batch=2048, seq_len=8192, device="cuda", init="sharded"),
 )

@@ -9,5 +9,5 @@ config = Config(
     model=llama_config("70B"),
     plan=PlanConfig(param_dtype="bfloat16", reduce_dtype="float32", activation_checkpoint="full"),
     optim=OptimConfig(lr=1.5e-4, warmup_steps=200),
-    train=TrainConfig(steps=1000, global_batch=256, seq_len=8192, device="cuda"),
+    train=TrainConfig(steps=1000, global_batch=256, seq_len=8192, device="cuda", init="sharded"),
 )

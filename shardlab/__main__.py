@@ -70,13 +70,16 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
     elif world is None:
         world = math.prod(s for s in cfg.mesh.axis_sizes if s != -1)  # a -1 axis gets size 1 unless --world says more
     cfg = cfg.resolve(world)
-    plan = _plan(cfg, recipe.rules(cfg))
+    from shardlab.loop import plan_model
+
+    _, plan = plan_model(cfg, recipe.rules(cfg))
     if command == "plan":
         print(plan.table())
         return 0
     from shardlab.apply import check_supported
 
     check_supported(cfg.mesh)
+    _check_data(cfg)
     if world > 1 and not launched:
         print(f"shardlab: launching {world} ranks ({cfg.mesh.describe()}) through torch.distributed.run", flush=True)
         return relaunch(nproc_for(world), [recipe_path, *overrides])
@@ -91,17 +94,14 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
     return 0
 
 
-def _plan(cfg, rules):
-    """The plan on the meta device: catches rule and shape errors before any process starts."""
-    import torch
+def _check_data(cfg) -> None:
+    """Open the data once here, so a missing file or a too-small vocabulary fails before any rank starts."""
+    from shardlab.data import make_loader
 
-    from shardlab.models.llama import Llama
-    from shardlab.models.llama_rules import llama_rules
-    from shardlab.plan import make_plan
-
-    with torch.device("meta"):
-        model = Llama(cfg.model)
-    return make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan)
+    make_loader(
+        cfg.data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size,
+        dp_rank=0, dp_size=1,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor.placement_types import Placement, Shard, _StridedShard
 
-__all__ = ["is_strided", "split_factor", "strided_shard"]
+__all__ = ["is_strided", "local_chunk", "shard_dim", "split_factor", "strided_shard"]
 
 
 def strided_shard(dim: int, split_factor: int) -> Placement:

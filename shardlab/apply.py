@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -23,9 +22,10 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement
 
+from shardlab._checkpoint import checkpoint as checkpoint_module
 from shardlab.mesh import AXES, MeshSpec, mesh_spec_of
 from shardlab.plan import ModulePlan, Plan, Spec
-from shardlab.spec import P, placements
+from shardlab.spec import P, check_shape, expand, placements
 
 NOT_YET = {
     "pp": "pipeline parallelism is not implemented yet (issue 4)",
@@ -45,6 +45,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
     """Parallelize `model` in place as `plan` says, on `mesh` (from `make_mesh`), and return it."""
     _check_mesh(plan, mesh)
     check_supported(plan.mesh)
+    _check_model(model, plan)
     if plan.mesh.tp > 1:
         parallelize_module(model, mesh["tp"], {m.fqn: _tp_style(m) for m in plan.modules})
         _retie(model, plan)
@@ -75,12 +76,24 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
 
 
 def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
-    names, sizes = tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape)
-    if names != AXES or sizes != plan.mesh.axis_sizes:
-        raise ValueError(
-            f"apply: the DeviceMesh has axes {dict(zip(names, sizes))} but the plan was made for {plan.mesh.describe()}; "
-            "build the mesh with make_mesh(plan.mesh)"
-        )
+    names = tuple(mesh.mesh_dim_names or ())
+    if names != AXES:
+        raise ValueError(f"apply: the DeviceMesh has axes {names}, not {AXES}; build it with make_mesh(plan.mesh)")
+    plan.check_mesh(mesh_spec_of(mesh))
+
+
+def _check_model(model: nn.Module, plan: Plan) -> None:
+    """The plan must describe this model: same parameter names and shapes (else torch would warn and skip)."""
+    have = {fqn: tuple(p.shape) for fqn, p in model.named_parameters()}
+    want = {p.fqn: p.shape for p in plan.params}
+    for fqn in sorted(have.keys() ^ want.keys()):
+        where = "the model" if fqn in have else "the plan"
+        raise ValueError(f"apply: parameter {fqn!r} is only in {where}; make the plan from this model (make_plan)")
+    for fqn, shape in want.items():
+        if have[fqn] != shape:
+            raise ValueError(
+                f"apply: {fqn} has shape {have[fqn]} but the plan says {shape}; make the plan from this model"
+            )
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -91,7 +104,7 @@ def _tp(spec: Spec | None) -> Placement | None:
     """The tp placement of an activation spec: Shard(dim) where tp splits it, else Replicate."""
     if spec is None:
         return None
-    dim = next((d for d, e in enumerate(spec) if "tp" in P(e).axes(0)), None)
+    dim = P(*spec).dim_of("tp")
     return Replicate() if dim is None else Shard(dim)
 
 
@@ -122,18 +135,20 @@ def _retie(model: nn.Module, plan: Plan) -> None:
             setattr(model.get_submodule(owner), name, model.get_parameter(p.fqn))
 
 
-def _placements_on(mesh: DeviceMesh, spec: P) -> list[Placement]:
-    full = placements(spec, mesh_spec_of(mesh))
+def _placements_on(mesh: DeviceMesh, spec: P, shape: tuple[int, ...]) -> list[Placement]:
+    spec_mesh = mesh_spec_of(mesh)
+    check_shape(expand(spec, spec_mesh), spec_mesh, shape)
+    full = placements(spec, spec_mesh)
     return [full[AXES.index(n)] for n in mesh.mesh_dim_names]
 
 
 def shard(tensor: torch.Tensor, mesh: DeviceMesh, spec: P) -> DTensor:
     """`jax.device_put(x, NamedSharding(mesh, spec))`: distribute a full tensor with a PartitionSpec."""
-    return distribute_tensor(tensor, mesh, _placements_on(mesh, P(*spec)))
+    return distribute_tensor(tensor, mesh, _placements_on(mesh, P(*spec), tuple(tensor.shape)))
 
 
 def constrain(x: torch.Tensor, spec: P) -> torch.Tensor:
     """`with_sharding_constraint`: redistribute a DTensor to `spec` on its own mesh; a plain tensor is returned as is."""
     if not isinstance(x, DTensor):
         return x
-    return x.redistribute(x.device_mesh, _placements_on(x.device_mesh, P(*spec)))
+    return x.redistribute(x.device_mesh, _placements_on(x.device_mesh, P(*spec), tuple(x.shape)))

@@ -15,7 +15,7 @@ from shardlab.mesh import MeshSpec
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["float32", "bfloat16"]  # no float16: it needs a gradient scaler shardlab does not have
 
 
 class RopeScaling(Frozen):
@@ -29,6 +29,15 @@ class RopeScaling(Frozen):
     """Wavelengths shorter than original_max_position / high_freq_factor are kept."""
     original_max_position: Positive = 8192
     """Context length the base model was trained with."""
+
+    def __post_init__(self) -> None:
+        if self.factor < 1:
+            raise ValueError(f"model.rope_scaling.factor={self.factor}: must be >= 1")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"model.rope_scaling: low_freq_factor={self.low_freq_factor} and high_freq_factor={self.high_freq_factor} "
+                "need 0 < low_freq_factor < high_freq_factor"
+            )
 
 
 class ModelConfig(Frozen):
@@ -67,6 +76,10 @@ class ModelConfig(Frozen):
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
                 "grouped-query attention needs n_kv_heads dividing n_heads"
             )
+        if self.rope_theta <= 0:
+            raise ValueError(f"model.rope_theta={self.rope_theta}: must be > 0")
+        if self.init_std <= 0:
+            raise ValueError(f"model.init_std={self.init_std}: must be > 0")
         if (self.dim // self.n_heads) % 2:
             raise ValueError(f"model: head_dim={self.dim // self.n_heads} is odd; RoPE needs an even head_dim")
 
@@ -98,7 +111,7 @@ class PlanConfig(Frozen):
     reduce_dtype: Dtype = "float32"
     """FSDP mixed precision: dtype of gradient reduction."""
     cpu_offload: bool = False
-    """FSDP: keep sharded parameters, grads and optimizer state on the CPU."""
+    """FSDP: keep sharded parameters, grads and optimizer state on the CPU (not supported yet: an error)."""
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: none, every block (full), or every `ac_every`-th block."""
     ac_every: Positive = 2
@@ -109,6 +122,8 @@ class PlanConfig(Frozen):
     """Accept rules that match no parameter (otherwise an error names them)."""
     allow_uncovered: bool = False
     """Replicate parameters that no rule covers (otherwise an error names them)."""
+    allow_unused_axes: bool = False
+    """Accept a model-parallel axis (tp) of size > 1 that no rule uses (otherwise every tp rank repeats the same work)."""
 
 
 class OptimConfig(Frozen):
@@ -264,6 +279,10 @@ class Config(Frozen):
                 )
         if self.mesh.is_resolved:
             self._check_batch(self.mesh.size("dp"))
+        if self.plan.cpu_offload:
+            raise ValueError(
+                "plan.cpu_offload: FSDP CPU offload is not supported yet (no GPU test covers it); leave it False"
+            )
         if self.train.init == "sharded" and m.tie_embeddings:
             raise ValueError(
                 "train.init='sharded' with model.tie_embeddings=True is not supported yet (the tie must be made before "

@@ -137,6 +137,27 @@ def relaunch(nproc_per_node: int, argv: list[str], module: str = "shardlab") -> 
     return code if code >= 0 else 128 - code
 
 
+def resolve_device(device: str = "auto", local_rank: int | None = None) -> torch.device:
+    """ "auto" -> cuda:LOCAL_RANK when CUDA is available, else cpu; "cuda" -> cuda:LOCAL_RANK; "cpu" -> cpu."""
+    import torch
+
+    if local_rank is None:
+        local_rank = _env_number(os.environ, "LOCAL_RANK", 0)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if device != "cuda":
+        raise ValueError(f"train.device={device!r} is not one of 'auto', 'cuda', 'cpu'")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(
+            f"train.device='cuda' needs cuda:{local_rank} (LOCAL_RANK) but {count} CUDA devices are visible; "
+            "use device='cpu' or fewer processes per node"
+        )
+    return torch.device("cuda", local_rank)
+
+
 def init_distributed(device: str = "auto") -> Dist:
     """Join the world described by the launcher's environment (or a world of one if there is no launcher).
 
@@ -153,21 +174,9 @@ def init_distributed(device: str = "auto") -> Dist:
     rank, world_size, local_rank = (
         _env_number(env, k, d) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
     )
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        count = torch.cuda.device_count()
-        if local_rank >= count:
-            raise ValueError(
-                f"init_distributed: device='cuda' needs cuda:{local_rank} (LOCAL_RANK) but {count} CUDA devices "
-                "are visible; use device='cpu' or fewer processes per node"
-            )
-        dev = torch.device("cuda", local_rank)
+    dev = resolve_device(device, local_rank)
+    if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    elif device == "cpu":
-        dev = torch.device("cpu")
-    else:
-        raise ValueError(f"init_distributed: device={device!r} is not one of 'auto', 'cuda', 'cpu'")
     if dist.is_initialized():
         return Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev, dist.get_backend())
     if world_size == 1 and not launched:

@@ -14,11 +14,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from shardlab._base import to_json
 from shardlab.apply import apply, check_supported
 from shardlab.config import Config
 from shardlab.data import make_loader
+from shardlab.launch import resolve_device
 from shardlab.mesh import make_mesh
 from shardlab.metrics import MetricsWriter, device_peak_flops, flops_per_token, mfu, peak_memory_bytes
 from shardlab.models.llama import Llama
@@ -28,22 +31,36 @@ from shardlab.rules import Rules
 from shardlab.step import Metrics, TrainState, init_state, make_step
 
 
-def build_model(
-    cfg: Config, rules: Rules | None = None, device: torch.device | str = "cpu"
-) -> tuple[nn.Module, Plan, object]:
-    """Model + plan + mesh for the current process group (or a single process), parallelized and ready to train."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    cfg = cfg.resolve(world)
-    check_supported(cfg.mesh)
+def plan_model(cfg: Config, rules: Rules | None = None) -> tuple[nn.Module, Plan]:
+    """The model on the meta device and its plan for cfg.mesh (resolved): no process group, no memory."""
     with torch.device("meta"):
         model = Llama(cfg.model)
-    plan = make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan)
+    return model, make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan)
+
+
+def build_model(
+    cfg: Config, rules: Rules | None = None, device: torch.device | str | None = None
+) -> tuple[nn.Module, Plan, DeviceMesh | None]:
+    """Model + plan + mesh for the current process group (or a single process), parallelized and ready to train.
+
+    device: None reads cfg.train.device (cuda:LOCAL_RANK when CUDA is used).
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg = cfg.validated().resolve(world)
+    check_supported(cfg.mesh)
+    device = resolve_device(cfg.train.device) if device is None else torch.device(device)
+    if cfg.train.init == "sharded" and device.type != "cuda":
+        raise ValueError(
+            "train.init='sharded' needs CUDA: torch coordinates DTensor random init across ranks only on CUDA "
+            "meshes (on CPU every shard would draw the same numbers); use train.init='full'"
+        )
+    model, plan = plan_model(cfg, rules)
     mesh = None
     if plan.fsdp is not None or plan.mesh.tp > 1:
         if not dist.is_initialized():
             # FSDP mixed precision on one process still needs a (one-rank) process group.
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        mesh = make_mesh(cfg.mesh, torch.device(device).type)
+        mesh = make_mesh(cfg.mesh, device.type)
     if cfg.train.init == "sharded" and mesh is not None:
         apply(model, plan, mesh)  # on the meta device: no rank ever holds more than its shards
     model.to_empty(device=device)
@@ -56,23 +73,16 @@ def build_model(
 
 
 def train(
-    cfg: Config, rules: Rules | None = None, *, device: torch.device | str = "cpu", write: bool = True
+    cfg: Config, rules: Rules | None = None, *, device: torch.device | str | None = None, write: bool = True
 ) -> list[Metrics]:
     """Run cfg.train.steps steps; rank 0 writes config.json, plan.json and metrics.jsonl into the run directory."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    cfg = cfg.resolve(world)
     model, plan, mesh = build_model(cfg, rules, device)
+    cfg = cfg.resolve(plan.mesh.world_size)
+    device = _local_device(model)
     dp = cfg.mesh.size("dp")
-    dp_rank = cfg.mesh.group_index(rank, ("dp_replicate", "dp_shard"))
-    step = make_step(
-        cfg.optim,
-        cfg.train.steps,
-        grad_accum=cfg.train.grad_accum(dp),
-        dp_size=dp,
-        loss_group=mesh["batch"].get_group() if mesh is not None and cfg.mesh.size("batch") > 1 else None,
-        use_loss_parallel=plan.loss_parallel,
-    )
+    dp_rank = cfg.mesh.group_index(rank, ("dp",))
+    step = make_step(cfg, plan, mesh)
     state: TrainState = init_state(model, cfg.optim)
     loader = make_loader(
         cfg.data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size,
@@ -84,8 +94,11 @@ def train(
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_bytes(to_json(cfg))
         (run_dir / "plan.json").write_bytes(plan.to_json())
-    fpt = flops_per_token(cfg.model.n_params, cfg.model.n_layers, cfg.model.dim, cfg.train.seq_len)
-    peak = device_peak_flops(torch.device(device), cfg.log.peak_tflops)
+    m = cfg.model
+    matmul_params = m.n_params - (0 if m.tie_embeddings else m.vocab_size * m.dim)  # an embedding lookup is no matmul
+    fpt = flops_per_token(matmul_params, m.n_layers, m.dim, cfg.train.seq_len)
+    peak = device_peak_flops(device, cfg.log.peak_tflops)
+    world = plan.mesh.world_size
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     history: list[Metrics] = []
     with MetricsWriter(
@@ -99,10 +112,15 @@ def train(
                 **metrics,
                 "tokens_per_s": tokens_per_step / elapsed,
                 "mfu": mfu(tokens_per_step / elapsed / world, fpt, peak),
-                "peak_memory_bytes": peak_memory_bytes(torch.device(device)),
+                "peak_memory_bytes": peak_memory_bytes(device),
                 "step_s": elapsed,
                 "time": time.time(),  # wall clock at the end of the step: benchmarks time steps as torchtitan does
             }
             history.append(metrics)
             writer.record(state.step, metrics)
     return history
+
+
+def _local_device(model: nn.Module) -> torch.device:
+    p = next(iter(model.parameters()))
+    return p.to_local().device if isinstance(p, DTensor) else p.device

@@ -169,6 +169,10 @@ def make_mesh(spec: MeshSpec, device_type: str = "cpu"):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    if not dist.is_initialized():
+        raise ValueError(
+            "make_mesh: no process group; start under torchrun (or call torch.distributed.init_process_group)"
+        )
     world = dist.get_world_size()
     spec = spec.resolve(world)
     mesh = init_device_mesh(device_type, spec.axis_sizes, mesh_dim_names=AXES)

@@ -67,7 +67,7 @@ class MetricsWriter:
                 reinit="create_new",
                 settings=wandb.Settings(silent=True, console="off", disable_git=True, save_code=False),
             )
-        self._file = (run_dir / "metrics.jsonl").open("a")  # append: a resumed run continues the file
+        self._file = (run_dir / "metrics.jsonl").open("w")  # a new run starts the file (resume lands with issue 3)
         if log.progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -8,16 +8,16 @@ options. A Plan holds no modules, meshes or tensors: it prints, diffs and round-
 from __future__ import annotations
 
 import math
-import re
 from typing import Literal
 
 import msgspec
 import torch
 from torch import nn
 
+from shardlab import _plan_text
 from shardlab._base import Frozen, to_json
 from shardlab.config import PlanConfig
-from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec
+from shardlab.mesh import MeshSpec
 from shardlab.rules import Activation, Rules, logical_to_spec, matches, resolve
 from shardlab.spec import Entry, P, check_shape, expand, local_shape, placements
 
@@ -33,7 +33,9 @@ class ParamPlan(Frozen):
     """Where one parameter lives."""
 
     fqn: str
+    """Fully qualified name (the first one, for a tied tensor)."""
     shape: tuple[int, ...]
+    """Global shape."""
     dtype: str
     spec: Spec
     """Full PartitionSpec: the rule's model-parallel axes, plus FSDP's axes as the minor part of dim 0."""
@@ -42,10 +44,13 @@ class ParamPlan(Frozen):
     local_shape: tuple[int, ...]
     """Largest per-rank shard (FSDP pads the last shards when dim 0 is uneven)."""
     bytes_per_rank: int
+    """Bytes of the largest shard in the parameter's dtype."""
     rule: int | None
     """Index of the rule that decided the spec; None when replicated by plan.allow_uncovered."""
     shadowed: tuple[int, ...] = ()
+    """Later rules that also matched (the first match won)."""
     fallbacks: tuple[str, ...] = ()
+    """Logical names that fell back because their preferred mesh axes were taken."""
     fsdp_unit: str | None = None
     """FSDP unit owning it ('' is the root); None without FSDP."""
     padded: bool = False
@@ -55,7 +60,7 @@ class ParamPlan(Frozen):
 
     @property
     def tp_dim(self) -> int | None:
-        return next((d for d, e in enumerate(self.spec) if "tp" in P(e).axes(0)), None)
+        return P(*self.spec).dim_of("tp")
 
 
 class ModulePlan(Frozen):
@@ -89,16 +94,25 @@ class Plan(Frozen):
     """The layout of one model on one mesh. Made by `make_plan`, consumed by `apply`."""
 
     version: int
+    """Format version; a plan of another version is refused when loaded."""
     mesh: MeshSpec
+    """The (resolved) mesh the plan was made for; using it with another mesh is an error."""
     rules: Rules
+    """The rules it was made from (so `explain` can name them)."""
     params: tuple[ParamPlan, ...]
+    """One record per unique parameter, in `named_parameters` order."""
     modules: tuple[ModulePlan, ...]
+    """TP styles per module (empty when tp is 1)."""
     fsdp: FsdpPlan | None
+    """FSDP units and options; None when no FSDP is applied (one process in fp32, or TP only)."""
     blocks: tuple[str, ...]
+    """Repeated blocks that activation checkpointing and compile wrap."""
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     ac_every: int = 2
+    """With selective checkpointing, one block in this many is checkpointed."""
     compile: bool = False
     loss_parallel: bool = False
+    """The logits stay vocab-sharded, so the loss runs under torch's `loss_parallel()`."""
 
     def param(self, fqn: str) -> ParamPlan:
         for p in self.params:
@@ -133,76 +147,11 @@ class Plan(Frozen):
 
     def explain(self, fqn: str) -> str:
         """Why a parameter is laid out as it is: the winning rule, the shadowed ones, the fallbacks."""
-        p = self.param(fqn)
-        lines = [f"{p.fqn}  shape {p.shape}  spec {P(*p.spec)!r}"]
-        if p.rule is None:
-            lines.append("  no rule matched: replicated because plan.allow_uncovered=True")
-        else:
-            lines.append(f"  rule {p.rule}: {_rule_text(self.rules, p.rule)}  (first match wins)")
-        lines += [f"  shadowed rule {i}: {_rule_text(self.rules, i)}" for i in p.shadowed]
-        lines += [f"  logical fallback: {f}" for f in p.fallbacks]
-        if p.fsdp_unit is not None and self.fsdp is not None:
-            lines.append(
-                f"  FSDP unit {p.fsdp_unit or '<root>'} over {' x '.join(self.fsdp.axes)}: dim 0 gets them as its minor axes"
-                + (" (padded)" if p.padded else "")
-            )
-        lines.append(
-            f"  placements {_placements_text(p.placements, self.mesh)}  local {p.local_shape}  {p.bytes_per_rank:,} bytes/rank"
-        )
-        lines += [f"  alias {a}" for a in p.aliases]
-        return "\n".join(lines)
+        return _plan_text.explain(self, fqn)
 
     def table(self, collapse: bool = True) -> str:
         """Readable table; with `collapse`, parameters of repeated blocks are shown once (`layers.*`)."""
-        head = (
-            f"Plan for mesh {self.mesh.describe()}  "
-            f"params {sum(math.prod(p.shape) for p in self.params):,}  "
-            f"{self.bytes_per_rank / 2**20:,.1f} MiB/rank (params)"
-        )
-        rows = [("parameter", "shape", "spec", "placements", "local", "MiB/rank", "rule")]
-        for fqn, p, count in _collapsed(self.params, collapse):
-            rows.append(
-                (
-                    fqn + (f" (x{count})" if count > 1 else ""),
-                    "x".join(map(str, p.shape)),
-                    _spec_text(p.spec),
-                    _placements_text(p.placements, self.mesh),
-                    "x".join(map(str, p.local_shape)),
-                    f"{p.bytes_per_rank / 2**20:.2f}",
-                    "-" if p.rule is None else str(p.rule),
-                )
-            )
-        out = [head, _columns(rows)]
-        if self.modules:
-            mrows = [("module", "style", "inputs", "output")]
-            for fqn, m, count in _collapsed(self.modules, collapse):
-                ins = m.desired_inputs or m.inputs
-                src = " -> ".join(_spec_text(s[0]) for s in (m.inputs, m.desired_inputs) if s) if ins else "-"
-                mrows.append(
-                    (
-                        fqn + (f" (x{count})" if count > 1 else ""),
-                        m.style,
-                        src,
-                        _spec_text(m.output) if m.output else "-",
-                    )
-                )
-            out += ["", _columns(mrows)]
-        if self.fsdp:
-            f = self.fsdp
-            units = sorted({_layer_glob(" + ".join(u)) for u in f.units})
-            out += [
-                "",
-                f"FSDP over {' x '.join(f.axes)}: {len(f.units)} units + root ({', '.join(units)}); "
-                f"reshard_after_forward={f.reshard_after_forward} param={f.param_dtype} reduce={f.reduce_dtype} "
-                f"cpu_offload={f.cpu_offload}",
-            ]
-        extras = [
-            f"loss_parallel={self.loss_parallel}",
-            f"activation_checkpoint={self.activation_checkpoint}",
-            f"compile={self.compile}",
-        ]
-        out.append("  ".join(extras))
-        return "\n".join(out)
+        return _plan_text.table(self, collapse)
 
     def __str__(self) -> str:
         return self.table()
@@ -251,6 +200,11 @@ def make_plan(model: nn.Module, mesh: MeshSpec, rules: Rules, options: PlanConfi
         raise ValueError(
             f"rules[{i}] {pattern!r} matched no parameter; fix the glob or set plan.allow_unused_rules=True"
         )
+    if mesh.tp > 1 and not options.allow_unused_axes and all(p.tp_dim is None for p in out):
+        raise ValueError(
+            f"mesh.tp={mesh.tp} but no rule shards a parameter over tp, so every tp rank would repeat the same work; "
+            "use tp in the rules, set mesh.tp=1, or set plan.allow_unused_axes=True"
+        )
     by_name = {name: p for p in out for name in (p.fqn, *p.aliases)}
     styles = _module_plans(modules, by_name, mesh, rules) if mesh.tp > 1 else ()
     blocks = tuple(f for f in modules if any(matches(g, f) for g in rules.blocks))
@@ -295,14 +249,13 @@ def _matches_any(pattern: str, params: dict[str, torch.Tensor]) -> bool:
 
 
 def _check_model_axes(fqn: str, rule: int, rules: Rules, spec: Spec, mesh: MeshSpec) -> None:
-    expanded = expand(P(*spec), mesh, name=fqn)
+    expand(P(*spec), mesh, name=fqn)  # unknown axes and an axis used twice are errors
     for axis in P(*spec).used_axes:
         if axis in DATA_AXES:
             raise ValueError(
                 f"{fqn}: rules[{rule}] {rules.params[rule].pattern!r} puts {axis!r} in a parameter spec; FSDP shards "
                 "parameters over the data-parallel axes itself: use model-parallel axes (tp) in rules"
             )
-    del expanded
 
 
 def _param_plan(
@@ -373,9 +326,7 @@ def _lower(axes: tuple[str | None, ...] | None, rules: Rules, fqn: str) -> Spec 
 
 
 def _tp_dim(spec: Spec | None) -> int | None:
-    if spec is None:
-        return None
-    return next((d for d, e in enumerate(spec) if "tp" in P(e).axes(0)), None)
+    return None if spec is None else P(*spec).dim_of("tp")
 
 
 def _check_module_globs(modules: dict[str, nn.Module], rules: Rules) -> None:
@@ -437,56 +388,6 @@ def _parallel_style(fqn: str, module: nn.Module, own: dict[str, ParamPlan], inpu
         raise ValueError(
             f"{fqn}.bias: a {style} Linear needs its bias {'sharded' if style == 'colwise' else 'replicated'} over tp; fix its rule"
         )
-    local_output = output is None or _tp_dim(output) is None or style != "colwise"
-    if style == "embedding_rowwise" or style == "rowwise":
-        local_output = True
+    # Only a colwise output declared split over tp stays a DTensor (vocab-split logits for loss parallel).
+    local_output = style != "colwise" or _tp_dim(output) is None
     return ModulePlan(fqn=fqn, style=style, inputs=inputs, output=output, local_output=local_output)
-
-
-# -- printing ---------------------------------------------------------------------------------
-
-
-def _spec_text(spec: Spec | None) -> str:
-    if spec is None:
-        return "-"
-    views = {axes: name for name, axes in FLAT_VIEWS.items()}
-
-    def entry(e: Entry) -> str:
-        if e is None or isinstance(e, str):
-            return str(e)
-        return views.get(tuple(e)) or "(" + ",".join(e) + ")"
-
-    return "P(" + ", ".join(entry(e) for e in spec) + ")"
-
-
-def _placements_text(pl: tuple[str, ...], mesh: MeshSpec) -> str:
-    shown = [f"{a}:{p}" for a, p, s in zip(AXES, pl, mesh.axis_sizes) if s > 1]
-    return " ".join(shown) or "R"
-
-
-def _rule_text(rules: Rules, i: int) -> str:
-    r = rules.params[i]
-    return f"{r.pattern!r} -> " + (_spec_text(r.spec) if r.spec is not None else f"axes {r.axes}")
-
-
-def _layer_glob(fqn: str) -> str:
-    return ".".join("*" if part.isdigit() else part for part in fqn.split("."))
-
-
-def _collapsed(items, collapse: bool):
-    """Yield (name, item, count): items equal up to their layer index are merged under a `*` name."""
-    if not collapse:
-        for it in items:
-            yield it.fqn, it, 1
-        return
-    groups: dict[tuple, list] = {}
-    for it in items:
-        body = re.sub(rb"\.\d+(?=[.\"])", b".*", msgspec.json.encode(msgspec.structs.replace(it, fqn="")))
-        groups.setdefault((_layer_glob(it.fqn), body), []).append(it)
-    for (glob, _), members in groups.items():
-        yield (glob if len(members) > 1 else members[0].fqn), members[0], len(members)
-
-
-def _columns(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

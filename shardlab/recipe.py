@@ -33,7 +33,10 @@ def load_recipe(path: str | Path) -> Recipe:
         raise ValueError(f"recipe: no file {str(path)!r}; pass the path of a recipe, e.g. recipes/llama_fsdp_tp.py")
     spec = importlib.util.spec_from_file_location(f"shardlab_recipe_{path.stem}", path)
     module: ModuleType = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # a user's file: any error in it is reported as one line naming the file
+        raise ValueError(f"recipe {str(path)!r}: {type(err).__name__}: {err}") from err
     config = getattr(module, "config", None)
     if not isinstance(config, Config):
         got = "nothing" if config is None else type(config).__name__

@@ -42,6 +42,10 @@ class P(tuple):
     def used_axes(self) -> tuple[str, ...]:
         return tuple(a for d in range(len(self)) for a in self.axes(d))
 
+    def dim_of(self, axis: str) -> int | None:
+        """The tensor dim that `axis` splits, or None."""
+        return next((d for d in range(len(self)) if axis in self.axes(d)), None)
+
     def with_minor(self, dim: int, axes: tuple[str, ...]) -> P:
         """The same spec with `axes` appended (as minor) to dim `dim`, e.g. FSDP's dp_shard on dim 0."""
         entries = list(self)

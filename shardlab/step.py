@@ -1,4 +1,4 @@
-"""TrainState + make_step(...) -> step(state, batch) -> (state, metrics): the functional train step.
+"""TrainState + make_step(cfg, plan, mesh) -> step(state, batch) -> (state, metrics): the functional train step.
 
 Everything `step` reads is in its arguments; everything it changes is in, or owned by, the state it
 returns. The learning rate is a pure function of `state.step`. The loss is averaged over every token
@@ -16,14 +16,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlab._base import Frozen
-from shardlab.config import OptimConfig
+from shardlab.config import Config, OptimConfig
 from shardlab.data import Batch
+from shardlab.plan import Plan
 
 Metrics = dict[str, float]
+IGNORE_INDEX = -100
+"""Label value that takes no part in the loss or in the token count (as in F.cross_entropy)."""
 
 
 class TrainState(Frozen):
@@ -48,8 +52,12 @@ def init_state(model: nn.Module, optim: OptimConfig) -> TrainState:
         groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
     opt = torch.optim.AdamW(
         [{"params": ps} for ps in groups.values()],
-        lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay, foreach=True,
-    )  # fmt: skip
+        lr=optim.lr,
+        betas=optim.betas,
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        foreach=True,
+    )
     return TrainState(model=model, optim=opt, step=0)
 
 
@@ -59,57 +67,56 @@ def lr_schedule(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
     def lr_at(step: int) -> float:
         if step < optim.warmup_steps:
             return optim.lr * (step + 1) / (optim.warmup_steps + 1)
-        progress = (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps)
-        progress = min(progress, 1.0)
+        progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
         shape = 0.5 * (1 + math.cos(math.pi * progress)) if optim.decay == "cosine" else 1 - progress
         return optim.lr * (optim.min_lr_ratio + (1 - optim.min_lr_ratio) * shape)
 
     return lr_at
 
 
-def make_step(
-    optim: OptimConfig,
-    total_steps: int,
-    *,
-    grad_accum: int = 1,
-    dp_size: int = 1,
-    loss_group: dist.ProcessGroup | None = None,
-    use_loss_parallel: bool = False,
-) -> StepFn:
-    """Build the step for one layout.
+def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn:
+    """The step for one layout; everything layout-specific is read off the plan and the mesh.
 
-    dp_size: the data-parallel size FSDP averages gradients over (the loss is scaled by it so the
-    result is a sum over the global batch divided by its token count). loss_group: the ranks that
-    hold different tokens (dp x cp), for the token count and the reported loss.
+    FSDP averages gradients over dp (dp_replicate x dp_shard), so each micro batch's summed loss is
+    scaled by dp / (tokens in the global batch): the result is the global mean. The token count and
+    the reported loss are reduced over `batch` (the ranks holding different tokens), never over tp.
     """
-    lr_at = lr_schedule(optim, total_steps)
-    parallel_loss = loss_parallel if use_loss_parallel else contextlib.nullcontext
+    cfg = cfg.resolve(plan.mesh.world_size)
+    plan.check_mesh(cfg.mesh)
+    dp = plan.mesh.size("dp")
+    grad_accum = cfg.train.grad_accum(dp)
+    group = mesh["batch"].get_group() if mesh is not None and plan.mesh.size("batch") > 1 else None
+    lr_at = lr_schedule(cfg.optim, cfg.train.steps)
+    max_norm = cfg.optim.max_norm
+    parallel_loss = loss_parallel if plan.loss_parallel else contextlib.nullcontext
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         model, opt = state.model, state.optim
         lr = lr_at(state.step)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        inputs, labels = batch
+        for g in opt.param_groups:
+            g["lr"] = lr
+        device = _local(next(iter(model.parameters()))).device
+        inputs, labels = batch.inputs.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
         if inputs.shape[0] % grad_accum:
             raise ValueError(
-                f"step: the batch has {inputs.shape[0]} rows per rank, not divisible by grad_accum={grad_accum}"
+                f"step: {inputs.shape[0]} rows per rank do not split into grad_accum={grad_accum} micro batches"
             )
-        device = next(model.parameters()).device
-        inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        tokens = _all_reduce((labels != -100).sum().to(torch.float64), loss_group)
-        scale = dp_size / tokens.item()
+        tokens = _all_reduce((labels != IGNORE_INDEX).sum().to(torch.float64), group)
+        scale = dp / tokens.item()  # a float: a DTensor loss cannot be multiplied by a plain tensor
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for x, y in zip(inputs.chunk(grad_accum), labels.chunk(grad_accum)):
             with parallel_loss():
                 logits = model(x)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum", ignore_index=-100)
+                loss = F.cross_entropy(
+                    logits.flatten(0, 1).float(), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+                )
                 (loss * scale).backward()
             loss_sum += _local(loss.detach()).to(torch.float64)
-        grad_norm = clip_grad_norm(model, optim.max_norm)
+        match_param_layouts(model)
+        grad_norm = clip_grad_norm(model, max_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss_total = _all_reduce(loss_sum, loss_group)
+        loss_total = _all_reduce(loss_sum, group)
         metrics = {"loss": (loss_total / tokens).item(), "grad_norm": grad_norm, "lr": lr}
         return msgspec.structs.replace(state, step=state.step + 1), metrics
 
@@ -117,14 +124,24 @@ def make_step(
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The value of a (replicated) DTensor loss as a plain tensor."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """A replicated DTensor's value (or a parameter's local shard, for its device) as a plain tensor."""
+    if not isinstance(t, DTensor):
+        return t
+    return t.full_tensor() if all(p.is_replicate() for p in t.placements) else t.to_local()
 
 
 def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
+    if group is not None:
         dist.all_reduce(t, group=group)
     return t
+
+
+def match_param_layouts(model: nn.Module) -> None:
+    """Give every DTensor gradient its parameter's placements: a tensor used twice (a tied embedding
+    under TP) can collect a Partial gradient, which the optimizer and the norm cannot use."""
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.grad is not None and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
@@ -137,12 +154,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
     groups: dict[object, list[torch.Tensor]] = {}
     for p in model.parameters():
         if p.grad is not None:
-            if isinstance(p, DTensor) and p.grad.placements != p.placements:
-                # a tensor used twice (tied embedding under TP) can collect a Partial grad: give it the param's layout
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-            g = p.grad
-            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
-            groups.setdefault(key, []).append(g)
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p.grad)
     total_sq = 0.0
     for key, grads in groups.items():
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
@@ -152,15 +165,13 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
             for dim, placement in enumerate(placements):
                 if placement.is_partial():
                     raise ValueError(
-                        f"clip_grad_norm: a gradient is Partial over mesh dim {dim}; reduce it before clipping"
+                        f"clip_grad_norm: a gradient is Partial over mesh dim {dim}; call match_param_layouts first"
                     )
-                if not placement.is_replicate():
+                if not placement.is_replicate() and mesh.size(dim) > 1:
                     dist.all_reduce(sq, group=mesh.get_group(dim))
         total_sq += sq.item()
     total = math.sqrt(total_sq)
-    if max_norm is not None:
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for grads in groups.values():
-                torch._foreach_mul_(grads, coef)
+    if max_norm is not None and max_norm / (total + 1e-6) < 1.0:
+        for grads in groups.values():
+            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
     return total

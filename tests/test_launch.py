@@ -144,7 +144,7 @@ def test_one_process_without_launcher_needs_no_process_group(no_launcher):
 
 
 def test_init_distributed_errors(no_launcher, monkeypatch):
-    with pytest.raises(ValueError, match=r"^init_distributed: device='tpu' is not one of 'auto', 'cuda', 'cpu'$"):
+    with pytest.raises(ValueError, match=r"^train\.device='tpu' is not one of 'auto', 'cuda', 'cpu'$"):
         init_distributed("tpu")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(
@@ -158,7 +158,7 @@ def test_init_distributed_errors(no_launcher, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
 def test_cuda_without_a_device_is_an_error(no_launcher):
-    with pytest.raises(ValueError, match=r"^init_distributed: device='cuda' needs cuda:0 \(LOCAL_RANK\) but 0 CUDA"):
+    with pytest.raises(ValueError, match=r"^train\.device='cuda' needs cuda:0 \(LOCAL_RANK\) but 0 CUDA"):
         init_distributed("cuda")
 
 

@@ -253,6 +253,13 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
 
 def from_hf_config(d: dict[str, Any]) -> ModelConfig:
     """ModelConfig from a Llama config.json dict, old (rope_scaling) or transformers 5 (rope_parameters) form."""
+    missing = [
+        k
+        for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+        if k not in d
+    ]
+    if missing:
+        raise ValueError(f"from_hf_config: config.json has no {', '.join(missing)}; is it a Llama config?")
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):

@@ -1,0 +1,142 @@
+"""How a Plan reads: the per-parameter table (repeated blocks collapsed) and `explain`.
+
+Separate from plan.py so the data and its resolution stay short; everything here only formats.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec
+from shardlab.spec import Entry, P
+
+if TYPE_CHECKING:
+    from shardlab.plan import Plan
+    from shardlab.rules import Rules
+
+Spec = tuple[Entry, ...]
+
+
+def explain(plan: Plan, fqn: str) -> str:
+    """Why a parameter is laid out as it is: the winning rule, the shadowed ones, the fallbacks."""
+    p = plan.param(fqn)
+    lines = [f"{p.fqn}  shape {p.shape}  spec {P(*p.spec)!r}"]
+    if p.rule is None:
+        lines.append("  no rule matched: replicated because plan.allow_uncovered=True")
+    else:
+        lines.append(f"  rule {p.rule}: {_rule_text(plan.rules, p.rule)}  (first match wins)")
+    lines += [f"  shadowed rule {i}: {_rule_text(plan.rules, i)}" for i in p.shadowed]
+    lines += [f"  logical fallback: {f}" for f in p.fallbacks]
+    if p.fsdp_unit is not None and plan.fsdp is not None:
+        lines.append(
+            f"  FSDP unit {p.fsdp_unit or '<root>'} over {' x '.join(plan.fsdp.axes)}: dim 0 gets them as its minor axes"
+            + (" (padded)" if p.padded else "")
+        )
+    lines.append(
+        f"  placements {_placements_text(p.placements, plan.mesh)}  local {p.local_shape}  {p.bytes_per_rank:,} bytes/rank"
+    )
+    lines += [f"  alias {a}" for a in p.aliases]
+    return "\n".join(lines)
+
+
+def table(plan: Plan, collapse: bool = True) -> str:
+    """Readable table; with `collapse`, parameters of repeated blocks are shown once (`layers.*`)."""
+    head = (
+        f"Plan for mesh {plan.mesh.describe()}  "
+        f"params {sum(math.prod(p.shape) for p in plan.params):,}  "
+        f"{plan.bytes_per_rank / 2**20:,.1f} MiB/rank (params)"
+    )
+    rows = [("parameter", "shape", "spec", "placements", "local", "MiB/rank", "rule")]
+    for fqn, p, count in _collapsed(plan.params, collapse):
+        rows.append(
+            (
+                fqn + (f" (x{count})" if count > 1 else ""),
+                "x".join(map(str, p.shape)),
+                _spec_text(p.spec),
+                _placements_text(p.placements, plan.mesh),
+                "x".join(map(str, p.local_shape)),
+                f"{p.bytes_per_rank / 2**20:.2f}",
+                "-" if p.rule is None else str(p.rule),
+            )
+        )
+    out = [head, _columns(rows)]
+    if plan.modules:
+        mrows = [("module", "style", "inputs", "output")]
+        for fqn, m, count in _collapsed(plan.modules, collapse):
+            ins = m.desired_inputs or m.inputs
+            src = " -> ".join(_spec_text(s[0]) for s in (m.inputs, m.desired_inputs) if s) if ins else "-"
+            mrows.append(
+                (
+                    fqn + (f" (x{count})" if count > 1 else ""),
+                    m.style,
+                    src,
+                    _spec_text(m.output) if m.output else "-",
+                )
+            )
+        out += ["", _columns(mrows)]
+    if plan.fsdp:
+        f = plan.fsdp
+        units = sorted({_layer_glob(" + ".join(u)) for u in f.units})
+        out += [
+            "",
+            f"FSDP over {' x '.join(f.axes)}: {len(f.units)} units + root ({', '.join(units)}); "
+            f"reshard_after_forward={f.reshard_after_forward} param={f.param_dtype} reduce={f.reduce_dtype} "
+            f"cpu_offload={f.cpu_offload}",
+        ]
+    extras = [
+        f"loss_parallel={plan.loss_parallel}",
+        f"activation_checkpoint={plan.activation_checkpoint}",
+        f"compile={plan.compile}",
+    ]
+    out.append("  ".join(extras))
+    return "\n".join(out)
+
+
+def _spec_text(spec: Spec | None) -> str:
+    if spec is None:
+        return "-"
+    views = {axes: name for name, axes in FLAT_VIEWS.items()}
+
+    def entry(e: Entry) -> str:
+        if e is None or isinstance(e, str):
+            return str(e)
+        return views.get(tuple(e)) or "(" + ",".join(e) + ")"
+
+    return "P(" + ", ".join(entry(e) for e in spec) + ")"
+
+
+def _placements_text(pl: tuple[str, ...], mesh: MeshSpec) -> str:
+    shown = [f"{a}:{p}" for a, p, s in zip(AXES, pl, mesh.axis_sizes) if s > 1]
+    return " ".join(shown) or "R"
+
+
+def _rule_text(rules: Rules, i: int) -> str:
+    r = rules.params[i]
+    return f"{r.pattern!r} -> " + (_spec_text(r.spec) if r.spec is not None else f"axes {r.axes}")
+
+
+def _layer_glob(fqn: str) -> str:
+    return ".".join("*" if part.isdigit() else part for part in fqn.split("."))
+
+
+def _collapsed(items, collapse: bool):
+    """Yield (name, item, count): items equal up to their layer index are merged under a `*` name."""
+    if not collapse:
+        for it in items:
+            yield it.fqn, it, 1
+        return
+    groups: dict[tuple, list] = {}
+    for it in items:
+        body = re.sub(rb"\.\d+(?=[.\"])", b".*", msgspec.json.encode(msgspec.structs.replace(it, fqn="")))
+        groups.setdefault((_layer_glob(it.fqn), body), []).append(it)
+    for (glob, _), members in groups.items():
+        yield (glob if len(members) > 1 else members[0].fqn), members[0], len(members)
+
+
+def _columns(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

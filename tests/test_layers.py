@@ -1,0 +1,47 @@
+"""The data flow of DESIGN.md stays one-way: a module imports only modules of its own or earlier layers."""
+
+import ast
+from pathlib import Path
+
+LAYERS = [
+    {"_base", "_strided", "_checkpoint"},
+    {"mesh"},
+    {"config"},
+    {"spec", "rules"},
+    {"models.llama", "models.llama_rules", "_plan_text", "plan"},
+    {"apply", "debug", "data", "metrics", "launch"},
+    {"step"},
+    {"loop", "recipe"},
+    {"__main__", "__init__"},
+]
+LAYER_OF = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+PACKAGE = Path(__file__).resolve().parents[1] / "shardlab"
+
+
+def imported(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardlab"):
+            base = node.module.removeprefix("shardlab").removeprefix(".")
+            names |= {base} if base else {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name.removeprefix("shardlab.") for a in node.names if a.name.startswith("shardlab.")}
+    return names
+
+
+def test_every_module_has_a_layer():
+    modules = {str(p.relative_to(PACKAGE).with_suffix("")).replace("/", ".") for p in PACKAGE.rglob("*.py")}
+    modules.discard("models.__init__")
+    assert modules <= set(LAYER_OF), f"add to LAYERS: {sorted(modules - set(LAYER_OF))}"
+
+
+def test_imports_only_flow_left():
+    for path in PACKAGE.rglob("*.py"):
+        name = str(path.relative_to(PACKAGE).with_suffix("")).replace("/", ".")
+        if name not in LAYER_OF:
+            continue
+        for dep in imported(path):
+            dep = dep if dep in LAYER_OF else dep.split(".")[0]
+            assert LAYER_OF.get(dep, -1) <= LAYER_OF[name], (
+                f"{name} (layer {LAYER_OF[name]}) imports {dep} (layer {LAYER_OF.get(dep)})"
+            )

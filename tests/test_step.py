@@ -1,0 +1,107 @@
+"""The functional step on one process: schedule, clipping, accumulation and token averaging are exact."""
+
+import copy
+import math
+
+import msgspec
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardlab.config import Config, DataConfig, MeshSpec, ModelConfig, OptimConfig, TrainConfig
+from shardlab.data import Batch
+from shardlab.loop import build_model
+from shardlab.step import clip_grad_norm, init_state, lr_schedule, make_step
+
+
+@pytest.mark.parametrize(
+    ("optim", "want"),
+    [
+        (OptimConfig(lr=1.0, warmup_steps=2), {0: 1 / 3, 1: 2 / 3, 2: 1.0, 6: 0.5, 10: 0.0}),
+        (OptimConfig(lr=1.0, warmup_steps=2, decay="linear"), {2: 1.0, 6: 0.5, 8: 0.25, 10: 0.0, 12: 0.0}),
+        (OptimConfig(lr=2.0, warmup_steps=0, min_lr_ratio=0.1), {0: 2.0, 10: 0.2}),
+    ],
+)
+def test_lr_schedule(optim, want):
+    lr_at = lr_schedule(optim, total_steps=10)
+    for step, lr in want.items():
+        assert lr_at(step) == pytest.approx(lr), step
+
+
+def test_clip_grad_norm_matches_torch():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 3
+    reference = copy.deepcopy(model)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        b.grad = a.grad.clone()  # deepcopy does not copy .grad
+    norm = clip_grad_norm(model, 1.0)
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    assert norm == pytest.approx(want.item(), rel=1e-6)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert clip_grad_norm(model, None) == pytest.approx(1.0, rel=1e-5)  # already clipped: reported, not changed
+
+
+def tiny(micro_batch: int | None = None) -> Config:
+    return Config(
+        mesh=MeshSpec(dp_shard=1),
+        model=ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300),
+        train=TrainConfig(steps=3, global_batch=4, micro_batch=micro_batch, seq_len=16),
+        data=DataConfig(source="synthetic"),
+    )
+
+
+def batch(seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    return Batch(torch.randint(0, 300, (4, 16), generator=g), torch.randint(0, 300, (4, 16), generator=g))
+
+
+def run(cfg: Config, batches: list[Batch]) -> tuple[list[dict], torch.nn.Module]:
+    model, plan, mesh = build_model(cfg)
+    step, state = make_step(cfg, plan, mesh), init_state(model, cfg.optim)
+    out = []
+    for b in batches:
+        state, metrics = step(state, b)
+        out.append(metrics)
+    assert state.step == len(batches)
+    return out, model
+
+
+def test_gradient_accumulation_changes_nothing():
+    batches = [batch(0), batch(1)]
+    whole, m1 = run(tiny(), batches)
+    micro, m2 = run(tiny(micro_batch=1), batches)
+    for a, b in zip(whole, micro):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_loss_is_the_mean_over_counted_tokens():
+    b = batch(2)
+    labels = b.labels.clone()
+    labels[:, :5] = -100  # ignored positions count neither in the loss nor in the token count
+    cfg = tiny()
+    model, plan, mesh = build_model(cfg)
+    with torch.no_grad():
+        want = F.cross_entropy(model(b.inputs).flatten(0, 1), labels.flatten(), ignore_index=-100).item()
+    _, metrics = make_step(cfg, plan, mesh)(init_state(model, cfg.optim), Batch(b.inputs, labels))
+    assert metrics["loss"] == pytest.approx(want, rel=1e-6)
+    assert math.isfinite(metrics["grad_norm"]) and metrics["lr"] == pytest.approx(cfg.optim.lr / 3)
+
+
+def test_same_state_and_batch_give_the_same_result():
+    first, _ = run(tiny(), [batch(3)])
+    second, _ = run(tiny(), [batch(3)])
+    assert first == second
+
+
+def test_step_rejects_rows_that_do_not_split_into_micro_batches():
+    cfg = msgspec.structs.replace(tiny(micro_batch=2))
+    model, plan, mesh = build_model(cfg)
+    step = make_step(cfg, plan, mesh)
+    with pytest.raises(ValueError, match="3 rows per rank do not split into grad_accum=2"):
+        step(init_state(model, cfg.optim), Batch(batch().inputs[:3], batch().labels[:3]))
