@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -77,6 +78,8 @@ def train(
 ) -> list[Metrics]:
     """Run cfg.train.steps steps; rank 0 writes config.json, plan.json and metrics.jsonl into the run directory."""
     rank = dist.get_rank() if dist.is_initialized() else 0
+    # nn.Embedding returns a view; FSDP warns in case an in-place op follows. Llama only adds out of place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
     model, plan, mesh = build_model(cfg, rules, device)
     cfg = cfg.resolve(plan.mesh.world_size)
     device = _local_device(model)

@@ -179,3 +179,13 @@ def make_mesh(spec: MeshSpec, device_type: str = "cpu"):
     for name, axes in FLAT_VIEWS.items():
         mesh[axes]._flatten(name)
     return mesh
+
+
+def flat_view(mesh, name: str):
+    """The 1-D DeviceMesh of a flattened view (`dp`, `dp_shard_cp`, `batch`) made by `make_mesh`.
+
+    torch keeps flattened meshes on the root mesh; slicing them from the root by name is deprecated.
+    """
+    if name not in FLAT_VIEWS:
+        raise ValueError(f"unknown flattened view {name!r}; valid views are {', '.join(FLAT_VIEWS)}")
+    return mesh._get_root_mesh()._flatten_mapping[name]

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from shardlab._base import Frozen
 from shardlab.config import Config, OptimConfig
 from shardlab.data import Batch
+from shardlab.mesh import flat_view
 from shardlab.plan import Plan
 
 Metrics = dict[str, float]
@@ -85,7 +86,7 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
     plan.check_mesh(cfg.mesh)
     dp = plan.mesh.size("dp")
     grad_accum = cfg.train.grad_accum(dp)
-    group = mesh["batch"].get_group() if mesh is not None and plan.mesh.size("batch") > 1 else None
+    group = flat_view(mesh, "batch").get_group() if mesh is not None and plan.mesh.size("batch") > 1 else None
     lr_at = lr_schedule(cfg.optim, cfg.train.steps)
     max_norm = cfg.optim.max_norm
     parallel_loss = loss_parallel if plan.loss_parallel else contextlib.nullcontext

@@ -71,7 +71,7 @@ TP_S0_FSDP = pl(dp_shard="_S(0, 2)", tp="S(0)")  # FSDP2 on a TP-sharded dim 0: 
 
 # Global shapes (TINY): embed/lm_head 256x64, q/o 64x64, k/v 32x64, gate/up 128x64, down 64x128, norms 64.
 # name -> (spec, placements, local shape); names without "model." are per block (checked for layers 0 and 1).
-LAYOUTS: dict[str, tuple[MeshSpec, dict[str, tuple[tuple, tuple[str, ...], tuple[int, ...]]]]] = {
+LAYOUTS: dict[str, tuple[MeshSpec, dict | str]] = {
     "single": (MeshSpec(dp_shard=1), {  # specs name tp even where it has size 1 (placements: Replicate)
         EMB: (("tp", None), pl(), (256, 64)),
         WQ: (("tp", None), pl(), (64, 64)),
@@ -100,20 +100,8 @@ LAYOUTS: dict[str, tuple[MeshSpec, dict[str, tuple[tuple, tuple[str, ...], tuple
         NORM: (("dp_shard",), pl(dp_shard="S(0)"), (32,)),
         HEAD: ((("tp", "dp_shard"), None), pl(dp_shard="S(0)"), (128, 64)),
     }),
-    "hsdp2x2": (MeshSpec(dp_replicate=2, dp_shard=2), {  # replicated over dp_replicate, sharded over dp_shard
-        EMB: ((("tp", "dp_shard"), None), pl(dp_shard="S(0)"), (128, 64)),
-        WQ: ((("tp", "dp_shard"), None), pl(dp_shard="S(0)"), (32, 64)),
-        WK: ((("tp", "dp_shard"), None), pl(dp_shard="S(0)"), (16, 64)),
-        WV: ((("tp", "dp_shard"), None), pl(dp_shard="S(0)"), (16, 64)),
-        WO: (("dp_shard", "tp"), pl(dp_shard="S(0)"), (32, 64)),
-        GATE: ((("tp", "dp_shard"), None), pl(dp_shard="S(0)"), (64, 64)),
-        UP: ((("tp", "dp_shard"), None), pl(dp_shard="S(0)"), (64, 64)),
-        DOWN: (("dp_shard", "tp"), pl(dp_shard="S(0)"), (32, 128)),
-        LN1: (("dp_shard",), pl(dp_shard="S(0)"), (32,)),
-        LN2: (("dp_shard",), pl(dp_shard="S(0)"), (32,)),
-        NORM: (("dp_shard",), pl(dp_shard="S(0)"), (32,)),
-        HEAD: ((("tp", "dp_shard"), None), pl(dp_shard="S(0)"), (128, 64)),
-    }),
+    # replicated over dp_replicate, sharded over dp_shard: per parameter the same as FSDP 2
+    "hsdp2x2": (MeshSpec(dp_replicate=2, dp_shard=2), "fsdp2"),
     "tp2": (MeshSpec(dp_shard=1, tp=2), {  # colwise: weight dim 0; rowwise: dim 1; vocab-parallel embedding: dim 0
         EMB: (("tp", None), pl(tp="S(0)"), (128, 64)),
         WQ: (("tp", None), pl(tp="S(0)"), (32, 64)),
@@ -143,6 +131,7 @@ LAYOUTS: dict[str, tuple[MeshSpec, dict[str, tuple[tuple, tuple[str, ...], tuple
         HEAD: ((("tp", "dp_shard"), None), TP_S0_FSDP, (64, 64)),
     }),
 }  # fmt: skip
+LAYOUTS["hsdp2x2"] = (LAYOUTS["hsdp2x2"][0], LAYOUTS["fsdp2"][1])
 
 
 def _fqns(name: str, n_layers: int = 2) -> list[str]:

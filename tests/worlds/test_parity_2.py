@@ -37,13 +37,6 @@ def world2():
     return run_world(2, CHECKS, timeout_s=500)
 
 
-@pytest.fixture(scope="module")
-def reference():
-    ref = curves(tiny())
-    assert ref["loss"][-1] < ref["loss"][0] - 0.5, "the reference loss should fall"
-    return ref
-
-
 @pytest.mark.world
 def test_placements_match_plan(world2):
     world2.raise_for(placements)

@@ -53,11 +53,6 @@ def world4():
     return run_world(4, CHECKS, timeout_s=600)
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return curves(tiny())
-
-
 @pytest.mark.world
 def test_placements_match_plan(world4):
     world4.raise_for(placements)
