@@ -41,11 +41,18 @@ def check_supported(mesh: MeshSpec) -> None:
             raise ValueError(f"mesh.{axis}={mesh.size(axis)}: {why}; set mesh.{axis}=1")
 
 
-def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
-    """Parallelize `model` in place as `plan` says, on `mesh` (from `make_mesh`), and return it."""
-    _check_mesh(plan, mesh)
+def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Module:
+    """Parallelize `model` in place as `plan` says, on `mesh` (from `make_mesh`), and return it.
+
+    A plan without TP or FSDP (one process in fp32) needs no mesh: only checkpointing and compile apply.
+    """
     check_supported(plan.mesh)
     _check_model(model, plan)
+    if mesh is None:
+        if plan.mesh.tp > 1 or plan.fsdp is not None:
+            raise ValueError("apply: this plan shards over tp or FSDP and needs the mesh from make_mesh(plan.mesh)")
+    else:
+        _check_mesh(plan, mesh)
     if plan.mesh.tp > 1:
         parallelize_module(model, mesh["tp"], {m.fqn: _tp_style(m) for m in plan.modules})
         _retie(model, plan)

@@ -62,13 +62,13 @@ def build_model(
             # FSDP mixed precision on one process still needs a (one-rank) process group.
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         mesh = make_mesh(cfg.mesh, device.type)
-    if cfg.train.init == "sharded" and mesh is not None:
+    if cfg.train.init == "sharded":
         apply(model, plan, mesh)  # on the meta device: no rank ever holds more than its shards
     model.to_empty(device=device)
     torch.manual_seed(cfg.train.seed)
     with torch.no_grad():
         model.init_weights()
-    if cfg.train.init == "full" and mesh is not None:
+    if cfg.train.init == "full":
         apply(model, plan, mesh)
     return model, plan, mesh
 
