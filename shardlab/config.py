@@ -227,14 +227,16 @@ class LogConfig(Frozen):
 
 
 class CheckpointConfig(Frozen):
-    """Checkpointing (lands with the checkpoint issue: setting `every` is an error until then)."""
+    """Checkpoints of the whole TrainState in run_dir/checkpoints (DCP: reshardable to any mesh)."""
 
     every: Positive | None = None
-    """Save every this many steps; None never saves."""
-
-    def __post_init__(self) -> None:
-        if self.every is not None:
-            raise ValueError("checkpoint.every: checkpointing is not implemented yet (issue 3); leave it unset")
+    """Save every this many steps (and after the last step); None never saves."""
+    keep: Positive | None = 3
+    """Keep the newest this many committed checkpoints; None keeps all."""
+    resume: str = "auto"
+    """auto: the newest committed checkpoint in the run directory, if any; none: start fresh; or a step directory."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues (committed before the next save)."""
 
 
 class Config(Frozen):

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from shardlab import checkpoint
 from shardlab._base import to_json
 from shardlab.apply import apply, check_supported
 from shardlab.config import Config
@@ -74,9 +75,18 @@ def build_model(
 
 
 def train(
-    cfg: Config, rules: Rules | None = None, *, device: torch.device | str | None = None, write: bool = True
+    cfg: Config,
+    rules: Rules | None = None,
+    *,
+    device: torch.device | str | None = None,
+    write: bool = True,
+    until: int | None = None,
 ) -> list[Metrics]:
-    """Run cfg.train.steps steps; rank 0 writes config.json, plan.json and metrics.jsonl into the run directory."""
+    """Run (or resume, per checkpoint.resume) up to cfg.train.steps steps, or stop after step `until`.
+
+    Rank 0 writes config.json, plan.json and metrics.jsonl into the run directory (unless `write` is
+    False); checkpoints go to run_dir/checkpoints every checkpoint.every steps and after the last.
+    """
     rank = dist.get_rank() if dist.is_initialized() else 0
     # nn.Embedding returns a view; FSDP warns in case an in-place op follows. Llama only adds out of place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
@@ -92,6 +102,14 @@ def train(
         dp_rank=dp_rank, dp_size=dp,
     )  # fmt: skip
     run_dir = Path(cfg.run_dir)
+    checkpoints = run_dir / "checkpoints"
+    if rank == 0:
+        checkpoint.remove_partial(checkpoints)
+    if dist.is_initialized():
+        dist.barrier()
+    resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, checkpoints)
+    if resume_from is not None:
+        state = checkpoint.load(state, loader, resume_from, cfg)
     is_writer = write and rank == 0
     if is_writer:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -104,13 +122,28 @@ def train(
     world = plan.mesh.world_size
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     history: list[Metrics] = []
+    last = cfg.train.steps if until is None else min(until, cfg.train.steps)
+    every = cfg.checkpoint.every
+    pending: checkpoint.PendingSave | None = None
     with MetricsWriter(
-        run_dir, cfg.log, cfg.train.steps, enabled=is_writer, config_dict=json.loads(to_json(cfg)), name=cfg.name
+        run_dir,
+        cfg.log,
+        cfg.train.steps,
+        enabled=is_writer,
+        config_dict=json.loads(to_json(cfg)),
+        name=cfg.name,
+        start_step=state.step,
     ) as writer:
-        for _ in range(cfg.train.steps):
+        while state.step < last:
             start = time.perf_counter()  # the step time includes loading the batch, as torchtitan's does
             state, metrics = step(state, next(loader))
             elapsed = time.perf_counter() - start
+            if every is not None and (state.step % every == 0 or state.step == cfg.train.steps):
+                saving = time.perf_counter()
+                if pending is not None:
+                    pending.commit()  # the previous async save must be committed before the next one starts
+                pending = checkpoint.save(state, loader, cfg, checkpoints, async_save=cfg.checkpoint.async_save)
+                metrics["checkpoint_block_s"] = time.perf_counter() - saving
             metrics = {
                 **metrics,
                 "tokens_per_s": tokens_per_step / elapsed,
@@ -121,6 +154,8 @@ def train(
             }
             history.append(metrics)
             writer.record(state.step, metrics)
+        if pending is not None:
+            pending.commit()
     return history
 
 

@@ -44,6 +44,7 @@ class MetricsWriter:
         enabled: bool,
         config_dict: dict[str, Any] | None = None,
         name: str | None = None,
+        start_step: int = 0,
     ) -> None:
         self.log = log
         self.total_steps = total_steps
@@ -67,7 +68,13 @@ class MetricsWriter:
                 reinit="create_new",
                 settings=wandb.Settings(silent=True, console="off", disable_git=True, save_code=False),
             )
-        self._file = (run_dir / "metrics.jsonl").open("w")  # a new run starts the file (resume lands with issue 3)
+        path = run_dir / "metrics.jsonl"
+        kept = ""
+        if start_step and path.exists():  # a resumed run keeps the lines up to its checkpoint, drops the rest
+            lines = path.read_text().splitlines(keepends=True)
+            kept = "".join(line for line in lines if line.strip() and json.loads(line)["step"] <= start_step)
+        self._file = path.open("w")
+        self._file.write(kept)
         if log.progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -78,7 +85,7 @@ class MetricsWriter:
                 TextColumn("{task.fields[status]}"),
                 TimeRemainingColumn(),
             )
-            self._task = self._progress.add_task("train", total=total_steps, status="")
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
             self._progress.start()
 
     def record(self, step: int, values: dict[str, float | None]) -> None:

@@ -11,6 +11,7 @@ LAYERS = [
     {"models.llama", "models.llama_rules", "_plan_text", "plan"},
     {"apply", "debug", "data", "metrics", "launch"},
     {"step"},
+    {"checkpoint"},
     {"loop", "recipe"},
     {"__main__", "__init__"},
 ]

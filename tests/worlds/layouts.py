@@ -27,10 +27,10 @@ def tiny(mesh: MeshSpec = MeshSpec(dp_shard=1), **plan: object) -> Config:
     )
 
 
-def curves(cfg: Config) -> dict[str, list[float]]:
+def curves(cfg: Config, until: int | None = None) -> dict[str, list[float]]:
     """Per-step loss and gradient norm (before clipping): a wrong gradient scale shows in the norm even
     where AdamW and clipping would hide it from the loss."""
-    history = train(cfg, write=False)
+    history = train(cfg, write=False, until=until)
     return {"loss": [m["loss"] for m in history], "grad_norm": [m["grad_norm"] for m in history]}
 
 

@@ -1,0 +1,175 @@
+"""TrainState <-> torch.distributed.checkpoint, committed atomically, reshardable across meshes.
+
+A step directory `checkpoints/step-00000010/` holds the DCP files (model and optimizer as DTensor
+shards, so any other mesh can load them), `train_state.json` (step, data position, RNG) and the
+resolved `config.json`. Ranks write into `step-00000010.tmp/`; only when every rank has written
+and the metadata is in place does rank 0 rename it: a crash at any moment leaves the previous
+checkpoint loadable, and the partial one is deleted on the next start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from shardlab._base import to_json
+from shardlab.config import Config
+from shardlab.data import TokenLoader
+from shardlab.step import TrainState
+
+STEP_PREFIX = "step-"
+TMP_SUFFIX = ".tmp"
+STATE_FILE = "train_state.json"
+FAULT_ENV = "SHARDLAB_FAULT_AT"
+"""Testing hook: `save:N` makes rank 0 exit after writing step N's files but before the commit."""
+
+
+def step_dir(checkpoints: Path, step: int) -> Path:
+    return checkpoints / f"{STEP_PREFIX}{step:08d}"
+
+
+def complete(checkpoints: Path) -> list[Path]:
+    """Committed checkpoints, oldest first (a directory is committed once it has its final name)."""
+    if not checkpoints.is_dir():
+        return []
+    found = [
+        p
+        for p in checkpoints.iterdir()
+        if p.is_dir() and p.name.startswith(STEP_PREFIX) and not p.name.endswith(TMP_SUFFIX)
+    ]
+    return sorted(p for p in found if (p / STATE_FILE).is_file() and (p / ".metadata").is_file())
+
+
+def resolve_resume(resume: str, checkpoints: Path) -> Path | None:
+    """`auto`: the newest committed checkpoint (None when there is none); `none`; or a path."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = complete(checkpoints)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / ".metadata").is_file() or not (path / STATE_FILE).is_file():
+        raise ValueError(
+            f"checkpoint.resume={resume!r}: not a complete shardlab checkpoint (no .metadata or {STATE_FILE}); give a step directory"
+        )
+    return path
+
+
+def remove_partial(checkpoints: Path) -> list[Path]:
+    """Delete checkpoints that never committed (rank 0, before a run starts)."""
+    partial = [p for p in checkpoints.glob(f"{STEP_PREFIX}*{TMP_SUFFIX}")] if checkpoints.is_dir() else []
+    for p in partial:
+        shutil.rmtree(p, ignore_errors=True)
+    return partial
+
+
+def _tensors(state: TrainState) -> dict:
+    return {
+        "model": get_model_state_dict(state.model),
+        "optim": get_optimizer_state_dict(state.model, state.optim),
+    }
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class PendingSave:
+    """An async save whose files are still being written; `commit()` waits for them, then commits."""
+
+    def __init__(self, future, tmp: Path, final: Path, meta: bytes, keep: int | None) -> None:
+        self.future, self.tmp, self.final, self.meta, self.keep = future, tmp, final, meta, keep
+        self.committed = False
+
+    def commit(self) -> Path:
+        """Wait for the files, then commit (a collective: every rank calls it); a second call does nothing."""
+        if not self.committed:
+            if self.future is not None:
+                self.future.result()
+            _commit(self.tmp, self.final, self.meta, self.keep)
+            self.committed = True
+        return self.final
+
+
+def save(
+    state: TrainState, loader: TokenLoader, cfg: Config, checkpoints: Path, *, async_save: bool = False
+) -> PendingSave:
+    """Write the whole TrainState; sync saves are committed on return, async ones by `PendingSave.commit()`."""
+    final = step_dir(checkpoints, state.step)
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    meta = json.dumps({
+        "step": state.step,
+        "data": loader.state_dict(),
+        "rng": torch.get_rng_state().tolist(),
+    }).encode()  # fmt: skip
+    tensors = _tensors(state)
+    no_dist = not dist.is_initialized()  # one process: DCP needs no process group
+    write = dcp.async_save if async_save else dcp.save
+    future = write(tensors, checkpoint_id=str(tmp), no_dist=no_dist)
+    pending = PendingSave(future if async_save else None, tmp, final, meta + b"\n" + to_json(cfg), cfg.checkpoint.keep)
+    if not async_save:
+        pending.commit()
+    return pending
+
+
+def _commit(tmp: Path, final: Path, meta_and_config: bytes, keep: int | None) -> None:
+    _barrier()  # every rank has written its shards; rank 0 wrote .metadata inside dcp.save
+    if _rank() == 0:
+        meta, config = meta_and_config.split(b"\n", 1)
+        (tmp / "config.json").write_bytes(config)
+        (tmp / STATE_FILE).write_bytes(meta)
+        _fault_point(f"save:{json.loads(meta)['step']}")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # the commit: atomic on one filesystem
+        if keep is not None:
+            for old in complete(final.parent)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+def _fault_point(name: str) -> None:
+    if os.environ.get(FAULT_ENV) == name:
+        os._exit(17)
+
+
+def load(state: TrainState, loader: TokenLoader, path: Path, cfg: Config) -> TrainState:
+    """Load a checkpoint into an already parallelized state (any mesh: DCP reshards)."""
+    config_file = path / "config.json"
+    saved = msgspec.json.decode(config_file.read_bytes(), type=Config) if config_file.is_file() else None
+    if saved is not None and saved.model != cfg.model:
+        diff = [f for f in cfg.model.__struct_fields__ if getattr(saved.model, f) != getattr(cfg.model, f)]
+        raise ValueError(
+            f"checkpoint {str(path)!r}: saved for another model (model.{diff[0]}={getattr(saved.model, diff[0])!r}, "
+            f"now {getattr(cfg.model, diff[0])!r}); resume with the saved model config or set checkpoint.resume=none"
+        )
+    meta = json.loads((path / STATE_FILE).read_text())
+    loader.load_state_dict(meta["data"])
+    tensors = _tensors(state)
+    dcp.load(tensors, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    set_model_state_dict(state.model, tensors["model"])
+    set_optimizer_state_dict(state.model, state.optim, tensors["optim"])
+    torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
+    return state.__class__(model=state.model, optim=state.optim, step=meta["step"])

@@ -1,0 +1,84 @@
+"""Checkpoints on one process: a kill during a save loses nothing, partial saves are cleaned up, the newest
+K are kept, and a checkpoint of another model or a bad path is a clear error before anything is loaded."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from shardlab.checkpoint import FAULT_ENV, complete, resolve_resume, step_dir
+from shardlab.config import CheckpointConfig, Config, DataConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
+from shardlab.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--model.dim", "32", "--model.n-layers", "1", "--model.n-heads", "2", "--model.n-kv-heads", "1",
+        "--model.ffn-dim", "64", "--model.vocab-size", "300", "--train.seq-len", "32", "--train.steps", "6",
+        "--log.wandb", "disabled", "--log.no-progress", "--checkpoint.every", "2"]  # fmt: skip
+
+
+def cli(run_dir: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "shardlab", "recipes/llama_debug.py", *TINY, "--train.run-dir", str(run_dir), *extra]
+    return subprocess.run(
+        args, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})}
+    )
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_save_loses_nothing(tmp_path):
+    straight = cli(tmp_path / "straight", "--checkpoint.resume", "none")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    killed = cli(tmp_path / "run", env={FAULT_ENV: "save:4"})  # dies after writing step 4, before its commit
+    assert killed.returncode == 17, killed.stderr[-2000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in complete(checkpoints)] == ["step-00000002"]
+    assert (checkpoints / "step-00000004.tmp").is_dir()  # the partial save is there, and ignored
+    resumed = cli(tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert not (checkpoints / "step-00000004.tmp").exists(), "the partial save is cleaned up on the next start"
+    assert [p.name for p in complete(checkpoints)] == ["step-00000002", "step-00000004", "step-00000006"]
+    assert losses(tmp_path / "run") == losses(tmp_path / "straight")  # bitwise, every step, one line per step
+
+
+def tiny(run_dir: Path, **checkpoint) -> Config:
+    return Config(
+        mesh=MeshSpec(dp_shard=1),
+        model=ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300),
+        train=TrainConfig(steps=6, seq_len=32, global_batch=4, run_dir=str(run_dir)),
+        log=LogConfig(wandb="disabled", progress=False),
+        data=DataConfig(source="synthetic"),
+        checkpoint=CheckpointConfig(every=1, **checkpoint),
+    )
+
+
+def test_keeps_the_newest_k(tmp_path):
+    train(tiny(tmp_path, keep=2), write=False)
+    assert [p.name for p in complete(tmp_path / "checkpoints")] == ["step-00000005", "step-00000006"]
+
+
+def test_resume_none_starts_fresh_and_auto_finds_nothing_to_do(tmp_path):
+    train(tiny(tmp_path), write=False)
+    assert train(tiny(tmp_path), write=False) == []  # auto: step 6 of 6 is already done
+    assert len(train(tiny(tmp_path, resume="none"), write=False)) == 6
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    train(tiny(tmp_path), write=False, until=2)
+    other = tiny(tmp_path)
+    other = msgspec.structs.replace(other, model=msgspec.structs.replace(other.model, ffn_dim=96))
+    with pytest.raises(ValueError, match=r"saved for another model \(model.ffn_dim=64, now 96\)"):
+        train(other, write=False)
+
+
+def test_a_bad_resume_path_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match=r"checkpoint.resume='.*nowhere': not a complete shardlab checkpoint"):
+        resolve_resume(str(tmp_path / "nowhere"), tmp_path)
+    assert resolve_resume("auto", tmp_path / "none-yet") is None
+    assert step_dir(tmp_path, 12).name == "step-00000012"
