@@ -238,6 +238,12 @@ class CheckpointConfig(Frozen):
     async_save: bool = False
     """Write checkpoints in the background while training continues (committed before the next save)."""
 
+    def __post_init__(self) -> None:
+        if self.async_save and self.every is None:
+            raise ValueError("checkpoint.async_save is set but checkpoint.every is not; set --checkpoint.every N")
+        if not self.resume:
+            raise ValueError("checkpoint.resume is empty; use auto, none, or a step directory")
+
 
 class Config(Frozen):
     """A complete run: mesh, model, plan options, optimizer, data, training, logging."""

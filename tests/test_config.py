@@ -134,8 +134,8 @@ ERRORS = [
         r"^data\.paths is set but data\.source='synthetic'; ",
     ),
     (
-        lambda: CheckpointConfig(every=10),
-        r"^checkpoint\.every: checkpointing is not implemented yet \(issue 3\); leave it unset$",
+        lambda: CheckpointConfig(async_save=True),
+        r"^checkpoint\.async_save is set but checkpoint\.every is not; set --checkpoint\.every N$",
     ),
     (lambda: OptimConfig(lr=0.0), r"^optim\.lr=0\.0: must be > 0$"),
     (lambda: OptimConfig(lr=-1e-3), r"^optim\.lr=-0\.001: must be > 0$"),
