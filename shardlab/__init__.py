@@ -4,6 +4,7 @@ Config -> MeshSpec -> make_plan (rules, logical axes, PartitionSpecs) -> apply -
 """
 
 from shardlab.apply import apply, constrain, shard
+from shardlab.checkpoint import load, save
 from shardlab.config import (
     CheckpointConfig,
     Config,
@@ -15,6 +16,7 @@ from shardlab.config import (
     TrainConfig,
 )
 from shardlab.debug import visualize, visualize_spec
+from shardlab.hf import from_hf, load_hf_weights, to_hf
 from shardlab.loop import build_model, train
 from shardlab.mesh import MeshSpec, make_mesh
 from shardlab.models.llama import Llama, llama_config
@@ -44,14 +46,19 @@ __all__ = [
     "apply",
     "build_model",
     "constrain",
+    "from_hf",
     "init_state",
     "llama_config",
     "llama_rules",
+    "load",
+    "load_hf_weights",
     "make_mesh",
     "make_plan",
     "make_step",
     "placements",
+    "save",
     "shard",
+    "to_hf",
     "train",
     "visualize",
     "visualize_spec",

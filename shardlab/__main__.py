@@ -12,9 +12,11 @@ import sys
 
 USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world N]
        python -m shardlab plan RECIPE [--section.field VALUE ...] [--world N]
+       python -m shardlab export RUN_DIR --to-hf OUT
 
   RECIPE      a Python file defining `config = shardlab.Config(...)` (see recipes/)
   plan        print the layout (per-parameter specs, placements, bytes per rank) and exit; no processes
+  export      write the newest checkpoint of RUN_DIR (or a step directory) as Hugging Face safetensors
   --world N   world size for the mesh's -1 axis (default: the launcher's WORLD_SIZE, else the fixed axes' product)
   RECIPE --help shows every field with the recipe's values as defaults."""
 
@@ -35,12 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    command = args.pop(0) if args[0] == "plan" else "train"
+    command = args.pop(0) if args[0] in ("plan", "export") else "train"
     if not args:
         print(USAGE, file=sys.stderr)
         return 2
     recipe_path, overrides = args[0], args[1:]
     try:
+        if command == "export":
+            return _export(recipe_path, overrides)
         return _run(command, recipe_path, overrides)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -91,6 +95,18 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+    return 0
+
+
+def _export(source: str, args: list[str]) -> int:
+    from pathlib import Path
+
+    from shardlab.checkpoint import export_to_hf
+
+    if len(args) != 2 or args[0] != "--to-hf":
+        raise ValueError(f"export: expected `export RUN_DIR --to-hf OUT`, got {' '.join(['export', source, *args])!r}")
+    step = export_to_hf(Path(source), Path(args[1]))
+    print(f"shardlab: wrote {step} as a Hugging Face directory {args[1]}")
     return 0
 
 

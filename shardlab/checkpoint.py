@@ -173,3 +173,31 @@ def load(state: TrainState, loader: TokenLoader, path: Path, cfg: Config) -> Tra
     set_optimizer_state_dict(state.model, state.optim, tensors["optim"])
     torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
     return state.__class__(model=state.model, optim=state.optim, step=meta["step"])
+
+
+def export_to_hf(source: Path, out: Path) -> Path:
+    """Write a checkpoint's model weights as a Hugging Face directory; `source` is a run or step directory.
+
+    One process, no process group: DCP reshards whatever layout saved it into plain full tensors.
+    """
+    from shardlab.hf import to_hf
+    from shardlab.models.llama import Llama
+
+    step = source if (source / STATE_FILE).is_file() else resolve_resume("auto", source / "checkpoints")
+    if step is None:
+        raise ValueError(
+            f"export: {str(source)!r} holds no committed checkpoint (no checkpoints/step-*); give a run or step directory"
+        )
+    config_file = step / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"export: {str(step)!r} has no config.json; it is not a shardlab checkpoint")
+    cfg = msgspec.json.decode(config_file.read_bytes(), type=Config)
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    tensors = {"model": get_model_state_dict(model)}
+    dcp.load(tensors, checkpoint_id=str(step), no_dist=True)
+    set_model_state_dict(model, tensors["model"])
+    to_hf(model, out)
+    return step

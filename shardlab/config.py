@@ -237,6 +237,8 @@ class CheckpointConfig(Frozen):
     """auto: the newest committed checkpoint in the run directory, if any; none: start fresh; or a step directory."""
     async_save: bool = False
     """Write checkpoints in the background while training continues (committed before the next save)."""
+    init_from_hf: str | None = None
+    """Start from the weights of a Hugging Face Llama directory (safetensors) when there is nothing to resume."""
 
     def __post_init__(self) -> None:
         if self.async_save and self.every is None:

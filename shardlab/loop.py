@@ -23,6 +23,7 @@ from shardlab._base import to_json
 from shardlab.apply import apply, check_supported
 from shardlab.config import Config
 from shardlab.data import make_loader
+from shardlab.hf import load_hf_weights, read_hf_config
 from shardlab.launch import resolve_device
 from shardlab.mesh import make_mesh
 from shardlab.metrics import MetricsWriter, device_peak_flops, flops_per_token, mfu, peak_memory_bytes
@@ -110,6 +111,15 @@ def train(
     resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, checkpoints)
     if resume_from is not None:
         state = checkpoint.load(state, loader, resume_from, cfg)
+    elif cfg.checkpoint.init_from_hf is not None:
+        hf_model = read_hf_config(cfg.checkpoint.init_from_hf)
+        if hf_model != cfg.model:
+            diff = next(f for f in cfg.model.__struct_fields__ if getattr(hf_model, f) != getattr(cfg.model, f))
+            raise ValueError(
+                f"checkpoint.init_from_hf: the checkpoint has model.{diff}={getattr(hf_model, diff)!r} but the config "
+                f"says {getattr(cfg.model, diff)!r}; set the model fields to the checkpoint's"
+            )
+        load_hf_weights(model, cfg.checkpoint.init_from_hf)
     is_writer = write and rank == 0
     if is_writer:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,7 @@ def tiny(run_dir: Path, **checkpoint) -> Config:
         train=TrainConfig(steps=6, seq_len=32, global_batch=4, run_dir=str(run_dir)),
         log=LogConfig(wandb="disabled", progress=False),
         data=DataConfig(source="synthetic"),
-        checkpoint=CheckpointConfig(every=1, **checkpoint),
+        checkpoint=CheckpointConfig(**{"every": 1, **checkpoint}),
     )
 
 
@@ -82,3 +82,59 @@ def test_a_bad_resume_path_is_an_error(tmp_path):
         resolve_resume(str(tmp_path / "nowhere"), tmp_path)
     assert resolve_resume("auto", tmp_path / "none-yet") is None
     assert step_dir(tmp_path, 12).name == "step-00000012"
+
+
+def test_export_writes_what_transformers_loads(tmp_path):
+    """A checkpoint's weights come out as safetensors + config.json with the trained model's logits."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from shardlab.checkpoint import export_to_hf, save
+    from shardlab.data import make_loader
+    from shardlab.loop import build_model
+    from shardlab.step import init_state, make_step
+
+    cfg = tiny(tmp_path)
+    model, plan, mesh = build_model(cfg)
+    state, step = init_state(model, cfg.optim), make_step(cfg, plan, mesh)
+    loader = make_loader(cfg.data, seq_len=32, global_batch=4, vocab_size=300, dp_rank=0, dp_size=1)
+    for _ in range(2):
+        state, _ = step(state, next(loader))
+    save(state, loader, cfg, tmp_path / "checkpoints")
+    export_to_hf(tmp_path, tmp_path / "hf")
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), atol=1e-5, rtol=0)
+
+
+def test_init_from_hf_starts_from_those_weights(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+    import torch.nn.functional as F
+
+    from shardlab.data import make_loader
+    from shardlab.hf import read_hf_config
+    from shardlab.models.llama import to_hf_config
+
+    cfg = tiny(tmp_path / "run", every=None)
+    torch.manual_seed(3)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**to_hf_config(cfg.model))).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = msgspec.structs.replace(cfg, model=read_hf_config(tmp_path / "hf"))
+    cfg = msgspec.structs.replace(cfg, checkpoint=CheckpointConfig(init_from_hf=str(tmp_path / "hf")))
+    first = train(cfg, write=False, until=1)[0]["loss"]
+    batch = next(make_loader(cfg.data, seq_len=32, global_batch=4, vocab_size=300, dp_rank=0, dp_size=1))
+    with torch.no_grad():
+        want = F.cross_entropy(hf(batch.inputs).logits.flatten(0, 1), batch.labels.flatten()).item()
+    assert first == pytest.approx(want, abs=1e-5)
+    other = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, ffn_dim=96))
+    with pytest.raises(ValueError, match=r"init_from_hf: the checkpoint has model.ffn_dim=64 but the config says 96"):
+        train(other, write=False, until=1)
+
+
+def test_export_of_a_directory_without_checkpoints_is_an_error(tmp_path):
+    from shardlab.checkpoint import export_to_hf
+
+    with pytest.raises(ValueError, match="holds no committed checkpoint"):
+        export_to_hf(tmp_path, tmp_path / "out")

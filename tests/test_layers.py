@@ -9,7 +9,7 @@ LAYERS = [
     {"config"},
     {"spec", "rules"},
     {"models.llama", "models.llama_rules", "_plan_text", "plan"},
-    {"apply", "debug", "data", "metrics", "launch"},
+    {"apply", "debug", "data", "metrics", "launch", "hf"},
     {"step"},
     {"checkpoint"},
     {"loop", "recipe"},

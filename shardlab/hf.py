@@ -1,0 +1,380 @@
+"""Hugging Face Llama checkpoints (config.json + safetensors) <-> shardlab models, plain or sharded.
+
+`load_hf_weights(model, dir)` reads into an existing model, each rank only the block of each tensor its
+DTensor placements give it; `to_hf(model, dir)` gathers one parameter at a time and rank 0 writes.
+Weights are read only as safetensors, never through pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate
+
+from shardlab.config import ModelConfig
+from shardlab.mesh import AXES, mesh_spec_of
+from shardlab.models.llama import Llama, from_hf_config, to_hf_config
+from shardlab.spec import P, block, spec_from_placements
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+"""Buffers that old transformers versions saved with the weights; the model rebuilds them."""
+PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+def read_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a Hugging Face Llama directory (its config.json)."""
+    file = _dir(path) / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{file}: no such file; a Hugging Face model directory holds config.json")
+    try:
+        d = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not readable JSON ({e}); re-download or re-export the checkpoint") from None
+    if d.get("model_type", "llama") != "llama":
+        raise ValueError(f"{file}: model_type={d['model_type']!r}; only Llama checkpoints (model_type 'llama') load")
+    try:
+        return from_hf_config(d)
+    except ValueError as e:
+        raise ValueError(f"{file}: {str(e).removeprefix('from_hf_config: ')}") from None
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{file}: field {e} is missing or of the wrong type; is it a Llama config.json?") from None
+
+
+def from_hf(path: str | os.PathLike, device: torch.device | str = "cpu") -> Llama:
+    """A single-process Llama with the config and weights of a Hugging Face directory."""
+    cfg = read_hf_config(path)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.to_empty(device=device)
+    model.init_weights()  # re-ties and rebuilds the RoPE buffers; every parameter is overwritten below
+    load_hf_weights(model, path)
+    return model
+
+
+@dataclass(frozen=True)
+class _Stored:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
+    """Copy a Hugging Face checkpoint into `model` in place, by parameter name.
+
+    Parameters may be plain tensors or DTensors (TP, FSDP, HSDP, FSDP x TP); each rank reads only its own
+    block of each tensor. Everything is checked before anything is copied (names, shapes, dtypes, files),
+    so a bad checkpoint leaves the model as it was. A tied parameter is read once, from whichever of its
+    names the checkpoint has (HF omits `lm_head.weight` when tied).
+    """
+    root = _dir(path)
+    stored = _stored_tensors(root)
+    _reshard(model)
+    matched = _match(root, stored, _param_names(model))
+    jobs = [(names, *_local_block(param)) for names, param in matched]
+    _check_tied_copies(stored, jobs)
+    by_file: dict[Path, list[tuple[str, torch.Tensor, tuple[slice, ...]]]] = {}
+    for names, local, slices in jobs:
+        if local is not None:
+            by_file.setdefault(stored[names[0]].file, []).append((names[0], local, slices))
+    with torch.no_grad():
+        for file, items in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                for name, local, slices in items:
+                    local.copy_(f.get_slice(name)[slices])  # a copy: nothing keeps the mmap alive
+
+
+def _reshard(model: nn.Module) -> None:
+    """FSDP swaps unsharded copies in around forward (kept with reshard_after_forward=False): use the sharded ones."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _dir(path: str | os.PathLike) -> Path:
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"{root}: no such directory; pass a Hugging Face model directory (config.json + safetensors)")
+    return root
+
+
+def _stored_tensors(root: Path) -> dict[str, _Stored]:
+    """Every tensor of the checkpoint: name -> file, shape, dtype (headers only, no data is read)."""
+    index = root / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index ({e!r}); re-export the checkpoint") from None
+        files = sorted({root / f for f in weight_map.values()})
+    elif (root / SINGLE).is_file():
+        weight_map, files = None, [root / SINGLE]
+    else:
+        pickled = sorted(p.name for pattern in PICKLED for p in root.glob(pattern))
+        if pickled:
+            raise ValueError(
+                f"{root}: has {', '.join(pickled)} but no {SINGLE} or {INDEX}; only safetensors are read "
+                "(pickle can run code): convert it, e.g. save_pretrained(dir, safe_serialization=True)"
+            )
+        raise ValueError(f"{root}: no {SINGLE} or {INDEX}; pass a Hugging Face directory saved as safetensors")
+    stored: dict[str, _Stored] = {}
+    for file in files:
+        if not file.is_file():
+            raise ValueError(f"{file}: listed in {INDEX} but missing; re-download or re-export the checkpoint")
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                    s = f.get_slice(name)
+                    stored[name] = _Stored(file, tuple(s.get_shape()), s.get_dtype())
+        except (SafetensorError, OSError) as e:
+            raise ValueError(
+                f"{file}: not a readable safetensors file ({e}); it may be truncated, re-download it"
+            ) from None
+    for name, file in (weight_map or {}).items():
+        if name not in stored or stored[name].file != root / file:
+            raise ValueError(
+                f"{root / file}: has no tensor {name!r} although {INDEX} says so; re-export the checkpoint"
+            )
+    return stored
+
+
+def _param_names(model: nn.Module) -> list[tuple[tuple[str, ...], torch.Tensor]]:
+    """Each distinct parameter with all its names (a tied one has several), in model order."""
+    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), ([], p))[0].append(name)
+    return [(tuple(names), p) for names, p in groups.values()]
+
+
+def _match(
+    root: Path, stored: dict[str, _Stored], params: list[tuple[tuple[str, ...], torch.Tensor]]
+) -> list[tuple[tuple[str, ...], torch.Tensor]]:
+    """(names in the checkpoint, parameter) for every parameter, or an error for the first thing that does not fit."""
+    jobs, known = [], set()
+    for names, param in params:
+        known.update(names)
+        found = [n for n in names if n in stored]
+        if not found:
+            hint = (
+                "the checkpoint ties lm_head to embed_tokens: load it into a model with tie_embeddings=True"
+                if names == ("lm_head.weight",) and "model.embed_tokens.weight" in stored
+                else "load a checkpoint of this architecture"
+            )
+            raise ValueError(f"{root}: no tensor {names[0]!r} in the checkpoint ({len(stored)} tensors); {hint}")
+        name, s = found[0], stored[found[0]]
+        if s.shape != tuple(param.shape):
+            raise ValueError(
+                f"{s.file}: tensor {name!r} has shape {s.shape} but the model's is {tuple(param.shape)}; "
+                "the checkpoint is of another model size, build the model from its config.json (read_hf_config)"
+            )
+        if param.is_floating_point() and not s.dtype.startswith(("F", "BF")):
+            raise ValueError(
+                f"{s.file}: tensor {name!r} is {s.dtype} but the model's is {param.dtype}; expected floating-point weights"
+            )
+        jobs.append((tuple(found), param))
+    extra = sorted(n for n in stored if n not in known and not n.endswith(IGNORED_SUFFIXES))
+    if extra:
+        raise ValueError(
+            f"{stored[extra[0]].file}: tensor {extra[0]!r} (and {len(extra) - 1} more) matches no model parameter; "
+            "load a checkpoint of this architecture (for a tied checkpoint, set tie_embeddings=True)"
+        )
+    return jobs
+
+
+def _check_tied_copies(stored: dict[str, _Stored], jobs: list) -> None:
+    """A checkpoint that stores several names of one tied parameter must store equal tensors (this rank's block)."""
+    for names, local, slices in jobs:
+        if len(names) < 2 or local is None:
+            continue
+        first, *others = names
+        with safe_open(stored[first].file, framework="pt") as f:
+            want = f.get_slice(first)[slices]
+        for other in others:
+            with safe_open(stored[other].file, framework="pt") as f:
+                if not torch.equal(f.get_slice(other)[slices].to(want.dtype), want):
+                    raise ValueError(
+                        f"{stored[other].file}: {other!r} differs from {first!r} but the model ties them; "
+                        "load it into an untied model (tie_embeddings=False)"
+                    )
+
+
+def _local_block(param: torch.Tensor) -> tuple[torch.Tensor | None, tuple[slice, ...]]:
+    """The tensor this rank writes into and the block of the global tensor it holds (None: holds nothing)."""
+    if not isinstance(param, DTensor):
+        return param, tuple(slice(0, n) for n in param.shape)
+    mesh = param.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None, ()
+    names = tuple(mesh.mesh_dim_names or ())
+    spec_mesh = mesh_spec_of(mesh)
+    by_axis = dict(zip(names, param.placements))
+    full = [by_axis.get(a, Replicate()) if spec_mesh.size(a) > 1 else Replicate() for a in AXES]
+    spec = spec_from_placements(full, spec_mesh, param.ndim)
+    coord = {a: 0 for a in AXES} | dict(zip(names, coordinate))
+    slices = _nested_block(spec, spec_mesh, tuple(param.shape), coord)
+    local = param.to_local()
+    if tuple(s.stop - s.start for s in slices) != tuple(local.shape):
+        raise ValueError(
+            f"load_hf_weights: local shard {tuple(local.shape)} is not the block {slices} that placements "
+            f"{param.placements} give; this layout is not supported, please report it"
+        )
+    return local, slices
+
+
+def _nested_block(spec: P, mesh, shape: tuple[int, ...], coordinate: dict[str, int]) -> tuple[slice, ...]:
+    """The block at `coordinate` when each axis of a dim chunks what the axes before it left (major first).
+
+    This is how torch lays out shards (FSDP chunks the TP-local tensor), and equals `spec.block` whenever
+    every split is even. It differs when FSDP pads: vocab 130 over (tp=2, dp_shard=2) leaves rows
+    0:33, 33:65, 65:98, 98:130, where one JAX-style split of 130 in 4 would give 0:33, 33:66, 66:99, 99:130.
+    """
+    out = []
+    for d, n in enumerate(shape):
+        start, stop = 0, n
+        for axis in spec.axes(d) if d < len(spec) else ():
+            part = block(P(axis), mesh, (stop - start,), coordinate)[0]
+            start, stop = start + part.start, start + part.stop
+        out.append(slice(start, stop))
+    return tuple(out)
+
+
+def to_hf(
+    model: nn.Module | Mapping[str, torch.Tensor],
+    path: str | os.PathLike,
+    *,
+    config: ModelConfig | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Write a Hugging Face directory (config.json + safetensors) that `LlamaForCausalLM.from_pretrained` loads.
+
+    `model` is a Llama (plain or with DTensor parameters) or a state_dict with Llama's names; `config`
+    defaults to `model.cfg`. Collective: with a process group every rank calls it (each DTensor is gathered
+    with `full_tensor()`, one at a time) and rank 0 writes. Files above `max_shard_bytes` are split into
+    `model-0000i-of-0000n.safetensors` plus an index. The directory appears whole or not at all (written
+    next to `path`, then renamed); `path` may exist only as an empty directory.
+    """
+    if config is None:
+        config = getattr(model, "cfg", None)
+        if not isinstance(config, ModelConfig):
+            raise ValueError("to_hf: `model` has no ModelConfig in .cfg; pass config=ModelConfig(...)")
+    if max_shard_bytes < 1:
+        raise ValueError(f"to_hf: max_shard_bytes={max_shard_bytes}; must be >= 1")
+    tensors = _export_tensors(model, config)
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += nbytes
+    files = (
+        [SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    target = Path(path)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    error = None
+    if writer:
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            error = f"{target}: already exists and is not an empty directory; choose a new path or remove it"
+        else:
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                error = f"{target}: cannot create {tmp} ({e}); check the parent directory"
+    _raise_on_every_rank(error)
+    # Every rank gathers every tensor in the same order (collectives); a write error on rank 0 is held
+    # until the end so the other ranks are not left waiting in a collective.
+    for file, shard in zip(files, shards):
+        buffer = {}
+        for name, t in shard:
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            if writer and error is None:
+                buffer[name] = full.detach().to("cpu", copy=not isinstance(t, DTensor)).contiguous()
+            del full
+        if writer and error is None:
+            try:
+                save_file(buffer, tmp / file, metadata={"format": "pt"})
+            except (OSError, SafetensorError, ValueError, RuntimeError) as e:
+                error = f"{target}: writing {file} failed ({e})"
+        del buffer
+    if writer and error is None:
+        try:
+            _write_metadata(tmp, config, tensors, files, shards)
+            os.replace(tmp, target)
+        except OSError as e:
+            error = f"{target}: cannot finish the export ({e}); check the disk and permissions"
+    if writer and error is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _raise_on_every_rank(error)
+
+
+def _export_tensors(
+    model: nn.Module | Mapping[str, torch.Tensor], config: ModelConfig
+) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) in Llama's order, each distinct tensor once (tied: no lm_head.weight); checked by name and shape."""
+    with torch.device("meta"):
+        reference = Llama(config)
+    want = {name: tuple(p.shape) for name, p in reference.named_parameters()}  # tied: lm_head.weight drops out
+    if isinstance(model, nn.Module):
+        _reshard(model)
+    source = model.state_dict(keep_vars=True) if isinstance(model, nn.Module) else model
+    if not isinstance(source, Mapping):
+        raise TypeError(f"to_hf: `model` is a {type(model).__name__}; pass an nn.Module or a state_dict mapping")
+    missing = [n for n in want if n not in source]
+    extra = [n for n in source if n not in want and not (config.tie_embeddings and n == "lm_head.weight")]
+    for names, what in ((missing, "is missing"), (extra, "is not a parameter of this config")):
+        if names:
+            raise ValueError(
+                f"to_hf: tensor {names[0]!r} (and {len(names) - 1} more) {what}; pass the state of a Llama "
+                f"built from this config (dim={config.dim}, n_layers={config.n_layers})"
+            )
+    for name, shape in want.items():
+        if tuple(source[name].shape) != shape:
+            raise ValueError(
+                f"to_hf: tensor {name!r} has shape {tuple(source[name].shape)} but the config gives {shape}; "
+                "pass the config the model was built from"
+            )
+    return [(name, source[name]) for name in want]
+
+
+def _write_metadata(tmp: Path, config: ModelConfig, tensors, files: list[str], shards) -> None:
+    hf_config = to_hf_config(config) | {
+        "architectures": ["LlamaForCausalLM"],
+        "torch_dtype": str(tensors[0][1].dtype).removeprefix("torch."),
+    }
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    if len(files) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for _, t in tensors)},
+            "weight_map": {name: file for file, shard in zip(files, shards) for name, _ in shard},
+        }
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _raise_on_every_rank(error: str | None) -> None:
+    """Rank 0's verdict, raised as a ValueError on every rank (a no-op barrier when there is none)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ValueError(error)
