@@ -110,9 +110,21 @@ class PendingSave:
 
 
 def save(
-    state: TrainState, loader: TokenLoader, cfg: Config, checkpoints: Path, *, async_save: bool = False
+    state: TrainState,
+    loader: TokenLoader,
+    cfg: Config,
+    checkpoints: Path,
+    *,
+    async_save: bool = False,
+    group: dist.ProcessGroup | None = None,
 ) -> PendingSave:
-    """Write the whole TrainState; sync saves are committed on return, async ones by `PendingSave.commit()`."""
+    """Write the whole TrainState; sync saves are committed on return, async ones by `PendingSave.commit()`.
+
+    An async save runs its collectives in a background thread: give it its own process group (`group`,
+    from `checkpoint_group()`), or they interleave with training's on the default group and hang.
+    """
+    if async_save and dist.is_initialized() and group is None:
+        raise ValueError("checkpoint.save: an async save needs its own process group; pass group=checkpoint_group()")
     final = step_dir(checkpoints, state.step)
     tmp = final.with_name(final.name + TMP_SUFFIX)
     if _rank() == 0:
@@ -127,11 +139,16 @@ def save(
     tensors = _tensors(state)
     no_dist = not dist.is_initialized()  # one process: DCP needs no process group
     write = dcp.async_save if async_save else dcp.save
-    future = write(tensors, checkpoint_id=str(tmp), no_dist=no_dist)
+    future = write(tensors, checkpoint_id=str(tmp), no_dist=no_dist, process_group=group)
     pending = PendingSave(future if async_save else None, tmp, final, meta + b"\n" + to_json(cfg), cfg.checkpoint.keep)
     if not async_save:
         pending.commit()
     return pending
+
+
+def checkpoint_group() -> dist.ProcessGroup | None:
+    """A gloo group of all ranks for background checkpoint I/O (collective: every rank calls it once)."""
+    return dist.new_group(backend="gloo") if dist.is_initialized() else None
 
 
 def _commit(tmp: Path, final: Path, meta_and_config: bytes, keep: int | None) -> None:

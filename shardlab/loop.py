@@ -135,6 +135,7 @@ def train(
     last = cfg.train.steps if until is None else min(until, cfg.train.steps)
     every = cfg.checkpoint.every
     pending: checkpoint.PendingSave | None = None
+    save_group = checkpoint.checkpoint_group() if every is not None and cfg.checkpoint.async_save else None
     with MetricsWriter(
         run_dir,
         cfg.log,
@@ -152,7 +153,9 @@ def train(
                 saving = time.perf_counter()
                 if pending is not None:
                     pending.commit()  # the previous async save must be committed before the next one starts
-                pending = checkpoint.save(state, loader, cfg, checkpoints, async_save=cfg.checkpoint.async_save)
+                pending = checkpoint.save(
+                    state, loader, cfg, checkpoints, async_save=cfg.checkpoint.async_save, group=save_group
+                )
                 metrics["checkpoint_block_s"] = time.perf_counter() - saving
             metrics = {
                 **metrics,
