@@ -185,11 +185,46 @@ def load(state: TrainState, loader: TokenLoader, path: Path, cfg: Config) -> Tra
     meta = json.loads((path / STATE_FILE).read_text())
     loader.load_state_dict(meta["data"])
     tensors = _tensors(state)
+    verify(path, tensors["model"])  # before anything is loaded: a damaged checkpoint changes nothing
     dcp.load(tensors, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_model_state_dict(state.model, tensors["model"])
     set_optimizer_state_dict(state.model, state.optim, tensors["optim"])
     torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
     return state.__class__(model=state.model, optim=state.optim, step=meta["step"])
+
+
+def verify(path: Path, model_state: dict) -> None:
+    """Check that a checkpoint is whole and fits the model: every parameter present with its shape, and
+    every data file present and long enough for the bytes the metadata says it holds."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # torch raises several kinds for an unreadable .metadata
+        raise ValueError(
+            f"checkpoint {str(path)!r}: unreadable .metadata ({type(err).__name__}: {err}); resume from another step"
+        ) from None
+    saved = metadata.state_dict_metadata
+    for fqn, tensor in model_state.items():
+        entry = saved.get(f"model.{fqn}")
+        if entry is None:
+            raise ValueError(
+                f"checkpoint {str(path)!r}: no tensor for parameter {fqn!r}; it was saved from another model"
+            )
+        if tuple(entry.size) != tuple(tensor.shape):
+            raise ValueError(
+                f"checkpoint {str(path)!r}: {fqn} has shape {tuple(entry.size)} there but {tuple(tensor.shape)} here"
+            )
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"checkpoint {str(path)!r}: data file {name} is missing; resume from another step")
+        if file.stat().st_size < size:
+            raise ValueError(
+                f"checkpoint {str(path)!r}: data file {name} is truncated ({file.stat().st_size} of {size} bytes); "
+                "resume from another step"
+            )
 
 
 def export_to_hf(source: Path, out: Path) -> Path:
@@ -214,6 +249,7 @@ def export_to_hf(source: Path, out: Path) -> Path:
     model.to_empty(device="cpu")
     model.init_weights()
     tensors = {"model": get_model_state_dict(model)}
+    verify(step, tensors["model"])
     dcp.load(tensors, checkpoint_id=str(step), no_dist=True)
     set_model_state_dict(model, tensors["model"])
     to_hf(model, out)

@@ -138,3 +138,44 @@ def test_export_of_a_directory_without_checkpoints_is_an_error(tmp_path):
 
     with pytest.raises(ValueError, match="holds no committed checkpoint"):
         export_to_hf(tmp_path, tmp_path / "out")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "metadata"])
+def test_a_damaged_checkpoint_is_refused_before_anything_loads(tmp_path, damage):
+    import torch
+
+    from shardlab.checkpoint import load
+    from shardlab.data import make_loader
+    from shardlab.loop import build_model
+    from shardlab.step import init_state
+
+    cfg = tiny(tmp_path)
+    train(cfg, write=False, until=2)
+    step = step_dir(tmp_path / "checkpoints", 2)
+    data = step / "__0_0.distcp"
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    elif damage == "delete":
+        data.unlink()
+    else:
+        (step / ".metadata").write_bytes(b"not a pickle")
+    model, _, _ = build_model(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loader = make_loader(cfg.data, seq_len=32, global_batch=4, vocab_size=300, dp_rank=0, dp_size=1)
+    message = {
+        "truncate": r"__0_0.distcp is truncated",
+        "delete": r"__0_0.distcp is missing",
+        "metadata": r"unreadable .metadata",
+    }
+    with pytest.raises(ValueError, match=message[damage]):
+        load(init_state(model, cfg.optim), loader, step, cfg)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed by a failed load"
+
+
+def test_resuming_with_another_global_batch_says_what_differs(tmp_path):
+    train(tiny(tmp_path), write=False, until=2)
+    other = tiny(tmp_path)
+    other = msgspec.structs.replace(other, train=msgspec.structs.replace(other.train, global_batch=8))
+    with pytest.raises(ValueError, match="global_batch"):
+        train(other, write=False)
