@@ -95,8 +95,8 @@ def _barrier() -> None:
 class PendingSave:
     """An async save whose files are still being written; `commit()` waits for them, then commits."""
 
-    def __init__(self, future, tmp: Path, final: Path, meta: bytes, keep: int | None) -> None:
-        self.future, self.tmp, self.final, self.meta, self.keep = future, tmp, final, meta, keep
+    def __init__(self, future, tmp: Path, final: Path, files: dict[str, bytes], keep: int | None) -> None:
+        self.future, self.tmp, self.final, self.files, self.keep = future, tmp, final, files, keep
         self.committed = False
 
     def commit(self) -> Path:
@@ -104,7 +104,7 @@ class PendingSave:
         if not self.committed:
             if self.future is not None:
                 self.future.result()
-            _commit(self.tmp, self.final, self.meta, self.keep)
+            _commit(self.tmp, self.final, self.files, self.keep)
             self.committed = True
         return self.final
 
@@ -131,16 +131,17 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    meta = json.dumps({
-        "step": state.step,
-        "data": loader.state_dict(),
-        "rng": torch.get_rng_state().tolist(),
-    }).encode()  # fmt: skip
+    files = {  # written by rank 0 at the commit, beside the DCP files
+        STATE_FILE: json.dumps(
+            {"step": state.step, "data": loader.state_dict(), "rng": torch.get_rng_state().tolist()}
+        ).encode(),
+        "config.json": to_json(cfg),
+    }
     tensors = _tensors(state)
     no_dist = not dist.is_initialized()  # one process: DCP needs no process group
     write = dcp.async_save if async_save else dcp.save
     future = write(tensors, checkpoint_id=str(tmp), no_dist=no_dist, process_group=group)
-    pending = PendingSave(future if async_save else None, tmp, final, meta + b"\n" + to_json(cfg), cfg.checkpoint.keep)
+    pending = PendingSave(future if async_save else None, tmp, final, files, cfg.checkpoint.keep)
     if not async_save:
         pending.commit()
     return pending
@@ -151,13 +152,12 @@ def checkpoint_group() -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo") if dist.is_initialized() else None
 
 
-def _commit(tmp: Path, final: Path, meta_and_config: bytes, keep: int | None) -> None:
+def _commit(tmp: Path, final: Path, files: dict[str, bytes], keep: int | None) -> None:
     _barrier()  # every rank has written its shards; rank 0 wrote .metadata inside dcp.save
     if _rank() == 0:
-        meta, config = meta_and_config.split(b"\n", 1)
-        (tmp / "config.json").write_bytes(config)
-        (tmp / STATE_FILE).write_bytes(meta)
-        _fault_point(f"save:{json.loads(meta)['step']}")
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        _fault_point(f"save:{json.loads(files[STATE_FILE])['step']}")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)  # the commit: atomic on one filesystem
