@@ -11,9 +11,16 @@ from shardlab.checkpoint import complete, step_dir
 from shardlab.config import CheckpointConfig, Config, MeshSpec
 
 from ._harness import run_world
-from .layouts import TOL, curves, tiny
+from .layouts import TOL, curves
+from .layouts import tiny as tiny10
 
-HALF = 5
+HALF = 10
+
+
+def tiny(mesh: MeshSpec = MeshSpec(dp_shard=1)) -> Config:
+    """The parity model, run for 20 steps: the issue's "20 straight vs 10, stop, resume, 10 more"."""
+    cfg = tiny10(mesh)
+    return msgspec.structs.replace(cfg, train=msgspec.structs.replace(cfg.train, steps=2 * HALF))
 
 
 def ckpt(
@@ -51,8 +58,8 @@ def layouts(rank, world_size, tmp):
 def async_save(rank, world_size, tmp):
     tmp = Path(tmp)
     cfg = tiny(MeshSpec(dp_shard=2, tp=2))
-    first = curves(ckpt(cfg, tmp / "async", every=2, async_save=True), until=6)["loss"]
-    second = curves(ckpt(cfg, tmp / "async", every=2, async_save=True))["loss"]
+    first = curves(ckpt(cfg, tmp / "async", every=4, async_save=True), until=12)["loss"]
+    second = curves(ckpt(cfg, tmp / "async", every=4, async_save=True))["loss"]
     return {"losses": first + second, "committed": [p.name for p in complete(tmp / "async" / "checkpoints")]}
 
 
@@ -117,4 +124,29 @@ def test_dp2_tp2_checkpoint_continues_on_one_process(world4, tmp):
 def test_async_saves_commit_and_resume_bitwise(world4):
     out, straight = world4.value(async_save), world4.value(layouts)["straight"]
     assert out["losses"] == straight
-    assert out["committed"] == ["step-00000006", "step-00000008", "step-00000010"]  # keep=3
+    assert out["committed"] == ["step-00000012", "step-00000016", "step-00000020"]  # keep=3
+
+
+@pytest.mark.world
+def test_export_of_a_dp2_tp2_checkpoint_loads_in_transformers(world4, tmp):
+    """`python -m shardlab export` turns a sharded DCP checkpoint into HF safetensors with the same logits."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from shardlab.__main__ import main
+    from shardlab.checkpoint import load
+    from shardlab.data import make_loader
+    from shardlab.loop import build_model
+    from shardlab.step import init_state
+
+    world4.raise_for(layouts)
+    saved = step_dir(tmp / "split" / "checkpoints", HALF)
+    assert main(["export", str(saved), "--to-hf", str(tmp / "hf")]) == 0
+    cfg = tiny10()
+    model, _, _ = build_model(cfg)
+    loader = make_loader(cfg.data, seq_len=64, global_batch=8, vocab_size=512, dp_rank=0, dp_size=1)
+    load(init_state(model, cfg.optim), loader, saved, cfg)
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), atol=1e-5, rtol=0)
