@@ -12,10 +12,12 @@ import sys
 
 USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world N]
        python -m shardlab plan RECIPE [--section.field VALUE ...] [--world N]
+       python -m shardlab estimate RECIPE [--section.field VALUE ...] [--world N]
        python -m shardlab export RUN_DIR --to-hf OUT
 
   RECIPE      a Python file defining `config = shardlab.Config(...)` (see recipes/)
   plan        print the layout (per-parameter specs, placements, bytes per rank) and exit; no processes
+  estimate    per-rank memory of parameters, gradients and optimizer state (worst rank), from the plan
   export      write the newest checkpoint of RUN_DIR (or a step directory) as Hugging Face safetensors
   --world N   world size for the mesh's -1 axis (default: the launcher's WORLD_SIZE, else the fixed axes' product)
   RECIPE --help shows every field with the recipe's values as defaults."""
@@ -37,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    command = args.pop(0) if args[0] in ("plan", "export") else "train"
+    command = args.pop(0) if args[0] in ("plan", "estimate", "export") else "train"
     if not args:
         print(USAGE, file=sys.stderr)
         return 2
@@ -79,6 +81,11 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
     _, plan = plan_model(cfg, recipe.rules(cfg))
     if command == "plan":
         print(plan.table())
+        return 0
+    if command == "estimate":
+        from shardlab.estimate import memory_table
+
+        print(memory_table(plan))
         return 0
     from shardlab.apply import check_supported
 

@@ -262,12 +262,13 @@ def _param_plan(
     fqn: str, t: torch.Tensor, spec: Spec, match, mesh: MeshSpec, unit: str | None, aliases: tuple[str, ...]
 ) -> ParamPlan:
     full = P(*spec) if spec else P()
+    local = local_shape(full, mesh, t.shape)
     padded = False
     if unit is not None and mesh.dp_shard > 1 and t.ndim > 0:
-        tp_local = local_shape(full, mesh, t.shape)[0]
-        padded = tp_local % mesh.dp_shard != 0
+        # FSDP chunks the TP-local tensor (torch.chunk: ceil rows, padded): ceil(ceil(n / tp) / dp_shard) rows
+        padded = local[0] % mesh.dp_shard != 0
+        local = (-(-local[0] // mesh.dp_shard), *local[1:])
         full = full.with_minor(0, ("dp_shard",))
-    local = local_shape(full, mesh, t.shape)
     return ParamPlan(
         fqn=fqn,
         shape=tuple(t.shape),

@@ -10,7 +10,7 @@ LAYERS = [
     {"spec", "rules"},
     {"models.llama", "models.llama_rules", "_plan_text", "plan"},
     {"apply", "debug", "data", "metrics", "launch", "hf"},
-    {"step"},
+    {"step", "estimate"},
     {"checkpoint"},
     {"loop", "recipe"},
     {"__main__", "__init__"},
