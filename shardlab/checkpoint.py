@@ -132,9 +132,7 @@ def save(
         tmp.mkdir(parents=True)
     _barrier()
     files = {  # written by rank 0 at the commit, beside the DCP files
-        STATE_FILE: json.dumps(
-            {"step": state.step, "data": loader.state_dict(), "rng": torch.get_rng_state().tolist()}
-        ).encode(),
+        STATE_FILE: json.dumps({"step": state.step, "data": loader.state_dict(), **_rng_state()}).encode(),
         "config.json": to_json(cfg),
     }
     tensors = _tensors(state)
@@ -145,6 +143,20 @@ def save(
     if not async_save:
         pending.commit()
     return pending
+
+
+def _rng_state() -> dict[str, list[int]]:
+    """Torch's RNG states (CPU, and this rank's CUDA device when there is one), as JSON-able byte lists."""
+    out = {"rng": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_rng"] = torch.cuda.get_rng_state().tolist()
+    return out
+
+
+def _set_rng_state(meta: dict) -> None:
+    torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
+    if "cuda_rng" in meta and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(meta["cuda_rng"], dtype=torch.uint8))
 
 
 def checkpoint_group() -> dist.ProcessGroup | None:
@@ -189,7 +201,7 @@ def load(state: TrainState, loader: TokenLoader, path: Path, cfg: Config) -> Tra
     dcp.load(tensors, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_model_state_dict(state.model, tensors["model"])
     set_optimizer_state_dict(state.model, state.optim, tensors["optim"])
-    torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
+    _set_rng_state(meta)
     return state.__class__(model=state.model, optim=state.optim, step=meta["step"])
 
 
