@@ -188,11 +188,11 @@ def load(state: TrainState, loader: TokenLoader, path: Path, cfg: Config) -> Tra
     """Load a checkpoint into an already parallelized state (any mesh: DCP reshards)."""
     config_file = path / "config.json"
     saved = msgspec.json.decode(config_file.read_bytes(), type=Config) if config_file.is_file() else None
-    if saved is not None and saved.model != cfg.model:
-        diff = [f for f in cfg.model.__struct_fields__ if getattr(saved.model, f) != getattr(cfg.model, f)]
+    diff = None if saved is None else saved.model.first_difference(cfg.model)
+    if diff is not None:
         raise ValueError(
-            f"checkpoint {str(path)!r}: saved for another model (model.{diff[0]}={getattr(saved.model, diff[0])!r}, "
-            f"now {getattr(cfg.model, diff[0])!r}); resume with the saved model config or set checkpoint.resume=none"
+            f"checkpoint {str(path)!r}: saved for another model (model.{diff}={getattr(saved.model, diff)!r}, "
+            f"now {getattr(cfg.model, diff)!r}); resume with the saved model config or set checkpoint.resume=none"
         )
     meta = json.loads((path / STATE_FILE).read_text())
     loader.load_state_dict(meta["data"])

@@ -87,6 +87,10 @@ class ModelConfig(Frozen):
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    def first_difference(self, other: ModelConfig) -> str | None:
+        """The first field whose value differs from `other`'s (for errors naming what differs), or None."""
+        return next((f for f in self.__struct_fields__ if getattr(self, f) != getattr(other, f)), None)
+
     @property
     def n_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from shardlab import checkpoint
 from shardlab._base import to_json
@@ -31,7 +30,7 @@ from shardlab.models.llama import Llama
 from shardlab.models.llama_rules import llama_rules
 from shardlab.plan import Plan, make_plan
 from shardlab.rules import Rules
-from shardlab.step import Metrics, TrainState, init_state, make_step
+from shardlab.step import Metrics, TrainState, init_state, make_step, model_device
 
 
 def plan_model(cfg: Config, rules: Rules | None = None) -> tuple[nn.Module, Plan]:
@@ -93,7 +92,7 @@ def train(
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
     model, plan, mesh = build_model(cfg, rules, device)
     cfg = cfg.resolve(plan.mesh.world_size)
-    device = _local_device(model)
+    device = model_device(model)
     dp = cfg.mesh.size("dp")
     dp_rank = cfg.mesh.group_index(rank, ("dp",))
     step = make_step(cfg, plan, mesh)
@@ -113,8 +112,8 @@ def train(
         state = checkpoint.load(state, loader, resume_from, cfg)
     elif cfg.checkpoint.init_from_hf is not None:
         hf_model = read_hf_config(cfg.checkpoint.init_from_hf)
-        if hf_model != cfg.model:
-            diff = next(f for f in cfg.model.__struct_fields__ if getattr(hf_model, f) != getattr(cfg.model, f))
+        diff = hf_model.first_difference(cfg.model)
+        if diff is not None:
             raise ValueError(
                 f"checkpoint.init_from_hf: the checkpoint has model.{diff}={getattr(hf_model, diff)!r} but the config "
                 f"says {getattr(cfg.model, diff)!r}; set the model fields to the checkpoint's"
@@ -170,8 +169,3 @@ def train(
         if pending is not None:
             pending.commit()
     return history
-
-
-def _local_device(model: nn.Module) -> torch.device:
-    p = next(iter(model.parameters()))
-    return p.to_local().device if isinstance(p, DTensor) else p.device

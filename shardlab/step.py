@@ -96,7 +96,7 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
         lr = lr_at(state.step)
         for g in opt.param_groups:
             g["lr"] = lr
-        device = _local(next(iter(model.parameters()))).device
+        device = model_device(model)
         inputs, labels = batch.inputs.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
         if inputs.shape[0] % grad_accum:
             raise ValueError(
@@ -125,10 +125,14 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor's value (or a parameter's local shard, for its device) as a plain tensor."""
-    if not isinstance(t, DTensor):
-        return t
-    return t.full_tensor() if all(p.is_replicate() for p in t.placements) else t.to_local()
+    """The loss's value as a plain tensor (under loss parallel it is a replicated DTensor)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model's (local shards of) parameters live: where batches go."""
+    p = next(iter(model.parameters()))
+    return p.to_local().device if isinstance(p, DTensor) else p.device
 
 
 def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
