@@ -60,8 +60,10 @@ def build_model(
     mesh = None
     if plan.fsdp is not None or plan.mesh.tp > 1:
         if not dist.is_initialized():
-            # FSDP mixed precision on one process still needs a (one-rank) process group.
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            # FSDP mixed precision on one process still needs a (one-rank) process group; on a GPU its
+            # collectives run on CUDA tensors, which gloo cannot reduce.
+            backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         mesh = make_mesh(cfg.mesh, device.type)
     if cfg.train.init == "sharded":
         apply(model, plan, mesh)  # on the meta device: no rank ever holds more than its shards

@@ -1,0 +1,99 @@
+"""One CUDA device: the training loop on a GPU agrees with the CPU, and the GPU-only paths run.
+
+Skipped without CUDA (tests/conftest.py). Each test leaves no process group behind, so CPU tests in the
+same session keep their own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardlab import Config, LogConfig, ModelConfig, OptimConfig, PlanConfig, TrainConfig
+from shardlab.data import make_loader
+from shardlab.loop import build_model, train
+from shardlab.step import init_state, make_step
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def no_process_group():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def small(**plan: object) -> Config:
+    return Config(
+        model=ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, vocab_size=512),
+        plan=PlanConfig(**plan),
+        optim=OptimConfig(lr=1e-2, warmup_steps=2),
+        train=TrainConfig(steps=6, seq_len=128, global_batch=4),
+        log=LogConfig(wandb="disabled", progress=False),
+    )
+
+
+def losses(cfg: Config, device: str) -> list[float]:
+    return [m["loss"] for m in train(cfg, write=False, device=device)]
+
+
+def test_cuda_fp32_matches_cpu():
+    """The same weights and batches: fp32 on the GPU (no TF32) follows the CPU curve up to kernel rounding.
+
+    The weights are copied from the CPU model: one seed draws other numbers from the CUDA generator.
+    """
+    assert not torch.backends.cuda.matmul.allow_tf32
+    cfg = small()
+    curves = {}
+    weights = None
+    for device in ("cpu", "cuda"):
+        model, plan, mesh = build_model(cfg, device=device)
+        if weights is None:
+            weights = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(weights)
+        step, state = make_step(cfg, plan, mesh), init_state(model, cfg.optim)
+        loader = make_loader(cfg.data, seq_len=128, global_batch=4, vocab_size=512, dp_rank=0, dp_size=1)
+        curves[device] = []
+        for _ in range(cfg.train.steps):
+            state, metrics = step(state, next(loader))
+            curves[device].append(metrics["loss"])
+    cpu, gpu = curves["cpu"], curves["cuda"]
+    assert max(abs(a - b) for a, b in zip(cpu, gpu)) < 1e-4, (cpu, gpu)
+
+
+def test_bf16_one_gpu_uses_fsdp_mixed_precision_and_learns():
+    """bf16 on one GPU plans a one-rank FSDP (nccl) for mixed precision; it stays near the fp32 curve."""
+    fp32, bf16 = losses(small(), "cuda"), losses(small(param_dtype="bfloat16"), "cuda")
+    assert max(abs(a - b) for a, b in zip(fp32, bf16)) < 0.05, (fp32, bf16)
+    assert bf16[-1] < bf16[0] - 0.5
+
+
+def test_compile_matches_eager_on_cuda():
+    eager = losses(small(param_dtype="bfloat16"), "cuda")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    compiled = losses(small(param_dtype="bfloat16", compile=True), "cuda")
+    assert max(abs(a - b) for a, b in zip(eager, compiled)) < 0.02, (eager, compiled)
+
+
+def test_sharded_init_draws_the_same_distribution():
+    """train.init='sharded' initialises DTensor shards on the GPU; each weight has the std of a full init."""
+    cfg = small(param_dtype="bfloat16")
+    full, _, _ = build_model(cfg, device="cuda")
+    want = {name: p.full_tensor().float().std().item() for name, p in full.named_parameters()}
+    dist.destroy_process_group()
+    sharded_cfg = msgspec.structs.replace(cfg, train=msgspec.structs.replace(cfg.train, init="sharded"))
+    sharded, _, _ = build_model(sharded_cfg, device="cuda")
+    for name, p in sharded.named_parameters():
+        got = p.full_tensor().float().std().item()
+        assert math.isclose(got, want[name], rel_tol=0.05, abs_tol=1e-6), (name, got, want[name])
+    dist.destroy_process_group()
+    first = losses(sharded_cfg, "cuda")
+    assert all(math.isfinite(x) for x in first) and first[-1] < first[0]
