@@ -12,26 +12,34 @@ import sys
 
 USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world N]
        python -m shardlab plan RECIPE [--section.field VALUE ...] [--world N]
-       python -m shardlab estimate RECIPE [--section.field VALUE ...] [--world N]
+       python -m shardlab estimate RECIPE [--section.field VALUE ...] [--world N] [--device h100|h200|a100|b200]
        python -m shardlab export RUN_DIR --to-hf OUT
 
   RECIPE      a Python file defining `config = shardlab.Config(...)` (see recipes/)
   plan        print the layout (per-parameter specs, placements, bytes per rank) and exit; no processes
-  estimate    per-rank memory of parameters, gradients and optimizer state (worst rank), from the plan
+  estimate    per-rank memory, communication per mesh axis, FLOPs and a roofline step time (worst rank), from
+              the plan and one micro batch run on fake tensors in a fake world of that size; no devices
   export      write the newest checkpoint of RUN_DIR (or a step directory) as Hugging Face safetensors
   --world N   world size for the mesh's -1 axis (default: the launcher's WORLD_SIZE, else the fixed axes' product)
+  --device D  the accelerator `estimate` predicts step time for (default h100)
   RECIPE --help shows every field with the recipe's values as defaults."""
 
 
-def _pop_world(args: list[str]) -> int | None:
+def _pop_flag(args: list[str], flag: str) -> str | None:
+    """Remove `--flag VALUE` or `--flag=VALUE` from args (the rest goes to tyro) and return VALUE."""
     for i, a in enumerate(args):
-        if a == "--world" or a.startswith("--world="):
+        if a == flag or a.startswith(f"{flag}="):
             value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
             del args[i : i + (1 if "=" in a else 2)]
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"--world {value!r}: expected a positive integer number of ranks")
-            return int(value)
+            return value
     return None
+
+
+def _pop_world(args: list[str]) -> int | None:
+    value = _pop_flag(args, "--world")
+    if value is not None and (not value.isdigit() or int(value) < 1):
+        raise ValueError(f"--world {value!r}: expected a positive integer number of ranks")
+    return None if value is None else int(value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +69,7 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
     from shardlab.recipe import load_recipe
 
     world = _pop_world(overrides)
+    device_name = _pop_flag(overrides, "--device") if command == "estimate" else None
     recipe = load_recipe(recipe_path)
     launched = under_launcher()
     rank = int(os.environ.get("RANK", "0"))
@@ -83,9 +92,11 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
         print(plan.table())
         return 0
     if command == "estimate":
-        from shardlab.estimate import memory_table
+        from shardlab.estimate import estimate, estimate_table
+        from shardlab.roofline import device
 
-        print(memory_table(plan))
+        dev = device(device_name or "h100")
+        print(estimate_table(estimate(cfg, plan, recipe.rules(cfg), dev), cfg, dev))
         return 0
     from shardlab.apply import check_supported
 

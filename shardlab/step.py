@@ -89,7 +89,6 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
     group = flat_view(mesh, "batch").get_group() if mesh is not None and plan.mesh.size("batch") > 1 else None
     lr_at = lr_schedule(cfg.optim, cfg.train.steps)
     max_norm = cfg.optim.max_norm
-    parallel_loss = loss_parallel if plan.loss_parallel else contextlib.nullcontext
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         model, opt = state.model, state.optim
@@ -106,13 +105,8 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
         scale = dp / tokens.item()  # a float: a DTensor loss cannot be multiplied by a plain tensor
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for x, y in zip(inputs.chunk(grad_accum), labels.chunk(grad_accum)):
-            with parallel_loss():
-                logits = model(x)
-                loss = F.cross_entropy(
-                    logits.flatten(0, 1).float(), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
-                )
-                (loss * scale).backward()
-            loss_sum += _local(loss.detach()).to(torch.float64)
+            loss = forward_backward(model, x, y, scale, plan.loss_parallel)
+            loss_sum += _local(loss).to(torch.float64)
         match_param_layouts(model)
         grad_norm = clip_grad_norm(model, max_norm)
         opt.step()
@@ -122,6 +116,30 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
         return msgspec.structs.replace(state, step=state.step + 1), metrics
 
     return step
+
+
+def forward_backward(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    scale: float,
+    vocab_parallel: bool,
+    after_forward: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """One micro batch: summed cross-entropy, backward of loss * scale; returns the (detached) summed loss.
+
+    vocab_parallel: the logits are vocab-sharded DTensors (the plan's loss_parallel). after_forward runs between
+    the loss and the backward (the estimator measures what the forward left alive there).
+    """
+    with loss_parallel() if vocab_parallel else contextlib.nullcontext():
+        logits = model(inputs)
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+        )
+        if after_forward is not None:
+            after_forward()
+        (loss * scale).backward()
+    return loss.detach()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from shardlab import Config, LogConfig, ModelConfig, OptimConfig, PlanConfig, TrainConfig
 from shardlab.data import make_loader
 from shardlab.loop import build_model, train
-from shardlab.step import init_state, make_step
+from shardlab.probe import probe
+from shardlab.step import forward_backward, init_state, make_step
 
 pytestmark = pytest.mark.gpu
 
@@ -97,3 +98,29 @@ def test_sharded_init_draws_the_same_distribution():
     dist.destroy_process_group()
     first = losses(sharded_cfg, "cuda")
     assert all(math.isfinite(x) for x in first) and first[-1] < first[0]
+
+
+def test_activation_estimate_matches_cuda_memory():
+    """What the forward leaves allocated on the GPU (bf16, one-rank FSDP) is at most the probe's activation bytes
+    and at least 70% of them: the probe runs CPU kernels, whose bf16 norms and attention keep some fp32
+    intermediates that CUDA's do not (measured on an H100: 480 MB allocated vs 593 MB probed, 0.81)."""
+    cfg = msgspec.structs.replace(
+        small(param_dtype="bfloat16"),
+        model=ModelConfig(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1024, vocab_size=8192),
+        train=TrainConfig(steps=1, seq_len=1024, global_batch=4),
+    )
+    model, plan, _ = build_model(cfg, device="cuda")
+    tokens = torch.randint(0, 8192, (4, 1024), device="cuda")
+    forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel)  # lazy init and gradients, as in any later step
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    seen = {}
+
+    def after_forward() -> None:
+        torch.cuda.synchronize()
+        seen["added"] = torch.cuda.memory_allocated() - before
+
+    forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward)
+    dist.destroy_process_group()
+    want = probe(cfg.resolve(1)).activation_bytes
+    assert 0.7 * want <= seen["added"] <= want, (seen["added"], want)

@@ -4,14 +4,16 @@ import ast
 from pathlib import Path
 
 LAYERS = [
-    {"_base", "_strided", "_checkpoint"},
+    {"_base", "_strided", "_checkpoint", "_fake"},
     {"mesh"},
     {"config"},
     {"spec", "rules"},
     {"models.llama", "models.llama_rules", "_plan_text", "plan"},
     {"apply", "debug", "data", "metrics", "launch", "hf"},
-    {"step", "estimate"},
-    {"checkpoint"},
+    {"step"},
+    {"probe"},
+    {"roofline"},
+    {"estimate", "checkpoint"},
     {"loop", "recipe"},
     {"__main__", "__init__"},
 ]

@@ -1,0 +1,300 @@
+"""probe(cfg) -> Probe: run one micro batch of the real layout on fake tensors and record what happens.
+
+The estimator's measurements, so they cannot drift from what `apply` and `step` do: in a fake world of
+the config's size (this process is rank 0, the worst rank), the model is planned, built on the meta
+device, parallelized by `apply`, given fake storage, and one micro batch goes through `forward_backward`.
+A dispatch mode (torch's CommDebugMode, which also counts) records every collective with its mesh axis
+and bytes, every op's FLOPs and bytes moved, and what the forward leaves alive (activations).
+
+A model of L identical blocks is probed with 2k and 3k blocks (k = the activation-checkpointing period);
+every quantity is linear in the number of blocks, so the two probes give it for L exactly, in seconds
+even for 405B on 4096 ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from shardlab._base import Frozen
+from shardlab._fake import fake_tensors, fake_world, forget_dtensor_dispatch, inferring_dtensor_shapes
+from shardlab.apply import apply, check_supported
+from shardlab.config import Config
+from shardlab.mesh import AXES, FLAT_VIEWS, flat_view, make_mesh
+from shardlab.models.llama import Llama
+from shardlab.models.llama_rules import llama_rules
+from shardlab.plan import make_plan
+from shardlab.rules import Rules
+from shardlab.step import forward_backward
+
+Kind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"]
+Phase = Literal["forward", "backward"]
+
+aten, c10d = torch.ops.aten, torch.ops.c10d
+funcol = (torch.ops._c10d_functional, torch.ops.c10d_functional, torch.ops._c10d_functional_autograd)
+KINDS: dict[Any, Kind] = {
+    c10d._allgather_base_: "all_gather",
+    c10d.allgather_: "all_gather",
+    c10d.allgather_into_tensor_coalesced_: "all_gather",
+    c10d._reduce_scatter_base_: "reduce_scatter",
+    c10d.reduce_scatter_: "reduce_scatter",
+    c10d.reduce_scatter_tensor_coalesced_: "reduce_scatter",
+    c10d.allreduce_: "all_reduce",
+    c10d.allreduce_coalesced_: "all_reduce",
+    c10d.alltoall_base_: "all_to_all",
+    c10d.broadcast_: "broadcast",
+    **{getattr(ns, name): kind for ns in funcol for name, kind in (
+        ("all_gather_into_tensor", "all_gather"), ("reduce_scatter_tensor", "reduce_scatter"),
+        ("all_reduce", "all_reduce"), ("all_to_all_single", "all_to_all"), ("broadcast", "broadcast"),
+    ) if hasattr(ns, name)},
+}  # fmt: skip
+"""Collective op -> kind. A kind's bytes are its full buffer: the gathered output, the scattered input."""
+
+NO_TRAFFIC = {
+    aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.empty_like, aten._unsafe_view,
+    aten.resize_, aten.set_, aten.lift_fresh, aten._local_scalar_dense,
+}  # fmt: skip
+"""Ops that allocate or relabel memory without reading or writing it (with views and prim/profiler ops)."""
+CAUSAL_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu}
+ATTENTION_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward}
+
+
+class Collective(Frozen):
+    """All collectives of one kind on one mesh axis in one phase, per micro batch on the probed rank."""
+
+    axis: str
+    """Mesh axis or flattened view (`dp` for HSDP's 2-D FSDP mesh) whose group ran it."""
+    kind: Kind
+    phase: Phase
+    count: int
+    bytes: int
+    """Summed full-buffer bytes."""
+    group_size: int
+
+
+class Probe(Frozen):
+    """One micro batch of forward + backward on rank 0 (the worst rank), for the whole model."""
+
+    collectives: tuple[Collective, ...]
+    flops: int
+    """Executed FLOPs: matmuls and attention (causal attention as run, half the square), recomputation included."""
+    ops: tuple[tuple[int, int, int], ...]
+    """(FLOPs, bytes read + written, how many such ops): the roofline's input, one entry per distinct op."""
+    activation_bytes: int
+    """Bytes the forward leaves alive for the backward (saved tensors, checkpoint inputs, logits, loss)."""
+    tokens: int
+    """Tokens of the micro batch on this rank."""
+
+
+class _Recorder(CommDebugMode):
+    """CommDebugMode (torch's collective counter) that also keeps bytes, axes, FLOPs and live storages."""
+
+    def __init__(self, axis_of_group: dict[str, str]) -> None:
+        super().__init__()
+        self.axis_of_group = axis_of_group
+        self.phase: Phase = "forward"
+        self.collectives: Counter[tuple[str, Kind, Phase, int]] = Counter()
+        self.collective_bytes: Counter[tuple[str, Kind, Phase, int]] = Counter()
+        self.ops: Counter[tuple[int, int]] = Counter()
+        self.flops = 0
+        self.storages: dict[int, StorageWeakRef] = {}
+        self.activation_bytes = 0
+        self.tokens = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is NotImplemented:
+            forget_dtensor_dispatch()  # so that its local ops come back here
+            return out
+        if not hasattr(func, "_overloadpacket"):
+            return out
+        packet = func._overloadpacket
+        kind = KINDS.get(packet)
+        if kind is not None:
+            self._collective(packet, kind, args)
+            return out
+        if inferring_dtensor_shapes():
+            return out  # DTensor runs the global op on fake tensors to learn its output shape: nothing runs
+        outputs = list(_tensors(out))
+        for t in outputs:
+            s = t.untyped_storage()
+            known = self.storages.get(s._cdata)
+            if known is None or known.expired():  # a freed storage's address can come back for a new one
+                self.storages[s._cdata] = StorageWeakRef(s)
+        if func.is_view or packet in NO_TRAFFIC or func.namespace in ("prim", "profiler"):
+            return out
+        flops = _flops(packet, args, kwargs or {}, out)
+        moved = sum(t.nbytes for t in _tensors((args, kwargs)) if t.numel()) + sum(t.nbytes for t in outputs)
+        self.flops += flops
+        self.ops[(flops, moved)] += 1
+        return out
+
+    def _collective(self, packet: Any, kind: Kind, args: tuple) -> None:
+        name, size = _group(args)
+        # c10d ops take (output, input): an all-gather's full buffer is its output, a reduce-scatter's its input.
+        # funcol ops take the input alone: an all-gather's shard, a reduce-scatter's full buffer.
+        full = 1 if packet in (c10d._reduce_scatter_base_, c10d.reduce_scatter_) else 0
+        nbytes = sum(t.nbytes for t in _tensors(args[full : full + 1]))
+        if kind == "all_gather" and packet not in (c10d._allgather_base_, c10d.allgather_):
+            nbytes *= size
+        key = (self.axis_of_group.get(name, f"group of {size}"), kind, self.phase, size)
+        self.collectives[key] += 1
+        self.collective_bytes[key] += nbytes
+
+    def live_bytes(self, exclude: set[int]) -> int:
+        """Bytes of storages made under this mode that are still alive and not in `exclude`."""
+        total = 0
+        for key, ref in self.storages.items():
+            if key not in exclude and not ref.expired():
+                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        return total
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    for leaf in torch.utils._pytree.tree_leaves(tree):
+        if isinstance(leaf, DTensor):
+            yield leaf._local_tensor
+        elif isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif isinstance(leaf, (list, tuple)):  # c10d ops take lists of lists
+            yield from _tensors(list(leaf))
+
+
+def _group(args: tuple) -> tuple[str, int]:
+    """(group name, group size) of a collective's arguments: a ProcessGroup object or a funcol group name."""
+    for a in reversed(args):  # a funcol op's group name is its last string (a reduce op is a string too)
+        if isinstance(a, str):
+            pg = dist.distributed_c10d._resolve_process_group(a)
+            return a, pg.size()
+        if isinstance(a, dist.ProcessGroup):
+            return a.group_name, a.size()
+        if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith("ProcessGroup"):
+            pg = dist.ProcessGroup.unbox(a)
+            return pg.group_name, pg.size()
+    raise ValueError(f"probe: no process group among the collective's arguments {args!r}")
+
+
+def _flops(packet: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """FLOPs one op executes: torch's flop_counter formulas, plus CPU's flash attention (causal: half)."""
+    if packet in CAUSAL_ATTENTION or packet in ATTENTION_BACKWARD:
+        shapes = [tuple(t.shape) for t in args[:5] if isinstance(t, torch.Tensor)]
+        full = sdpa_flop_count(*shapes[:3]) if packet in CAUSAL_ATTENTION else sdpa_backward_flop_count(*shapes[:4])
+        causal = kwargs.get("is_causal", args[4] if packet in CAUSAL_ATTENTION and len(args) > 4 else False)
+        if packet in ATTENTION_BACKWARD:
+            causal = kwargs.get("is_causal", args[7] if len(args) > 7 else False)
+        return full // 2 if causal else full
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return 0
+    return int(formula(*args, **kwargs, out_val=out))  # the registry's formulas take tensors and read shapes
+
+
+def _axis_names(mesh: DeviceMesh) -> dict[str, str]:
+    names = {}
+    for view in FLAT_VIEWS:
+        if math.prod(mesh[a].size() for a in FLAT_VIEWS[view] if mesh[a].size() > 1) > 1:
+            names[flat_view(mesh, view).get_group().group_name] = view
+    for axis in AXES:  # single axes win over views with the same group (a view of one axis of size > 1)
+        if mesh[axis].size() > 1:
+            names[mesh[axis].get_group().group_name] = axis
+    return names
+
+
+def _probe_layers(cfg: Config, rules: Rules | None, mesh: DeviceMesh, n_layers: int, forward_only: bool) -> _Recorder:
+    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, n_layers=n_layers))
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    plan = make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan)
+    apply(model, plan, mesh)
+    dp = cfg.mesh.size("dp")
+    rows = cfg.train.global_batch // dp // cfg.train.grad_accum(dp)
+    recorder = _Recorder(_axis_names(mesh))
+    with fake_tensors():
+        model.to_empty(device="cpu")
+        tokens = torch.zeros((rows, cfg.train.seq_len), dtype=torch.long)
+
+        def after_forward() -> None:
+            recorder.activation_bytes = recorder.live_bytes(_param_storages(model))
+            recorder.phase = "backward"
+            if forward_only:
+                raise _ForwardDone
+
+        # A step like every later one: FSDP's lazy init and the gradients come from an unrecorded first micro batch.
+        forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel)
+        with recorder, contextlib.suppress(_ForwardDone):
+            forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward)
+    recorder.tokens = rows * cfg.train.seq_len
+    return recorder
+
+
+class _ForwardDone(Exception):
+    pass
+
+
+def _param_storages(model: nn.Module) -> set[int]:
+    """Storages of the parameters as registered now (FSDP's unsharded ones between forward and backward)."""
+    local = (p._local_tensor if isinstance(p, DTensor) else p for p in model.parameters())
+    return {t.untyped_storage()._cdata for t in local}
+
+
+def probe(cfg: Config, rules: Rules | None = None, *, forward_only: bool = False) -> Probe:
+    """What one micro batch of `cfg` (resolved: its mesh names the world) does on rank 0, for the whole model.
+
+    rules: the layout (default: llama_rules); they must not depend on the number of blocks. forward_only stops
+    after the forward: only activation_bytes and the forward's collectives and ops are then filled.
+    """
+    check_supported(cfg.mesh)
+    n = cfg.model.n_layers
+    k = cfg.plan.ac_every if cfg.plan.activation_checkpoint == "selective" else 1
+    # Two and three periods: the first and the last block differ from the middle ones (FSDP prefetches and
+    # reshards them differently), so every probe holds both and the difference is one middle period.
+    sizes = (n,) if n <= 3 * k else (2 * k, 3 * k)
+    with fake_world(cfg.mesh.world_size):
+        # One mesh for both probes: DTensor caches redistributions by mesh equality, so a second equal mesh
+        # would run on the first one's groups.
+        mesh = make_mesh(cfg.mesh, "cpu")
+        records = [_probe_layers(cfg, rules, mesh, size, forward_only) for size in sizes]
+    if len(records) == 1:
+        a = b = records[0]
+        scale = 0.0
+    else:
+        a, b = records
+        scale = (n - 2 * k) / k  # quantity(n) = quantity(2k) + (n - 2k) / k * (quantity(3k) - quantity(2k))
+
+    def extend(x: int, y: int) -> int:
+        value = x + scale * (y - x)
+        if value < 0 or abs(value - round(value)) > 1e-6 * max(1.0, abs(value)):
+            raise AssertionError(f"probe: a quantity is not linear in blocks ({x} at {2 * k}, {y} at {3 * k})")
+        return round(value)
+
+    keys = a.collectives.keys() | b.collectives.keys()
+    collectives = tuple(
+        Collective(
+            axis=axis, kind=kind, phase=phase, group_size=size,
+            count=extend(a.collectives[key], b.collectives[key]),
+            bytes=extend(a.collective_bytes[key], b.collective_bytes[key]),
+        )
+        for key in sorted(keys)
+        for axis, kind, phase, size in [key]
+    )  # fmt: skip
+    ops = tuple(sorted((f, m, extend(a.ops[(f, m)], b.ops[(f, m)])) for f, m in a.ops.keys() | b.ops.keys()))
+    return Probe(
+        collectives=tuple(c for c in collectives if c.count),
+        flops=extend(a.flops, b.flops),
+        ops=tuple(op for op in ops if op[2]),
+        activation_bytes=extend(a.activation_bytes, b.activation_bytes),
+        tokens=a.tokens,
+    )

@@ -1,0 +1,115 @@
+"""Step time from a Probe and a device: a roofline for compute, link bandwidths for collectives.
+
+The model, stated so it can be argued with:
+- Each op of the probe takes max(FLOPs / (peak x MATMUL_EFFICIENCY), bytes / (HBM x HBM_EFFICIENCY)): eager
+  PyTorch, one kernel per op, no fusion; causal attention does half the square.
+- A collective over n ranks moves (n - 1) / n of its buffer per rank (ring; all-reduce twice that) at the
+  group's link bandwidth: NVLink when the group's ranks share a node, else the node's network per GPU.
+  Mesh axes are laid out as `MeshSpec` orders them (tp innermost), GPUS_PER_NODE to a node.
+- FSDP's collectives (dp axes) overlap with compute (prefetch): they cost only what exceeds it. TP's are on
+  the critical path (eager TP, no async TP). Scalar all-reduces of the loss and norm are left out.
+- The AdamW step streams 7 fp32 words per local parameter (read p, g, m, v; write p, m, v) through HBM.
+- No kernel-launch or Python overheads, no stragglers: a floor, which real runs approach from above.
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardlab._base import Frozen
+from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec
+from shardlab.probe import Collective, Probe
+
+MATMUL_EFFICIENCY = 0.8
+"""Achievable / datasheet bf16 FLOP/s: an 8192^3 bf16 matmul ran at 798 of 989 TFLOP/s on this workplace's H100."""
+HBM_EFFICIENCY = 0.9
+"""Achievable / datasheet HBM bandwidth: a device-to-device copy moved 3.0 of 3.35 TB/s on the same H100."""
+GPUS_PER_NODE = 8
+DP_AXES = ("dp_replicate", "dp_shard", "dp", "dp_shard_cp", "batch")
+ADAM_BYTES_PER_PARAM = 7 * 4
+
+
+class Device(Frozen):
+    """Datasheet numbers of one accelerator (SXM parts, dense bf16)."""
+
+    name: str
+    bf16_tflops: float
+    hbm_tb_s: float
+    nvlink_gb_s: float
+    """Per GPU, one direction."""
+    network_gb_s: float
+    """Per GPU, one direction, between nodes (one NIC per GPU)."""
+
+
+DEVICES: dict[str, Device] = {
+    "h100": Device(name="H100 SXM", bf16_tflops=989, hbm_tb_s=3.35, nvlink_gb_s=450, network_gb_s=50),
+    "h200": Device(name="H200 SXM", bf16_tflops=989, hbm_tb_s=4.8, nvlink_gb_s=450, network_gb_s=50),
+    "a100": Device(name="A100 SXM 80GB", bf16_tflops=312, hbm_tb_s=2.04, nvlink_gb_s=300, network_gb_s=25),
+    "b200": Device(name="B200", bf16_tflops=2250, hbm_tb_s=8.0, nvlink_gb_s=900, network_gb_s=50),
+}
+"""Network: 400 Gb/s InfiniBand per GPU (200 Gb/s HDR on A100 systems)."""
+
+
+def device(name: str) -> Device:
+    if name not in DEVICES:
+        raise ValueError(f"--device {name!r} is unknown; choose one of {', '.join(DEVICES)}")
+    return DEVICES[name]
+
+
+class StepTime(Frozen):
+    """Predicted seconds per optimizer step on every rank, and what follows from them."""
+
+    compute_s: float
+    fsdp_comm_s: float
+    tp_comm_s: float
+    optimizer_s: float
+    step_s: float
+    tokens_per_s_per_device: float
+    mfu: float
+
+
+def axis_bandwidth(mesh: MeshSpec, axis: str, dev: Device) -> float:
+    """Bytes/s of the links a group of `axis` uses: NVLink if all its ranks share a node, else the network."""
+    names = FLAT_VIEWS.get(axis, (axis,))
+    inner = min(AXES.index(a) for a in names)
+    span = math.prod(mesh.size(a) for a in AXES[inner:])  # ranks from the group's first to one past its last
+    return (dev.nvlink_gb_s if span <= GPUS_PER_NODE else dev.network_gb_s) * 1e9
+
+
+def collective_seconds(c: Collective, mesh: MeshSpec, dev: Device) -> float:
+    n = c.group_size
+    factor = 2 * (n - 1) / n if c.kind == "all_reduce" else (n - 1) / n
+    return c.bytes * factor / axis_bandwidth(mesh, c.axis, dev)
+
+
+def compute_seconds(p: Probe, dev: Device) -> float:
+    flops_s = dev.bf16_tflops * 1e12 * MATMUL_EFFICIENCY
+    bytes_s = dev.hbm_tb_s * 1e12 * HBM_EFFICIENCY
+    return sum(count * max(flops / flops_s, moved / bytes_s) for flops, moved, count in p.ops)
+
+
+def step_time(
+    p: Probe,
+    mesh: MeshSpec,
+    dev: Device,
+    *,
+    micro_batches: int,
+    params_per_rank: int,
+    global_tokens: int,
+    model_flops_per_token: float,
+) -> StepTime:
+    """One optimizer step of `micro_batches` micro batches like the probed one, `global_tokens` in all, on `dev`.
+
+    MFU counts `model_flops_per_token` (the trainer's own convention, shardlab.metrics.flops_per_token).
+    """
+    compute = micro_batches * compute_seconds(p, dev)
+    fsdp = micro_batches * sum(collective_seconds(c, mesh, dev) for c in p.collectives if c.axis in DP_AXES)
+    tp = micro_batches * sum(collective_seconds(c, mesh, dev) for c in p.collectives if c.axis not in DP_AXES)
+    optimizer = params_per_rank * ADAM_BYTES_PER_PARAM / (dev.hbm_tb_s * 1e12 * HBM_EFFICIENCY)
+    step = max(compute, fsdp) + tp + optimizer
+    per_device = global_tokens / mesh.world_size / step
+    mfu = per_device * model_flops_per_token / (dev.bf16_tflops * 1e12)
+    return StepTime(
+        compute_s=compute, fsdp_comm_s=fsdp, tp_comm_s=tp, optimizer_s=optimizer, step_s=step,
+        tokens_per_s_per_device=per_device, mfu=mfu,
+    )  # fmt: skip

@@ -1,0 +1,86 @@
+"""The probe in one process (fake world, fake tensors): exact FLOPs, linear extrapolation over blocks, and an
+estimate and roofline that hang together. Real ranks check it in tests/worlds/test_probe.py."""
+
+import msgspec
+import pytest
+
+from shardlab import Config, MeshSpec, ModelConfig, PlanConfig, TrainConfig
+from shardlab._fake import fake_world
+from shardlab.estimate import estimate
+from shardlab.loop import plan_model
+from shardlab.mesh import make_mesh
+from shardlab.probe import _probe_layers, probe
+from shardlab.roofline import axis_bandwidth, device
+
+
+def cfg(mesh=MeshSpec(dp_shard=1), n_layers=5, **plan) -> Config:
+    model = ModelConfig(dim=128, n_layers=n_layers, n_heads=4, n_kv_heads=4, ffn_dim=256, vocab_size=512)
+    return Config(mesh=mesh, model=model, plan=PlanConfig(**plan), train=TrainConfig(global_batch=4, seq_len=64))
+
+
+def test_flops_are_six_n_t_plus_causal_attention_exactly():
+    c = cfg().resolve(1)
+    m = c.model
+    n_matmul = m.n_params - m.vocab_size * m.dim - (2 * m.n_layers + 1) * m.dim  # no embedding lookup, no norms
+    tokens = 4 * 64
+    # attention per token and layer: forward 4 s d, backward 10 s d (flash recomputes the scores), causal: half
+    want = 6 * n_matmul * tokens + 7 * m.n_layers * 64 * m.dim * tokens
+    assert probe(c).flops == want
+
+
+def test_tensor_parallel_halves_each_ranks_flops():
+    one = probe(cfg().resolve(1)).flops
+    assert probe(cfg(MeshSpec(dp_shard=1, tp=2)).resolve(2)).flops * 2 == one
+
+
+@pytest.mark.parametrize(
+    "mesh,plan",
+    [
+        (MeshSpec(dp_shard=2, tp=2), dict(sequence_parallel=True, loss_parallel=True)),
+        (MeshSpec(dp_shard=4), dict(activation_checkpoint="selective", param_dtype="bfloat16")),
+    ],
+    ids=["fsdp_tp_sp", "fsdp_selective_bf16"],
+)
+def test_two_probes_extrapolate_to_the_whole_model_exactly(mesh, plan):
+    """Probing 2k and 3k blocks gives what probing all 7 (or 8) blocks gives."""
+    n = 8 if plan.get("activation_checkpoint") == "selective" else 7
+    c = cfg(mesh, n_layers=n, **plan).resolve(4)
+    p = probe(c)
+    with fake_world(4):
+        direct = _probe_layers(c, None, make_mesh(c.mesh, "cpu"), n, False)
+    assert (p.flops, p.activation_bytes) == (direct.flops, direct.activation_bytes)
+    assert {(x.axis, x.kind, x.phase, x.group_size): (x.count, x.bytes) for x in p.collectives} == {
+        k: (v, direct.collective_bytes[k]) for k, v in direct.collectives.items()
+    }
+
+
+def test_checkpointing_trades_activations_for_recompute():
+    none, full = (probe(cfg(activation_checkpoint=ac).resolve(1)) for ac in ("none", "full"))
+    assert full.activation_bytes < none.activation_bytes / 2
+    assert none.flops < full.flops < 1.5 * none.flops
+
+
+def test_estimate_sums_up():
+    c = cfg(MeshSpec(dp_shard=2, tp=2), sequence_parallel=True, loss_parallel=True).resolve(4)
+    _, plan = plan_model(c)
+    e = estimate(c, plan, dev=device("h100"))
+    assert e.peak == e.memory.total + e.activations + e.fsdp_buffers
+    assert e.other_checkpointing == "full" and e.activations_other < e.activations
+    assert {x.axis for x in e.collectives} == {"dp_shard", "tp"}
+    t = e.time
+    assert t.step_s == pytest.approx(max(t.compute_s, t.fsdp_comm_s) + t.tp_comm_s + t.optimizer_s)
+    assert t.tokens_per_s_per_device == pytest.approx(4 * 64 / 4 / t.step_s)
+
+
+def test_groups_within_a_node_use_nvlink():
+    mesh = MeshSpec(dp_shard=64, tp=8).resolve(512)
+    h100 = device("h100")
+    assert axis_bandwidth(mesh, "tp", h100) == 450e9
+    assert axis_bandwidth(mesh, "dp_shard", h100) == 50e9
+    small = msgspec.structs.replace(mesh, dp_shard=2, tp=4)
+    assert axis_bandwidth(small, "dp_shard", h100) == 450e9
+
+
+def test_unknown_device_is_one_line():
+    with pytest.raises(ValueError, match=r"^--device 'tpu' is unknown; choose one of h100, h200, a100, b200$"):
+        device("tpu")
