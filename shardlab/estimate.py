@@ -9,12 +9,13 @@ size. Step time, tokens/s and MFU come from `roofline` for a named device.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import msgspec
 
 from shardlab._base import Frozen
 from shardlab.config import Config
-from shardlab.metrics import flops_per_token
+from shardlab.metrics import model_flops_per_token
 from shardlab.plan import Plan
 from shardlab.probe import Collective, probe
 from shardlab.roofline import Device, StepTime, collective_seconds, step_time
@@ -52,9 +53,9 @@ def fsdp_buffer_bytes(plan: Plan) -> int:
     if f is None:
         return 0
     shards = plan.mesh.size("dp_shard")
-    numel: dict[str, int] = {}
+    numel: Counter[str | None] = Counter()
     for p in plan.params:
-        numel[p.fsdp_unit or ""] = numel.get(p.fsdp_unit or "", 0) + math.prod(p.local_shape) * shards
+        numel[p.fsdp_unit] += math.prod(p.local_shape) * shards
     largest = sorted(numel.values(), reverse=True)
     gathered = sum(largest[:2]) * DTYPE_BYTES[f.param_dtype]
     return gathered + largest[0] * DTYPE_BYTES[f.reduce_dtype]
@@ -94,13 +95,11 @@ def estimate(cfg: Config, plan: Plan, rules: Rules | None = None, dev: Device | 
     activations_other = probe(other_cfg, rules, forward_only=True).activation_bytes
     memory = estimate_memory(plan)
     micro = cfg.train.grad_accum(cfg.mesh.size("dp"))
-    m = cfg.model
-    matmul_params = m.n_params - (0 if m.tie_embeddings else m.vocab_size * m.dim)
-    fpt = flops_per_token(matmul_params, m.n_layers, m.dim, cfg.train.seq_len)
+    fpt = model_flops_per_token(cfg.model, cfg.train.seq_len)
     time = None
     if dev is not None:
         time = step_time(
-            p, plan.mesh, dev, micro_batches=micro, params_per_rank=memory.params // DTYPE_BYTES[plan.params[0].dtype],
+            p, plan.mesh, dev, micro_batches=micro, params_per_rank=sum(math.prod(q.local_shape) for q in plan.params),
             global_tokens=cfg.train.global_batch * cfg.train.seq_len, model_flops_per_token=fpt,
         )  # fmt: skip
     return Estimate(

@@ -25,7 +25,7 @@ from shardlab.data import make_loader
 from shardlab.hf import load_hf_weights, read_hf_config
 from shardlab.launch import resolve_device
 from shardlab.mesh import make_mesh
-from shardlab.metrics import MetricsWriter, device_peak_flops, flops_per_token, mfu, peak_memory_bytes
+from shardlab.metrics import MetricsWriter, device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes
 from shardlab.models.llama import Llama
 from shardlab.models.llama_rules import llama_rules
 from shardlab.plan import Plan, make_plan
@@ -126,9 +126,7 @@ def train(
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_bytes(to_json(cfg))
         (run_dir / "plan.json").write_bytes(plan.to_json())
-    m = cfg.model
-    matmul_params = m.n_params - (0 if m.tie_embeddings else m.vocab_size * m.dim)  # an embedding lookup is no matmul
-    fpt = flops_per_token(matmul_params, m.n_layers, m.dim, cfg.train.seq_len)
+    fpt = model_flops_per_token(cfg.model, cfg.train.seq_len)
     peak = device_peak_flops(device, cfg.log.peak_tflops)
     world = plan.mesh.world_size
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len

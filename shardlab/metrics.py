@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 import torch
 
-from shardlab.config import LogConfig
+from shardlab.config import LogConfig, ModelConfig
 
 _LINE_FORMATS = {
     "loss": "loss {:.4f}",
@@ -150,6 +150,12 @@ def flops_per_token(n_params: int, n_layers: int, dim: int, seq_len: int) -> flo
     the caller's choice; its lookup costs no FLOPs.
     """
     return 6.0 * n_params + 12.0 * n_layers * dim * seq_len
+
+
+def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """`flops_per_token` of a Llama config: N counts every matmul weight, not an untied embedding (a lookup)."""
+    matmul_params = model.n_params - (0 if model.tie_embeddings else model.vocab_size * model.dim)
+    return flops_per_token(matmul_params, model.n_layers, model.dim, seq_len)
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | None) -> float | None:

@@ -68,8 +68,11 @@ NO_TRAFFIC = {
     aten.resize_, aten.set_, aten.lift_fresh, aten._local_scalar_dense,
 }  # fmt: skip
 """Ops that allocate or relabel memory without reading or writing it (with views and prim/profiler ops)."""
-CAUSAL_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu}
-ATTENTION_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward}
+CPU_ATTENTION = {
+    aten._scaled_dot_product_flash_attention_for_cpu: (sdpa_flop_count, 3, 4),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: (sdpa_backward_flop_count, 4, 7),
+}
+"""CPU's flash attention, which torch's flop counter lacks: (formula, tensors it reads shapes of, is_causal's position)."""
 
 
 class Collective(Frozen):
@@ -95,8 +98,6 @@ class Probe(Frozen):
     """(FLOPs, bytes read + written, how many such ops): the roofline's input, one entry per distinct op."""
     activation_bytes: int
     """Bytes the forward leaves alive for the backward (saved tensors, checkpoint inputs, logits, loss)."""
-    tokens: int
-    """Tokens of the micro batch on this rank."""
 
 
 class _Recorder(CommDebugMode):
@@ -112,7 +113,6 @@ class _Recorder(CommDebugMode):
         self.flops = 0
         self.storages: dict[int, StorageWeakRef] = {}
         self.activation_bytes = 0
-        self.tokens = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -169,8 +169,6 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
             yield leaf._local_tensor
         elif isinstance(leaf, torch.Tensor):
             yield leaf
-        elif isinstance(leaf, (list, tuple)):  # c10d ops take lists of lists
-            yield from _tensors(list(leaf))
 
 
 def _group(args: tuple) -> tuple[str, int]:
@@ -189,12 +187,10 @@ def _group(args: tuple) -> tuple[str, int]:
 
 def _flops(packet: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """FLOPs one op executes: torch's flop_counter formulas, plus CPU's flash attention (causal: half)."""
-    if packet in CAUSAL_ATTENTION or packet in ATTENTION_BACKWARD:
-        shapes = [tuple(t.shape) for t in args[:5] if isinstance(t, torch.Tensor)]
-        full = sdpa_flop_count(*shapes[:3]) if packet in CAUSAL_ATTENTION else sdpa_backward_flop_count(*shapes[:4])
-        causal = kwargs.get("is_causal", args[4] if packet in CAUSAL_ATTENTION and len(args) > 4 else False)
-        if packet in ATTENTION_BACKWARD:
-            causal = kwargs.get("is_causal", args[7] if len(args) > 7 else False)
+    if packet in CPU_ATTENTION:
+        formula, n_shapes, causal_at = CPU_ATTENTION[packet]
+        full = formula(*(tuple(t.shape) for t in args[:n_shapes]))
+        causal = kwargs.get("is_causal", args[causal_at] if len(args) > causal_at else False)
         return full // 2 if causal else full
     formula = flop_registry.get(packet)
     if formula is None:
@@ -236,7 +232,6 @@ def _probe_layers(cfg: Config, rules: Rules | None, mesh: DeviceMesh, n_layers: 
         forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel)
         with recorder, contextlib.suppress(_ForwardDone):
             forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward)
-    recorder.tokens = rows * cfg.train.seq_len
     return recorder
 
 
@@ -296,5 +291,4 @@ def probe(cfg: Config, rules: Rules | None = None, *, forward_only: bool = False
         flops=extend(a.flops, b.flops),
         ops=tuple(op for op in ops if op[2]),
         activation_bytes=extend(a.activation_bytes, b.activation_bytes),
-        tokens=a.tokens,
     )
