@@ -10,28 +10,20 @@ Runs the same training twice through the CLI (saving every 2 steps) and reads `c
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _shardlab_run import run_shardlab
+
 MODEL = ["--model.dim", "512", "--model.n-layers", "8", "--model.n-heads", "8", "--model.n-kv-heads", "8",
          "--model.ffn-dim", "1536", "--model.vocab-size", "8192"]  # fmt: skip
 
 
 def run(n: int, dp_shard: int, steps: int, async_save: bool) -> dict[str, float]:
-    run_dir = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
-    cmd = [
-        sys.executable, "-m", "shardlab", "recipes/llama_debug.py", "--world", str(n), "--mesh.dp-shard", str(dp_shard),
-        *MODEL, "--train.steps", str(steps), "--train.seq-len", "256", "--train.global-batch", str(4 * dp_shard),
-        "--checkpoint.every", "2", "--checkpoint.keep", "2", "--log.wandb", "disabled", "--log.no-progress",
-        "--train.run-dir", str(run_dir), *(["--checkpoint.async-save"] if async_save else []),
-    ]  # fmt: skip
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_dir, rows = run_shardlab("recipes/llama_debug.py", [
+        "--world", str(n), "--mesh.dp-shard", str(dp_shard), *MODEL, "--train.steps", str(steps),
+        "--train.seq-len", "256", "--train.global-batch", str(4 * dp_shard), "--checkpoint.every", "2",
+        "--checkpoint.keep", "2", *(["--checkpoint.async-save"] if async_save else []),
+    ], quiet=True)  # fmt: skip
     blocks = [r["checkpoint_block_s"] for r in rows if "checkpoint_block_s" in r and r["step"] < steps]
     plain = [r["step_s"] for r in rows[1:] if "checkpoint_block_s" not in r]
     size = sum(f.stat().st_size for f in (run_dir / "checkpoints").rglob("*") if f.is_file()) / 2 / 2**20

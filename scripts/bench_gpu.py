@@ -14,25 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _shardlab_run import run_shardlab
+
 VARIANTS = {"eager": ["--plan.no-compile"], "compile": ["--plan.compile"]}
 
 
 def run(variant: str, args: argparse.Namespace) -> dict:
-    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-gpu-{variant}-"))
-    cmd = [
-        sys.executable, "-m", "shardlab", args.recipe, *VARIANTS[variant], "--train.steps", str(args.steps),
-        "--train.seq-len", str(args.seq_len), "--train.global-batch", str(args.global_batch),
-        "--plan.activation-checkpoint", args.ac, "--log.every", "1", "--log.wandb", "disabled",
-        "--log.no-progress", "--checkpoint.resume", "none", "--train.run-dir", str(run_dir),
-    ]  # fmt: skip
-    subprocess.run(cmd, cwd=ROOT, check=True)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    _, rows = run_shardlab(args.recipe, [
+        *VARIANTS[variant], "--train.steps", str(args.steps), "--train.seq-len", str(args.seq_len),
+        "--train.global-batch", str(args.global_batch), "--plan.activation-checkpoint", args.ac, "--log.every", "1",
+        "--checkpoint.resume", "none",
+    ])  # fmt: skip
     timed = [r for r in rows if r["step"] > args.warmup]
     if not timed:
         raise SystemExit(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")

@@ -13,35 +13,29 @@ of step STEPS - time of step 2). Prints one summary line per run and the ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
+
+from _shardlab_run import run_shardlab
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT.parent / "shared" / "peers" / "torchtitan"
 TT_WORK = Path(os.environ.get("TT_WORK", "/tmp/tt-work"))
 
 
-def run_shardlab(n: int, dp: int, tp: int, steps: int, dtype: str, ac: str) -> dict:
-    run_dir = Path(tempfile.mkdtemp(prefix="bench-shardlab-"))
+def bench_shardlab(n: int, dp: int, tp: int, steps: int, dtype: str, ac: str) -> dict:
     data = TT_WORK / "data" / "docstrings.jsonl"
     data_args = ["--data.source", "files", "--data.paths", str(data)] if data.exists() else []
-    cmd = [
-        sys.executable, "-m", "shardlab", "recipes/llama_debug.py", "--world", str(n),
-        "--mesh.dp-shard", str(dp), "--mesh.tp", str(tp), "--train.steps", str(steps),
-        "--train.seq-len", "2048", "--train.global-batch", str(8 * dp), "--optim.decay", "linear",
-        "--plan.param-dtype", dtype, "--plan.activation-checkpoint", ac, "--log.wandb", "disabled",
-        "--log.no-progress", "--train.run-dir", str(run_dir), *data_args,
-    ]  # fmt: skip
     env = {**os.environ}
     if n > 1:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    subprocess.run(cmd, cwd=ROOT, check=True, env=env)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    _, rows = run_shardlab("recipes/llama_debug.py", [
+        "--world", str(n), "--mesh.dp-shard", str(dp), "--mesh.tp", str(tp), "--train.steps", str(steps),
+        "--train.seq-len", "2048", "--train.global-batch", str(8 * dp), "--optim.decay", "linear",
+        "--plan.param-dtype", dtype, "--plan.activation-checkpoint", ac, *data_args,
+    ], env=env)  # fmt: skip
     by_step = {r["step"]: r for r in rows}
     tokens = (steps - 2) * 8 * dp * 2048
     elapsed = by_step[steps]["time"] - by_step[2]["time"]
@@ -87,7 +81,7 @@ def main() -> None:
     a = parser.parse_args()
     if a.n != a.dp_shard * a.tp:
         raise SystemExit(f"n={a.n} must equal dp_shard x tp = {a.dp_shard * a.tp}")
-    ours = run_shardlab(a.n, a.dp_shard, a.tp, a.steps, a.dtype, a.ac)
+    ours = bench_shardlab(a.n, a.dp_shard, a.tp, a.steps, a.dtype, a.ac)
     print(line("shardlab", a.n, a.dp_shard, a.tp, a.steps, a.dtype, a.ac, ours), flush=True)
     if a.skip_torchtitan:
         return

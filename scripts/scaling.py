@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _shardlab_run import run_shardlab
 
 
 def estimate_rows(recipe: str, worlds: list[int], device_name: str) -> list[dict]:
@@ -57,14 +54,10 @@ def real_rows(recipe: str, layouts: list[str], steps: int) -> list[dict]:
     rows = []
     for layout in layouts:
         dp, tp = (int(x) for x in layout.split("x"))
-        run_dir = Path(tempfile.mkdtemp(prefix="scaling-"))
-        cmd = [
-            sys.executable, "-m", "shardlab", recipe, "--world", str(dp * tp), "--mesh.dp-shard", str(dp),
-            "--mesh.tp", str(tp), "--train.steps", str(steps), "--log.every", "1", "--log.wandb", "disabled",
-            "--log.no-progress", "--checkpoint.resume", "none", "--train.run-dir", str(run_dir),
-        ]  # fmt: skip
-        subprocess.run(cmd, cwd=ROOT, check=True)
-        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        _, metrics = run_shardlab(recipe, [
+            "--world", str(dp * tp), "--mesh.dp-shard", str(dp), "--mesh.tp", str(tp), "--train.steps", str(steps),
+            "--log.every", "1", "--checkpoint.resume", "none",
+        ])  # fmt: skip
         timed = [m for m in metrics if m["step"] > 2]
         rows.append({
             "world": dp * tp, "mesh": f"dp_shard={dp} x tp={tp}",
