@@ -122,18 +122,18 @@ class _Recorder(CommDebugMode):
         if not hasattr(func, "_overloadpacket"):
             return out
         packet = func._overloadpacket
-        kind = KINDS.get(packet)
-        if kind is not None:
-            self._collective(packet, kind, args)
-            return out
         if inferring_dtensor_shapes():
             return out  # DTensor runs the global op on fake tensors to learn its output shape: nothing runs
         outputs = list(_tensors(out))
-        for t in outputs:
+        for t in outputs:  # collectives' outputs too: an SP reduce-scatter's output is the next residual stream
             s = t.untyped_storage()
             known = self.storages.get(s._cdata)
             if known is None or known.expired():  # a freed storage's address can come back for a new one
                 self.storages[s._cdata] = StorageWeakRef(s)
+        kind = KINDS.get(packet)
+        if kind is not None:
+            self._collective(packet, kind, args)
+            return out
         if func.is_view or packet in NO_TRAFFIC or func.namespace in ("prim", "profiler"):
             return out
         flops = _flops(packet, args, kwargs or {}, out)
