@@ -115,6 +115,8 @@ class _Recorder(CommDebugMode):
         self.activation_bytes = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if inferring_dtensor_shapes():  # DTensor runs the global op on fake tensors to learn its output shape
+            return func(*args, **(kwargs or {}))  # nothing runs on any rank: neither count nor keep it
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if out is NotImplemented:
             forget_dtensor_dispatch()  # so that its local ops come back here
@@ -122,8 +124,6 @@ class _Recorder(CommDebugMode):
         if not hasattr(func, "_overloadpacket"):
             return out
         packet = func._overloadpacket
-        if inferring_dtensor_shapes():
-            return out  # DTensor runs the global op on fake tensors to learn its output shape: nothing runs
         outputs = list(_tensors(out))
         for t in outputs:  # collectives' outputs too: an SP reduce-scatter's output is the next residual stream
             s = t.untyped_storage()
@@ -228,8 +228,6 @@ def _probe_layers(cfg: Config, rules: Rules | None, mesh: DeviceMesh, n_layers: 
             if forward_only:
                 raise _ForwardDone
 
-        # A step like every later one: FSDP's lazy init and the gradients come from an unrecorded first micro batch.
-        forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel)
         with recorder, contextlib.suppress(_ForwardDone):
             forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward)
     return recorder
