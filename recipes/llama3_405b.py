@@ -1,5 +1,5 @@
 """Llama 3.1 405B: FSDP over dp_shard x TP 8 with sequence and loss parallel, bf16, full activation
-checkpointing. Pipeline stages (pp 8) join with issue 4. Try: python -m shardlab plan recipes/llama3_405b.py --world 4096"""
+checkpointing (with pipeline stages: llama3_405b_pp.py). Try: python -m shardlab plan recipes/llama3_405b.py --world 4096"""
 
 from shardlab import Config, MeshSpec, OptimConfig, PlanConfig, TrainConfig, llama_config
 

@@ -50,7 +50,8 @@ def table(plan: Plan, collapse: bool = True) -> str:
         f"params {sum(math.prod(p.shape) for p in plan.params):,}  "
         f"{plan.bytes_per_rank / 2**20:,.1f} MiB/rank (params)"
     )
-    rows = [("parameter", "shape", "spec", "placements", "local", "MiB/rank", "rule")]
+    staged = plan.pipeline is not None
+    rows = [("parameter", "shape", "spec", "placements", "local", "MiB/rank", "rule", *(("stage",) if staged else ()))]
     for fqn, p, count in _collapsed(plan.params, collapse):
         rows.append(
             (
@@ -61,6 +62,7 @@ def table(plan: Plan, collapse: bool = True) -> str:
                 "x".join(map(str, p.local_shape)),
                 f"{p.bytes_per_rank / 2**20:.2f}",
                 "-" if p.rule is None else str(p.rule),
+                *((str(p.stage),) if staged else ()),
             )
         )
     out = [head, _columns(rows)]
@@ -87,6 +89,8 @@ def table(plan: Plan, collapse: bool = True) -> str:
             f"reshard_after_forward={f.reshard_after_forward} param={f.param_dtype} reduce={f.reduce_dtype} "
             f"cpu_offload={f.cpu_offload}",
         ]
+    if plan.pipeline is not None:
+        out += ["", *_pipeline_text(plan)]
     extras = [
         f"loss_parallel={plan.loss_parallel}",
         f"activation_checkpoint={plan.activation_checkpoint}",
@@ -94,6 +98,30 @@ def table(plan: Plan, collapse: bool = True) -> str:
     ]
     out.append("  ".join(extras))
     return "\n".join(out)
+
+
+def _pipeline_text(plan: Plan) -> list[str]:
+    pl = plan.pipeline
+    lines = [
+        f"Pipeline over pp={plan.mesh.pp}: {pl.schedule}, {len(pl.stages)} stages ({pl.stages_per_rank} per rank), "
+        f"{pl.microbatches} micro batches, bubble {100 * pl.bubble:.1f}% (analytic)"
+    ]
+    rows = [("stage", "pp rank", "blocks", "other modules", "params", "MiB/rank")]
+    for s in pl.stages:
+        held = sum(p.bytes_per_rank for p in plan.params if p.stage == s.index)
+        rows.append((
+            str(s.index), str(s.pp_rank), _block_range(s.blocks), ", ".join(s.others) or "-", f"{s.params:,}",
+            f"{held / 2**20:,.1f}",
+        ))  # fmt: skip
+    return [*lines, _columns(rows)]
+
+
+def _block_range(blocks: tuple[str, ...]) -> str:
+    """model.layers.0 .. model.layers.7 -> 'model.layers.0-7 (8)'."""
+    first, last = blocks[0], blocks[-1]
+    head, _, start = first.rpartition(".")
+    end = last.rpartition(".")[2]
+    return f"{head}.{start}-{end} ({len(blocks)})" if len(blocks) > 1 else first
 
 
 def _spec_text(spec: Spec | None) -> str:

@@ -12,6 +12,7 @@ import msgspec
 
 from shardlab._base import Frozen, revalidate
 from shardlab.mesh import MeshSpec
+from shardlab.pipeline import Balance, Schedule, check_schedule
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -128,6 +129,20 @@ class PlanConfig(Frozen):
     """Replicate parameters that no rule covers (otherwise an error names them)."""
     allow_unused_axes: bool = False
     """Accept a model-parallel axis (tp) of size > 1 that no rule uses (otherwise every tp rank repeats the same work)."""
+    pp_schedule: Schedule = "1f1b"
+    """Pipeline schedule (mesh.pp > 1): gpipe, 1f1b; looped: interleaved_1f1b, looped_bfs, interleaved_zero_bubble;
+    V-shaped: zbv_zero_bubble, dualpipev."""
+    pp_stages_per_rank: Positive = 1
+    """Pipeline stages each pp rank runs: 1 for gpipe/1f1b, >= 2 for looped schedules, 2 for V-shaped ones."""
+    pp_microbatches: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Micro batches each data-parallel rank's batch is split into for the pipeline (default: the number of stages)."""
+    pp_balance: Balance = "blocks"
+    """Stage split: an even count of blocks, or the fewest parameters on the largest stage ("params")."""
+    pp_split: tuple[int, ...] = ()
+    """Explicit split: the first block of every stage after the first (overrides pp_balance)."""
+
+    def __post_init__(self) -> None:
+        check_schedule(self.pp_schedule, self.pp_stages_per_rank)
 
 
 class OptimConfig(Frozen):
@@ -311,6 +326,18 @@ class Config(Frozen):
                 "pick a global_batch that is a multiple of it"
             )
         per_rank = t.global_batch // dp
+        if self.mesh.pp > 1:
+            if t.micro_batch is not None:
+                raise ValueError(
+                    f"train.micro_batch with mesh.pp={self.mesh.pp}: the pipeline splits each batch into "
+                    "plan.pp_microbatches; leave train.micro_batch unset"
+                )
+            m = self.plan.pp_microbatches or self.mesh.pp * self.plan.pp_stages_per_rank
+            if per_rank % m:
+                raise ValueError(
+                    f"plan.pp_microbatches={m} does not divide the {per_rank} sequences each data-parallel rank gets per "
+                    f"step (global_batch {t.global_batch} / dp {dp}); pick pp_microbatches dividing {per_rank}"
+                )
         if t.micro_batch is not None and per_rank % t.micro_batch:
             raise ValueError(
                 f"train.micro_batch={t.micro_batch} does not divide the {per_rank} sequences each data-parallel rank gets "

@@ -42,8 +42,8 @@ class MemoryEstimate(Frozen):
 
 
 def estimate_memory(plan: Plan) -> MemoryEstimate:
-    params = sum(p.bytes_per_rank for p in plan.params)
-    return MemoryEstimate(params=params, grads=params, optim=ADAM_STATES * params + 4 * len(plan.params))
+    params = plan.bytes_per_rank
+    return MemoryEstimate(params=params, grads=params, optim=ADAM_STATES * params + 4 * len(plan.worst_rank_params))
 
 
 def fsdp_buffer_bytes(plan: Plan) -> int:

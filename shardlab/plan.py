@@ -18,6 +18,7 @@ from shardlab import _plan_text
 from shardlab._base import Frozen, to_json
 from shardlab.config import PlanConfig
 from shardlab.mesh import MeshSpec
+from shardlab.pipeline import PipelinePlan, pipeline_plan
 from shardlab.rules import Activation, Rules, logical_to_spec, matches, resolve
 from shardlab.spec import Entry, P, check_shape, expand, local_shape, placements
 
@@ -57,6 +58,8 @@ class ParamPlan(Frozen):
     """FSDP pads dim 0 (it is not divisible by the FSDP shards)."""
     aliases: tuple[str, ...] = ()
     """Other names of the same tensor (tied weights)."""
+    stage: int | None = None
+    """Pipeline stage holding it; None without pipeline parallelism."""
 
     @property
     def tp_dim(self) -> int | None:
@@ -113,6 +116,8 @@ class Plan(Frozen):
     compile: bool = False
     loss_parallel: bool = False
     """The logits stay vocab-sharded, so the loss runs under torch's `loss_parallel()`."""
+    pipeline: PipelinePlan | None = None
+    """Pipeline stages; None when mesh.pp is 1."""
 
     def param(self, fqn: str) -> ParamPlan:
         for p in self.params:
@@ -125,7 +130,19 @@ class Plan(Frozen):
 
     @property
     def bytes_per_rank(self) -> int:
-        return sum(p.bytes_per_rank for p in self.params)
+        """Parameter bytes on the worst rank."""
+        return sum(p.bytes_per_rank for p in self.worst_rank_params)
+
+    @property
+    def worst_rank_params(self) -> tuple[ParamPlan, ...]:
+        """The parameters of the pp rank holding the most bytes (every parameter without a pipeline)."""
+        if self.pipeline is None:
+            return self.params
+        rank_of = {s.index: s.pp_rank for s in self.pipeline.stages}
+        held: dict[int, list[ParamPlan]] = {}
+        for p in self.params:
+            held.setdefault(rank_of[p.stage], []).append(p)
+        return tuple(max(held.values(), key=lambda ps: sum(p.bytes_per_rank for p in ps)))
 
     def to_json(self) -> bytes:
         return to_json(self)
@@ -208,6 +225,14 @@ def make_plan(model: nn.Module, mesh: MeshSpec, rules: Rules, options: PlanConfi
     by_name = {name: p for p in out for name in (p.fqn, *p.aliases)}
     styles = _module_plans(modules, by_name, mesh, rules) if mesh.tp > 1 else ()
     blocks = tuple(f for f in modules if any(matches(g, f) for g in rules.blocks))
+    pipeline = None
+    if mesh.pp > 1:
+        pipeline, stage_of = pipeline_plan(
+            [(p.fqn, p.aliases, math.prod(p.shape)) for p in out],
+            [name for name, _ in model.named_parameters(remove_duplicate=False)], blocks, mesh.pp, options.pp_schedule,
+            options.pp_stages_per_rank, options.pp_microbatches, options.pp_balance, options.pp_split,
+        )  # fmt: skip
+        out = [msgspec.structs.replace(p, stage=stage_of[p.fqn]) for p in out]
     for option, on in (
         ("activation_checkpoint", options.activation_checkpoint != "none"),
         ("compile", options.compile),
@@ -228,6 +253,7 @@ def make_plan(model: nn.Module, mesh: MeshSpec, rules: Rules, options: PlanConfi
         ac_every=options.ac_every,
         compile=options.compile,
         loss_parallel=any(not m.local_output and m.style == "colwise" for m in styles),
+        pipeline=pipeline,
     )
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 LAYERS = [
     {"_base", "_strided", "_checkpoint", "_fake"},
     {"mesh"},
+    {"pipeline"},
     {"config"},
     {"spec", "rules"},
     {"models.llama", "models.llama_rules", "_plan_text", "plan"},

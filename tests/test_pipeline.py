@@ -1,0 +1,165 @@
+"""Pipeline stages as data (issue 4, slice 1): splits, ranks, schedules, bubbles, the plan's stages and their
+errors. Pure: no process group. apply still refuses mesh.pp > 1 (tests/test_cli.py)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import msgspec
+import pytest
+import torch
+
+from shardlab import Config, MeshSpec, ModelConfig, PlanConfig, TrainConfig
+from shardlab.estimate import estimate_memory
+from shardlab.models.llama import Llama
+from shardlab.models.llama_rules import llama_rules
+from shardlab.pipeline import bubble_fraction, split_stages, stage_ranks
+from shardlab.plan import Plan, make_plan
+
+MODEL = ModelConfig(dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
+
+
+def plan_for(mesh: MeshSpec, model: ModelConfig = MODEL, **options) -> Plan:
+    with torch.device("meta"):
+        llama = Llama(model)
+    opts = PlanConfig(**options)
+    return make_plan(llama, mesh.resolve(mesh.world_size if mesh.is_resolved else 4), llama_rules(model, opts), opts)
+
+
+@pytest.mark.parametrize(
+    ("n_blocks", "n_stages", "starts"),
+    [(6, 2, (0, 3)), (7, 2, (0, 4)), (10, 4, (0, 3, 6, 8)), (4, 4, (0, 1, 2, 3))],
+)
+def test_even_split_gives_the_extra_blocks_to_the_first_stages(n_blocks, n_stages, starts):
+    assert split_stages([1] * n_blocks, 0, 0, n_stages) == starts
+
+
+def test_params_balance_gives_the_embedding_and_head_stages_fewer_blocks():
+    starts = split_stages([1] * 8, 4, 4, 4, balance="params")
+    costs = [1] * 8
+    costs[0] += 4
+    costs[-1] += 4
+    bounds = [*starts, 8]
+    largest = max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
+    assert largest == 5 and starts[1] == 1 and starts[-1] == 7  # the fewest parameters any split can manage
+
+
+def test_explicit_split_wins():
+    assert split_stages([1] * 8, 100, 100, 3, balance="params", split=(2, 5)) == (0, 2, 5)
+
+
+@pytest.mark.parametrize(
+    ("split", "message"),
+    [
+        (
+            (2,),
+            r"^plan\.pp_split=\[2\] gives 2 stages but mesh\.pp x plan\.pp_stages_per_rank = 3; give 2 first blocks$",
+        ),
+        ((5, 2), r"^plan\.pp_split=\[5, 2\] must be strictly increasing block indices in 1\.\.7"),
+        ((0, 4), r"^plan\.pp_split=\[0, 4\] must be strictly increasing"),
+        ((4, 8), r"^plan\.pp_split=\[4, 8\] must be strictly increasing"),
+    ],
+)
+def test_bad_explicit_split_is_one_line(split, message):
+    with pytest.raises(ValueError, match=message):
+        split_stages([1] * 8, 0, 0, 3, split=split)
+
+
+def test_more_stages_than_blocks_is_an_error_at_plan_time():
+    with pytest.raises(ValueError, match=r"^mesh\.pp x plan\.pp_stages_per_rank = 8 stages but the model has 6 blocks"):
+        plan_for(MeshSpec(pp=4, dp_shard=1), pp_schedule="interleaved_1f1b", pp_stages_per_rank=2)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v", "ranks"),
+    [
+        ("1f1b", 1, (0, 1, 2, 3)),
+        ("interleaved_1f1b", 2, (0, 1, 2, 3, 0, 1, 2, 3)),
+        ("zbv_zero_bubble", 2, (0, 1, 2, 3, 3, 2, 1, 0)),
+    ],
+)
+def test_stage_ranks_loop_or_fold(schedule, v, ranks):
+    assert stage_ranks(4, v, schedule) == ranks
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v", "message"),
+    [
+        ("1f1b", 2, r"^plan\.pp_schedule='1f1b' runs one stage per rank but plan\.pp_stages_per_rank=2"),
+        ("interleaved_1f1b", 1, r"^plan\.pp_schedule='interleaved_1f1b' loops over several stages per rank"),
+        ("dualpipev", 3, r"^plan\.pp_schedule='dualpipev' is V-shaped \(two stages per rank\)"),
+    ],
+)
+def test_schedule_and_stages_per_rank_must_agree(schedule, v, message):
+    with pytest.raises(ValueError, match=message):
+        PlanConfig(pp_schedule=schedule, pp_stages_per_rank=v)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "v", "m", "bubble"),
+    [
+        ("gpipe", 4, 1, 8, 3 / 11),
+        ("1f1b", 4, 1, 8, 3 / 11),
+        ("interleaved_1f1b", 4, 2, 8, 3 / 19),
+        ("looped_bfs", 4, 2, 8, 3 / 19),
+        ("interleaved_zero_bubble", 4, 2, 8, 3 / 51),
+        ("zbv_zero_bubble", 4, 2, 8, 0.0),
+        ("zbv_zero_bubble", 4, 2, 4, 3 / 27),
+        ("1f1b", 1, 1, 1, 0.0),
+    ],
+)
+def test_bubble_fraction(schedule, p, v, m, bubble):
+    assert bubble_fraction(schedule, p, v, m) == pytest.approx(bubble)
+
+
+def test_plan_puts_embeddings_first_and_the_head_last():
+    plan = plan_for(MeshSpec(pp=2, dp_shard=2))
+    pl = plan.pipeline
+    assert [(s.index, s.pp_rank) for s in pl.stages] == [(0, 0), (1, 1)]
+    assert pl.stages[0].blocks == tuple(f"model.layers.{i}" for i in range(3))
+    assert pl.stages[0].others == ("model.embed_tokens",)
+    assert pl.stages[1].others == ("model.norm", "lm_head")
+    assert sum(s.params for s in pl.stages) == sum(math.prod(p.shape) for p in plan.params)
+    assert plan.param("model.embed_tokens.weight").stage == 0
+    assert plan.param("model.layers.3.mlp.up_proj.weight").stage == 1
+    assert plan.param("lm_head.weight").stage == 1
+    assert (pl.schedule, pl.microbatches, pl.bubble) == ("1f1b", 2, pytest.approx(1 / 3))
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_worst_pp_rank_holds_the_most_bytes():
+    plan = plan_for(MeshSpec(pp=2, dp_shard=2))
+    per_rank = [sum(p.bytes_per_rank for p in plan.params if p.stage == s) for s in (0, 1)]
+    assert plan.bytes_per_rank == max(per_rank) < sum(per_rank)
+    assert estimate_memory(plan).params == max(per_rank)
+
+
+def test_v_shaped_plan_gives_rank_zero_the_first_and_last_stage():
+    plan = plan_for(MeshSpec(pp=2, dp_shard=1), pp_schedule="zbv_zero_bubble", pp_stages_per_rank=2)
+    stages = plan.pipeline.stages
+    assert [s.pp_rank for s in stages] == [0, 1, 1, 0]
+    assert stages[0].others == ("model.embed_tokens",) and stages[3].others == ("model.norm", "lm_head")
+
+
+def test_table_shows_stages_and_bubble():
+    text = plan_for(MeshSpec(pp=2, dp_shard=2), pp_microbatches=4).table()
+    assert "Pipeline over pp=2: 1f1b, 2 stages (1 per rank), 4 micro batches, bubble 20.0% (analytic)" in text
+    assert "model.layers.0-2 (3)" in text and "model.layers.3-5 (3)" in text
+
+
+def test_tied_embeddings_cannot_span_stages():
+    tied = msgspec.structs.replace(MODEL, tie_embeddings=True)
+    with pytest.raises(ValueError, match=r"^mesh\.pp=2: model\.embed_tokens\.weight is tied to lm_head\.weight"):
+        plan_for(MeshSpec(pp=2, dp_shard=1), tied)
+
+
+def test_micro_batches_must_divide_each_dp_ranks_batch():
+    cfg = Config(mesh=MeshSpec(pp=2, dp_shard=2), model=MODEL, train=TrainConfig(global_batch=8))
+    assert cfg.resolve(4)  # 4 sequences per dp rank, 2 micro batches (one per stage)
+    with pytest.raises(
+        ValueError, match=r"^plan\.pp_microbatches=3 does not divide the 4 sequences each data-parallel"
+    ):
+        msgspec.structs.replace(cfg, plan=PlanConfig(pp_microbatches=3))
+    with pytest.raises(ValueError, match=r"^train\.micro_batch with mesh\.pp=2: the pipeline splits each batch"):
+        msgspec.structs.replace(cfg, train=TrainConfig(global_batch=8, micro_batch=2))
