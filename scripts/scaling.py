@@ -86,7 +86,9 @@ def write(rows: list[dict], out: Path, command: str, y: list[str]) -> None:
         return
     fig, axes = plt.subplots(1, len(y), figsize=(5 * len(y), 4))
     for ax, key in zip(axes, y):
-        ax.plot([r["world"] for r in rows], [r[key] for r in rows], marker="o")
+        ax.plot([r["world"] for r in rows], [r[key] for r in rows], marker="o", linestyle=":")
+        for r in rows:  # two layouts can share a world size: name each point
+            ax.annotate(r["mesh"], (r["world"], r[key]), fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("ranks")
         ax.set_ylabel(key)
