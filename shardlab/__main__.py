@@ -100,7 +100,7 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
         return 0
     from shardlab.apply import check_supported
 
-    check_supported(cfg.mesh)
+    check_supported(cfg.mesh, cfg.plan.pp_stages_per_rank)
     _check_data(cfg)
     if world > 1 and not launched:
         print(f"shardlab: launching {world} ranks ({cfg.mesh.describe()}) through torch.distributed.run", flush=True)

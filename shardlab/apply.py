@@ -1,7 +1,8 @@
 """apply(model, plan, mesh): the one door to torch's parallel APIs, in the order the layout needs.
 
-TP/SP (`parallelize_module`) -> activation checkpointing -> compile -> FSDP/HSDP (`fully_shard`
-per unit, then the root). Also the JAX-like helpers `shard` (device_put with a spec) and
+this rank's pipeline stage (the other stages' modules become nn.Identity) -> TP/SP (`parallelize_module`)
+-> activation checkpointing -> compile -> FSDP/HSDP (`fully_shard` per unit, then the root). The pipeline
+schedule itself runs in the step (shardlab.schedule). Also the JAX-like helpers `shard` (device_put with a spec) and
 `constrain` (with_sharding_constraint for activations).
 """
 
@@ -24,21 +25,31 @@ from torch.distributed.tensor.placement_types import Placement
 
 from shardlab._checkpoint import checkpoint as checkpoint_module
 from shardlab.mesh import AXES, MeshSpec, mesh_spec_of
+from shardlab.pipeline import StagePlan
 from shardlab.plan import ModulePlan, Plan, Spec
 from shardlab.spec import P, check_shape, expand, placements
 
 NOT_YET = {
-    "pp": "pipeline parallelism is not implemented yet (issue 4)",
     "cp": "context parallelism is not implemented yet (issue 5)",
     "ep": "expert parallelism is not implemented yet (issue 5)",
 }
 
 
-def check_supported(mesh: MeshSpec) -> None:
-    """Raise for mesh axes the planner accepts but apply cannot run yet (called before launching)."""
+def check_supported(mesh: MeshSpec, stages_per_rank: int = 1) -> None:
+    """Raise for layouts the planner accepts but apply cannot run yet (called before launching)."""
     for axis, why in NOT_YET.items():
         if mesh.size(axis) > 1:
             raise ValueError(f"mesh.{axis}={mesh.size(axis)}: {why}; set mesh.{axis}=1")
+    if mesh.pp > 1 and mesh.tp > 1:
+        raise ValueError(
+            f"mesh.pp={mesh.pp} with mesh.tp={mesh.tp}: tensor parallelism inside pipeline stages is not implemented "
+            "yet (issue 4); use pp with FSDP/HSDP, or set mesh.pp=1"
+        )
+    if mesh.pp > 1 and stages_per_rank > 1:
+        raise ValueError(
+            f"plan.pp_stages_per_rank={stages_per_rank}: several stages per rank (looped and V-shaped schedules) are "
+            "planned but do not run yet (issue 4); use pp_schedule gpipe or 1f1b with pp_stages_per_rank=1"
+        )
 
 
 def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Module:
@@ -46,24 +57,28 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
 
     A plan without TP or FSDP (one process in fp32) needs no mesh: only checkpointing and compile apply.
     """
-    check_supported(plan.mesh)
-    _check_model(model, plan)
+    check_supported(plan.mesh, plan.pipeline.stages_per_rank if plan.pipeline else 1)
     if mesh is None:
-        if plan.mesh.tp > 1 or plan.fsdp is not None:
-            raise ValueError("apply: this plan shards over tp or FSDP and needs the mesh from make_mesh(plan.mesh)")
+        if plan.mesh.tp > 1 or plan.fsdp is not None or plan.pipeline is not None:
+            raise ValueError(
+                "apply: this plan shards over tp, FSDP or pipeline stages and needs the mesh from make_mesh(plan.mesh)"
+            )
     else:
         _check_mesh(plan, mesh)
+    kept = _keep_own_stage(model, plan, mesh) if plan.pipeline is not None else None
+    _check_model(model, plan, kept)
     if plan.mesh.tp > 1:
         parallelize_module(model, mesh["tp"], {m.fqn: _tp_style(m) for m in plan.modules})
         _retie(model, plan)
-    blocks = [model.get_submodule(f) for f in plan.blocks]
-    for i, block in enumerate(blocks):
+    # Block indices count over the whole model, so selective checkpointing picks the same blocks in every layout.
+    blocks = [(i, model.get_submodule(f)) for i, f in enumerate(plan.blocks) if kept is None or f in kept.blocks]
+    for i, block in blocks:
         if plan.activation_checkpoint == "full" or (
             plan.activation_checkpoint == "selective" and i % plan.ac_every == 0
         ):
             checkpoint_module(block)
     if plan.compile:
-        for block in blocks:
+        for _, block in blocks:
             block.compile()
     # FSDP goes last: fully_shard must see the TP-sharded DTensors to shard them again over dp.
     if plan.fsdp is not None:
@@ -77,7 +92,9 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
         )
         for unit in f.units:
             modules = [model.get_submodule(m) for m in unit]
-            fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
+            modules = [m for m in modules if any(True for _ in m.parameters())]  # another stage's modules are gone
+            if modules:
+                fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
         fully_shard(model, **kwargs)
     return model
 
@@ -89,10 +106,21 @@ def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
     plan.check_mesh(mesh_spec_of(mesh))
 
 
-def _check_model(model: nn.Module, plan: Plan) -> None:
-    """The plan must describe this model: same parameter names and shapes (else torch would warn and skip)."""
+def _keep_own_stage(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> StagePlan:
+    """Replace every block and module of the other pipeline stages by nn.Identity, so this rank holds, builds and
+    checkpoints only its own stage; parameter names stay those of the whole model."""
+    pp_rank = mesh["pp"].get_local_rank()
+    (stage,) = [s for s in plan.pipeline.stages if s.pp_rank == pp_rank]  # one stage per rank (check_supported)
+    others = {f for s in plan.pipeline.stages if s is not stage for f in (*s.blocks, *s.others)}
+    for fqn in others:
+        model.set_submodule(fqn, nn.Identity())
+    return stage
+
+
+def _check_model(model: nn.Module, plan: Plan, stage: StagePlan | None = None) -> None:
+    """The plan must describe this model (or this rank's pipeline stage of it): same parameter names and shapes."""
     have = {fqn: tuple(p.shape) for fqn, p in model.named_parameters()}
-    want = {p.fqn: p.shape for p in plan.params}
+    want = {p.fqn: p.shape for p in plan.params if stage is None or p.stage == stage.index}
     for fqn in sorted(have.keys() ^ want.keys()):
         where = "the model" if fqn in have else "the plan"
         raise ValueError(f"apply: parameter {fqn!r} is only in {where}; make the plan from this model (make_plan)")

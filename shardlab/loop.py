@@ -49,8 +49,12 @@ def build_model(
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = cfg.validated().resolve(world)
-    check_supported(cfg.mesh)
+    check_supported(cfg.mesh, cfg.plan.pp_stages_per_rank)
     device = resolve_device(cfg.train.device) if device is None else torch.device(device)
+    if cfg.train.init == "sharded" and cfg.mesh.pp > 1:
+        raise ValueError(
+            "train.init='sharded' with mesh.pp > 1 is not implemented yet (issue 4); use train.init='full'"
+        )
     if cfg.train.init == "sharded" and device.type != "cuda":
         raise ValueError(
             "train.init='sharded' needs CUDA: torch coordinates DTensor random init across ranks only on CUDA "
@@ -58,7 +62,7 @@ def build_model(
         )
     model, plan = plan_model(cfg, rules)
     mesh = None
-    if plan.fsdp is not None or plan.mesh.tp > 1:
+    if plan.fsdp is not None or plan.mesh.tp > 1 or plan.pipeline is not None:
         if not dist.is_initialized():
             # FSDP mixed precision on one process still needs a (one-rank) process group; on a GPU its
             # collectives run on CUDA tensors, which gloo cannot reduce.

@@ -249,6 +249,11 @@ def probe(cfg: Config, rules: Rules | None = None, *, forward_only: bool = False
     rules: the layout (default: llama_rules); they must not depend on the number of blocks. forward_only stops
     after the forward: only activation_bytes and the forward's collectives and ops are then filled.
     """
+    if cfg.mesh.pp > 1:
+        raise ValueError(
+            f"estimate: mesh.pp={cfg.mesh.pp}: estimates of pipelined layouts are not implemented yet (issue 4); "
+            "`python -m shardlab plan` shows their stages, memory per stage and bubble"
+        )
     check_supported(cfg.mesh)
     n = cfg.model.n_layers
     k = cfg.plan.ac_every if cfg.plan.activation_checkpoint == "selective" else 1

@@ -25,6 +25,7 @@ from shardlab.config import Config, OptimConfig
 from shardlab.data import Batch
 from shardlab.mesh import flat_view
 from shardlab.plan import Plan
+from shardlab.schedule import PipelineRun
 
 Metrics = dict[str, float]
 IGNORE_INDEX = -100
@@ -89,6 +90,8 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
     group = flat_view(mesh, "batch").get_group() if mesh is not None and plan.mesh.size("batch") > 1 else None
     lr_at = lr_schedule(cfg.optim, cfg.train.steps)
     max_norm = cfg.optim.max_norm
+    pipeline = PipelineRun(plan, mesh, IGNORE_INDEX) if plan.pipeline is not None else None
+    stage_group = pipeline.group if pipeline is not None else None
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         model, opt = state.model, state.optim
@@ -104,14 +107,17 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
         tokens = _all_reduce((labels != IGNORE_INDEX).sum().to(torch.float64), group)
         scale = dp / tokens.item()  # a float: a DTensor loss cannot be multiplied by a plain tensor
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for x, y in zip(inputs.chunk(grad_accum), labels.chunk(grad_accum)):
-            loss = forward_backward(model, x, y, scale, plan.loss_parallel)
-            loss_sum += _local(loss).to(torch.float64)
+        if pipeline is not None:  # the schedule splits the batch into the plan's micro batches
+            loss_sum += pipeline(model, inputs, labels, scale)
+        else:
+            for x, y in zip(inputs.chunk(grad_accum), labels.chunk(grad_accum)):
+                loss = forward_backward(model, x, y, scale, plan.loss_parallel)
+                loss_sum += _local(loss).to(torch.float64)
         match_param_layouts(model)
-        grad_norm = clip_grad_norm(model, max_norm)
+        grad_norm = clip_grad_norm(model, max_norm, stage_group)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss_total = _all_reduce(loss_sum, group)
+        loss_total = _all_reduce(_all_reduce(loss_sum, stage_group), group)  # only the last stage has a loss
         metrics = {"loss": (loss_total / tokens).item(), "grad_norm": grad_norm, "lr": lr}
         return msgspec.structs.replace(state, step=state.step + 1), metrics
 
@@ -167,12 +173,13 @@ def match_param_layouts(model: nn.Module) -> None:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
+def clip_grad_norm(model: nn.Module, max_norm: float | None, stage_group: dist.ProcessGroup | None = None) -> float:
     """Global L2 norm of all gradients (DTensors on any mix of meshes), clipped to max_norm in place.
 
     Gradients are grouped by (mesh, placements): a group's squared norm is summed locally, then
-    all-reduced over each mesh dim that shards it (Replicate dims hold copies). Returns the norm
-    before clipping, the same number one process computes.
+    all-reduced over each mesh dim that shards it (Replicate dims hold copies). With pipeline stages, the
+    stages' squared norms are summed over `stage_group` (the pp group). Returns the norm before clipping,
+    the same number one process computes.
     """
     groups: dict[object, list[torch.Tensor]] = {}
     for p in model.parameters():
@@ -193,6 +200,10 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
                 if not placement.is_replicate() and mesh.size(dim) > 1:
                     dist.all_reduce(sq, group=mesh.get_group(dim))
         total_sq += sq.item()
+    if stage_group is not None:
+        summed = torch.tensor(total_sq, dtype=torch.float64, device=model_device(model))
+        dist.all_reduce(summed, group=stage_group)
+        total_sq = summed.item()
     total = math.sqrt(total_sq)
     if max_norm is not None and max_norm / (total + 1e-6) < 1.0:
         for grads in groups.values():

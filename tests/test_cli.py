@@ -35,7 +35,19 @@ def error_of(args, capsys) -> str:
         (["recipes/llama_fsdp_tp.py", "--world", "x"], r"--world 'x': expected a positive integer"),
         (
             ["recipes/llama_fsdp_tp.py", "--mesh.pp", "2", "--mesh.dp-shard", "1"],
-            r"mesh.pp=2: pipeline parallelism is not implemented yet",
+            r"mesh.pp=2 with mesh.tp=2: tensor parallelism inside pipeline stages is not implemented yet",
+        ),
+        (
+            [
+                "recipes/llama_debug.py",
+                "--mesh.pp",
+                "2",
+                "--plan.pp-schedule",
+                "interleaved_1f1b",
+                "--plan.pp-stages-per-rank",
+                "2",
+            ],
+            r"plan.pp_stages_per_rank=2: several stages per rank .* do not run yet",
         ),
         (
             ["recipes/llama_fsdp_tp.py", "--mesh.cp", "2", "--mesh.dp-shard", "1"],
@@ -104,6 +116,11 @@ def test_unknown_axis_in_a_rule(tmp_path, capsys):
         (["--train.steps", "0"], "Expected `int` >= 1"),
         (["--plan.param-dtype", "float16"], "float16"),
         (["--train.global-batch", "5"], "train.global_batch=5 is not divisible by the data-parallel size"),
+        (
+            ["--mesh.pp", "2", "--mesh.dp-shard", "1", "--plan.pp-microbatches", "3"],
+            "plan.pp_microbatches=3 does not divide the 8 sequences each data-parallel rank gets",
+        ),
+        (["--plan.pp-schedule", "dualpipev"], "plan.pp_schedule='dualpipev' is V-shaped"),
     ],
 )
 def test_bad_override(args, message, capsys, monkeypatch):

@@ -11,6 +11,7 @@ LAYERS = [
     {"spec", "rules"},
     {"models.llama", "models.llama_rules", "_plan_text", "plan"},
     {"apply", "debug", "data", "metrics", "launch", "hf"},
+    {"schedule"},
     {"step"},
     {"probe"},
     {"roofline"},

@@ -1,5 +1,5 @@
-"""Pipeline stages as data (issue 4, slice 1): splits, ranks, schedules, bubbles, the plan's stages and their
-errors. Pure: no process group. apply still refuses mesh.pp > 1 (tests/test_cli.py)."""
+"""Pipeline stages as data (issue 4): splits, ranks, schedules, bubbles, the plan's stages and their errors.
+Pure: no process group. Runs against one process are in tests/worlds/test_pipeline.py."""
 
 from __future__ import annotations
 

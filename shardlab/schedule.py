@@ -1,0 +1,84 @@
+"""PipelineRun: one optimizer step's forward and backward through torch.distributed.pipelining, for the step.
+
+The rank's model is its own stage (apply replaced the other stages' modules by nn.Identity); torch's
+PipelineStage and schedule are built on the first call and reused while the model is the same object. The
+loss of a micro batch is its summed cross-entropy times the step's scale (dp / tokens in the global batch),
+as in the non-pipelined step, and the schedule does not rescale gradients: every layout gets the same ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from shardlab.plan import Plan
+
+SCHEDULE_NAMES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved_1f1b": "Interleaved1F1B",
+    "looped_bfs": "LoopedBFS",
+    "interleaved_zero_bubble": "InterleavedZeroBubble",
+    "zbv_zero_bubble": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
+"""shardlab's schedule names -> torch's (get_schedule_class)."""
+
+
+class PipelineRun:
+    """Runs a batch through this rank's stage under the plan's schedule; returns the stage's summed loss."""
+
+    def __init__(self, plan: Plan, mesh: DeviceMesh, ignore_index: int) -> None:
+        pipeline = plan.pipeline
+        if pipeline is None:
+            raise ValueError("PipelineRun: the plan has no pipeline stages (mesh.pp is 1)")
+        self.pipeline = pipeline
+        self.pp_mesh = mesh["pp"]
+        self.pp_rank = self.pp_mesh.get_local_rank()
+        (self.stage,) = [s for s in pipeline.stages if s.pp_rank == self.pp_rank]
+        self.is_first = self.stage.index == 0
+        self.is_last = self.stage.index == len(pipeline.stages) - 1
+        self.ignore_index = ignore_index
+        self.scale = 1.0
+        self._summed: list[torch.Tensor] = []
+        self._model: nn.Module | None = None
+        self._schedule = None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.pp_mesh.get_group()
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        summed = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=self.ignore_index
+        )
+        self._summed.append(summed.detach())
+        return summed * self.scale
+
+    def _schedule_for(self, model: nn.Module, device: torch.device):
+        if self._model is not model:
+            stage = PipelineStage(model, self.stage.index, len(self.pipeline.stages), device, group=self.group)
+            cls = get_schedule_class(SCHEDULE_NAMES[self.pipeline.schedule])
+            self._schedule = cls(
+                stage, n_microbatches=self.pipeline.microbatches, loss_fn=self._loss, scale_grads=False
+            )
+            self._model = model
+        return self._schedule
+
+    def __call__(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+        """Forward and backward of the whole batch; the summed (unscaled) loss on the last stage, else 0."""
+        device = inputs.device
+        schedule = self._schedule_for(model, device)
+        self.scale, self._summed = scale, []
+        args = (inputs,) if self.is_first else ()
+        if self.is_last:
+            schedule.step(*args, target=labels)
+            # The first step also computes one loss while torch infers the stages' shapes: count the last m calls.
+            return torch.stack(self._summed[-self.pipeline.microbatches :]).to(torch.float64).sum()
+        schedule.step(*args)
+        return torch.zeros((), dtype=torch.float64, device=device)
