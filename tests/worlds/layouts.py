@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from shardlab.config import Config, DataConfig, LogConfig, MeshSpec, ModelConfig, OptimConfig, PlanConfig, TrainConfig
+from shardlab.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LogConfig,
+    MeshSpec,
+    ModelConfig,
+    OptimConfig,
+    PlanConfig,
+    TrainConfig,
+)
 from shardlab.loop import build_model, train
 from shardlab.mesh import AXES
 
@@ -82,3 +94,14 @@ def tied(cfg: Config) -> Config:
 
 def with_plan(cfg: Config, **plan: object) -> Config:
     return msgspec.structs.replace(cfg, plan=msgspec.structs.replace(cfg.plan, **plan))
+
+
+def ckpt(cfg: Config, run_dir: Path, *, every: int | None, resume: str = "auto", async_save: bool = False) -> Config:
+    """`cfg` writing to `run_dir`, saving every `every` steps, resuming as `resume` says."""
+    cfg = msgspec.structs.replace(cfg, train=msgspec.structs.replace(cfg.train, run_dir=str(run_dir)))
+    return msgspec.structs.replace(cfg, checkpoint=CheckpointConfig(every=every, resume=resume, async_save=async_save))
+
+
+def continue_from(cfg: Config, run_dir: Path, source: Path) -> list[float]:
+    """Resume `cfg` from a checkpoint directory written by another layout; the losses of the steps after it."""
+    return curves(ckpt(cfg, run_dir, every=None, resume=str(source)))["loss"]

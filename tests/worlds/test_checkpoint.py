@@ -2,37 +2,29 @@
 continues on another (dp_shard 2 x tp 2 -> dp_shard 4, -> FSDP 2 on 2 ranks, -> one process, and one
 process -> dp_shard 2 x tp 2) with the loss curve of an uninterrupted run within 1e-5; async saves commit."""
 
+import functools
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from shardlab.checkpoint import complete, step_dir
-from shardlab.config import CheckpointConfig, Config, MeshSpec
+from shardlab.config import Config, MeshSpec
 
 from ._harness import run_world
-from .layouts import TOL, curves
+from .layouts import TOL, continue_from, curves
+from .layouts import ckpt as ckpt_every
 from .layouts import tiny as tiny10
 
 HALF = 10
+ckpt = functools.partial(ckpt_every, every=HALF)
+"""Checkpoints every HALF steps unless told otherwise."""
 
 
 def tiny(mesh: MeshSpec = MeshSpec(dp_shard=1)) -> Config:
     """The parity model, run for 20 steps: the issue's "20 straight vs 10, stop, resume, 10 more"."""
     cfg = tiny10(mesh)
     return msgspec.structs.replace(cfg, train=msgspec.structs.replace(cfg.train, steps=2 * HALF))
-
-
-def ckpt(
-    cfg: Config, run_dir: Path, *, every: int | None = HALF, resume: str = "auto", async_save: bool = False
-) -> Config:
-    cfg = msgspec.structs.replace(cfg, train=msgspec.structs.replace(cfg.train, run_dir=str(run_dir)))
-    return msgspec.structs.replace(cfg, checkpoint=CheckpointConfig(every=every, resume=resume, async_save=async_save))
-
-
-def continue_from(cfg: Config, run_dir: Path, source: Path) -> list[float]:
-    """Resume `cfg` from a checkpoint directory written by another layout; the losses of the steps after it."""
-    return curves(ckpt(cfg, run_dir, every=None, resume=str(source)))["loss"]
 
 
 def one_process_half(tmp: Path) -> Path:
