@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -76,10 +77,15 @@ def remove_partial(checkpoints: Path) -> list[Path]:
     return partial
 
 
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+"""Optimizer state and hyperparameters keyed by parameter name, not by param-group index: pipeline stages hold
+different parameters in their group 0, and DCP would keep only one rank's group."""
+
+
 def _tensors(state: TrainState) -> dict:
     return {
         "model": get_model_state_dict(state.model),
-        "optim": get_optimizer_state_dict(state.model, state.optim),
+        "optim": get_optimizer_state_dict(state.model, state.optim, options=OPTIM_OPTIONS),
     }
 
 
@@ -200,7 +206,7 @@ def load(state: TrainState, loader: TokenLoader, path: Path, cfg: Config) -> Tra
     verify(path, tensors["model"])  # before anything is loaded: a damaged checkpoint changes nothing
     dcp.load(tensors, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_model_state_dict(state.model, tensors["model"])
-    set_optimizer_state_dict(state.model, state.optim, tensors["optim"])
+    set_optimizer_state_dict(state.model, state.optim, tensors["optim"], options=OPTIM_OPTIONS)
     _set_rng_state(meta)
     return state.__class__(model=state.model, optim=state.optim, step=meta["step"])
 

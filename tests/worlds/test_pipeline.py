@@ -1,14 +1,19 @@
 """Pipeline parallelism against one process (issue 4, slice 2): fp32, same seed and global batch, 10 steps;
 loss and gradient norm of every step within 1e-5. pp 2 with GPipe and 1F1B (2, 4 and 8 micro batches, with
-activation checkpointing), and pp 2 x FSDP 2 on 4 ranks. Each rank holds only its stage's parameters."""
+activation checkpointing), and pp 2 x FSDP 2 on 4 ranks. Each rank holds only its stage's parameters.
+Checkpoints: a pp 2 run stopped at step 5 and resumed is bitwise the uninterrupted one, and its checkpoint
+continues on one process within 1e-5."""
+
+from pathlib import Path
 
 import pytest
 
+from shardlab.checkpoint import step_dir
 from shardlab.config import MeshSpec
 from shardlab.loop import build_model
 
 from ._harness import run_world
-from .layouts import assert_matches, curves, tiny
+from .layouts import TOL, assert_matches, ckpt, continue_from, curves, tiny
 
 PP2, PP2_FSDP2 = MeshSpec(pp=2, dp_shard=1), MeshSpec(pp=2, dp_shard=2)
 LAYOUTS_2 = {
@@ -23,7 +28,7 @@ LAYOUTS_4 = {
 }  # fmt: skip
 
 
-def stage_params(rank, world_size):
+def stage_params(rank, world_size, tmp):
     """Rank r holds stage r // (world / pp)'s parameters and nothing else (names as in the whole model)."""
     cfg = LAYOUTS_2["pp2-gpipe-mb2"] if world_size == 2 else LAYOUTS_4["pp2_fsdp2-1f1b-mb2"]
     model, plan, mesh = build_model(cfg)
@@ -33,22 +38,33 @@ def stage_params(rank, world_size):
     )
 
 
-def run_2(rank, world_size):
+def pp2_checkpoint(rank, world_size, tmp):
+    """Stop after step 5 (saving it), then resume on pp 2: the losses of all 10 steps."""
+    cfg = ckpt(LAYOUTS_2["pp2-1f1b-mb4"], Path(tmp) / "pp2", every=5)
+    return curves(cfg, until=5)["loss"] + curves(cfg)["loss"]
+
+
+def run_2(rank, world_size, tmp):
     return {name: curves(cfg) for name, cfg in LAYOUTS_2.items()}
 
 
-def run_4(rank, world_size):
+def run_4(rank, world_size, tmp):
     return {name: curves(cfg) for name, cfg in LAYOUTS_4.items()}
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return run_world(2, [stage_params, run_2], timeout_s=400)
+def tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pipeline")
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_world(4, [stage_params, run_4], timeout_s=400)
+def world2(tmp):
+    return run_world(2, [stage_params, run_2, pp2_checkpoint], timeout_s=400, tmp=str(tmp))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp):
+    return run_world(4, [stage_params, run_4], timeout_s=400, tmp=str(tmp))
 
 
 @pytest.mark.world
@@ -67,3 +83,15 @@ def test_pp2_matches_single_process(world2, reference, layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))
 def test_pp2_fsdp2_matches_single_process(world4, reference, layout):
     assert_matches(world4.value(run_4)[layout], reference, layout)
+
+
+@pytest.mark.world
+def test_pp2_resume_is_bitwise(world2):
+    assert world2.value(pp2_checkpoint) == world2.value(run_2)["pp2-1f1b-mb4"]["loss"]
+
+
+@pytest.mark.world
+def test_pp2_checkpoint_continues_on_one_process(world2, tmp, reference):
+    world2.raise_for(pp2_checkpoint)
+    got = continue_from(tiny(), tmp / "one", step_dir(tmp / "pp2" / "checkpoints", 5))
+    assert max(abs(a - b) for a, b in zip(got, reference["loss"][5:], strict=True)) <= TOL, (got, reference["loss"])
