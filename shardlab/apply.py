@@ -40,11 +40,6 @@ def check_supported(mesh: MeshSpec, stages_per_rank: int = 1) -> None:
     for axis, why in NOT_YET.items():
         if mesh.size(axis) > 1:
             raise ValueError(f"mesh.{axis}={mesh.size(axis)}: {why}; set mesh.{axis}=1")
-    if mesh.pp > 1 and mesh.tp > 1:
-        raise ValueError(
-            f"mesh.pp={mesh.pp} with mesh.tp={mesh.tp}: tensor parallelism inside pipeline stages is not implemented "
-            "yet (issue 4); use pp with FSDP/HSDP, or set mesh.pp=1"
-        )
     if mesh.pp > 1 and stages_per_rank > 1:
         raise ValueError(
             f"plan.pp_stages_per_rank={stages_per_rank}: several stages per rank (looped and V-shaped schedules) are "
@@ -68,7 +63,8 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
     kept = _keep_own_stage(model, plan, mesh) if plan.pipeline is not None else None
     _check_model(model, plan, kept)
     if plan.mesh.tp > 1:
-        parallelize_module(model, mesh["tp"], {m.fqn: _tp_style(m) for m in plan.modules})
+        kept_modules = plan.modules if kept is None else [m for m in plan.modules if _in_stage(m.fqn, kept)]
+        parallelize_module(model, mesh["tp"], {m.fqn: _tp_style(m) for m in kept_modules})
         _retie(model, plan)
     # Block indices count over the whole model, so selective checkpointing picks the same blocks in every layout.
     blocks = [(i, model.get_submodule(f)) for i, f in enumerate(plan.blocks) if kept is None or f in kept.blocks]
@@ -115,6 +111,10 @@ def _keep_own_stage(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> StagePlan
     for fqn in others:
         model.set_submodule(fqn, nn.Identity())
     return stage
+
+
+def _in_stage(fqn: str, stage: StagePlan) -> bool:
+    return any(fqn == m or fqn.startswith(m + ".") for m in (*stage.blocks, *stage.others))
 
 
 def _check_model(model: nn.Module, plan: Plan, stage: StagePlan | None = None) -> None:

@@ -8,6 +8,8 @@ as in the non-pipelined step, and the schedule does not rescale gradients: every
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -15,6 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlab.plan import Plan
 
@@ -44,6 +48,7 @@ class PipelineRun:
         self.is_first = self.stage.index == 0
         self.is_last = self.stage.index == len(pipeline.stages) - 1
         self.ignore_index = ignore_index
+        self.vocab_parallel = plan.loss_parallel
         self.scale = 1.0
         self._summed: list[torch.Tensor] = []
         self._model: nn.Module | None = None
@@ -57,7 +62,10 @@ class PipelineRun:
         summed = F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=self.ignore_index
         )
-        self._summed.append(summed.detach())
+        value = summed.detach()
+        self._summed.append(
+            value.full_tensor() if isinstance(value, DTensor) else value
+        )  # replicated under loss parallel
         return summed * self.scale
 
     def _schedule_for(self, model: nn.Module, device: torch.device):
@@ -77,7 +85,8 @@ class PipelineRun:
         self.scale, self._summed = scale, []
         args = (inputs,) if self.is_first else ()
         if self.is_last:
-            schedule.step(*args, target=labels)
+            with loss_parallel() if self.vocab_parallel else contextlib.nullcontext():  # the loss and its backward
+                schedule.step(*args, target=labels)
             # The first step also computes one loss while torch infers the stages' shapes: count the last m calls.
             return torch.stack(self._summed[-self.pipeline.microbatches :]).to(torch.float64).sum()
         schedule.step(*args)

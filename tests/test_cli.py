@@ -34,10 +34,6 @@ def error_of(args, capsys) -> str:
         (["recipes/llama_fsdp_tp.py", "--world", "8"], r"mesh: dp_shard=2 x tp=2 = 4 ranks but world_size is 8"),
         (["recipes/llama_fsdp_tp.py", "--world", "x"], r"--world 'x': expected a positive integer"),
         (
-            ["recipes/llama_fsdp_tp.py", "--mesh.pp", "2", "--mesh.dp-shard", "1"],
-            r"mesh.pp=2 with mesh.tp=2: tensor parallelism inside pipeline stages is not implemented yet",
-        ),
-        (
             [
                 "recipes/llama_debug.py",
                 "--mesh.pp",

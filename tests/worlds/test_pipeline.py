@@ -1,6 +1,7 @@
 """Pipeline parallelism against one process (issue 4, slice 2): fp32, same seed and global batch, 10 steps;
 loss and gradient norm of every step within 1e-5. pp 2 with GPipe and 1F1B (2, 4 and 8 micro batches, with
-activation checkpointing), and pp 2 x FSDP 2 on 4 ranks. Each rank holds only its stage's parameters.
+activation checkpointing); pp 2 x FSDP 2 and pp 2 x TP 2 (+SP, loss parallel) on 4 ranks; pp 2 x dp_shard 2 x
+tp 2 on 8. Each rank holds only its stage's parameters.
 Checkpoints: a pp 2 run stopped at step 5 and resumed is bitwise the uninterrupted one, and its checkpoint
 continues on one process within 1e-5."""
 
@@ -23,6 +24,7 @@ LAYOUTS_2 = {
 }
 LAYOUTS_4 = {
     "pp2_fsdp2-1f1b-mb2": tiny(PP2_FSDP2),
+    "pp2_tp2_sp-1f1b-mb2": tiny(MeshSpec(pp=2, dp_shard=1, tp=2)),
     "pp2_fsdp2-gpipe-mb4-ac_selective": tiny(PP2_FSDP2, pp_schedule="gpipe", pp_microbatches=4,
                                              activation_checkpoint="selective"),
 }  # fmt: skip
@@ -36,6 +38,9 @@ def stage_params(rank, world_size, tmp):
     return sorted(n for n, _ in model.named_parameters()) == sorted(
         p.fqn for p in plan.params if p.stage == stage.index
     )
+
+
+LAYOUTS_8 = {"pp2_fsdp2_tp2_sp-1f1b-mb2": tiny(MeshSpec(pp=2, dp_shard=2, tp=2))}
 
 
 def pp2_checkpoint(rank, world_size, tmp):
@@ -52,6 +57,10 @@ def run_4(rank, world_size, tmp):
     return {name: curves(cfg) for name, cfg in LAYOUTS_4.items()}
 
 
+def run_8(rank, world_size, tmp):
+    return {name: curves(cfg) for name, cfg in LAYOUTS_8.items()}
+
+
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("pipeline")
@@ -65,6 +74,11 @@ def world2(tmp):
 @pytest.fixture(scope="module")
 def world4(tmp):
     return run_world(4, [stage_params, run_4], timeout_s=400, tmp=str(tmp))
+
+
+@pytest.fixture(scope="module")
+def world8(tmp):
+    return run_world(8, [run_8], timeout_s=400, tmp=str(tmp))
 
 
 @pytest.mark.world
@@ -83,6 +97,13 @@ def test_pp2_matches_single_process(world2, reference, layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))
 def test_pp2_fsdp2_matches_single_process(world4, reference, layout):
     assert_matches(world4.value(run_4)[layout], reference, layout)
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("layout", list(LAYOUTS_8))
+def test_3d_matches_single_process(world8, reference, layout):
+    """pp 2 x dp_shard 2 x tp 2 (+SP, loss parallel) on 8 ranks."""
+    assert_matches(world8.value(run_8)[layout], reference, layout)
 
 
 @pytest.mark.world
