@@ -14,7 +14,7 @@ from shardlab.config import MeshSpec
 from shardlab.loop import build_model
 
 from ._harness import run_world
-from .layouts import TOL, assert_matches, ckpt, continue_from, curves, tiny
+from .layouts import TOL, assert_matches, ckpt, continue_from, curves, layout_curves, tiny
 
 PP2, PP2_FSDP2 = MeshSpec(pp=2, dp_shard=1), MeshSpec(pp=2, dp_shard=2)
 LAYOUTS_2 = {
@@ -49,16 +49,11 @@ def pp2_checkpoint(rank, world_size, tmp):
     return curves(cfg, until=5)["loss"] + curves(cfg)["loss"]
 
 
-def run_2(rank, world_size, tmp):
-    return {name: curves(cfg) for name, cfg in LAYOUTS_2.items()}
+LAYOUTS = {2: LAYOUTS_2, 4: LAYOUTS_4, 8: LAYOUTS_8}
 
 
-def run_4(rank, world_size, tmp):
-    return {name: curves(cfg) for name, cfg in LAYOUTS_4.items()}
-
-
-def run_8(rank, world_size, tmp):
-    return {name: curves(cfg) for name, cfg in LAYOUTS_8.items()}
+def run(rank, world_size, tmp):
+    return layout_curves(LAYOUTS[world_size])
 
 
 @pytest.fixture(scope="module")
@@ -68,17 +63,17 @@ def tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def world2(tmp):
-    return run_world(2, [stage_params, run_2, pp2_checkpoint], timeout_s=400, tmp=str(tmp))
+    return run_world(2, [stage_params, run, pp2_checkpoint], timeout_s=400, tmp=str(tmp))
 
 
 @pytest.fixture(scope="module")
 def world4(tmp):
-    return run_world(4, [stage_params, run_4], timeout_s=400, tmp=str(tmp))
+    return run_world(4, [stage_params, run], timeout_s=400, tmp=str(tmp))
 
 
 @pytest.fixture(scope="module")
 def world8(tmp):
-    return run_world(8, [run_8], timeout_s=400, tmp=str(tmp))
+    return run_world(8, [run], timeout_s=400, tmp=str(tmp))
 
 
 @pytest.mark.world
@@ -88,27 +83,15 @@ def test_each_rank_holds_its_stage(world2, world4):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("layout", list(LAYOUTS_2))
-def test_pp2_matches_single_process(world2, reference, layout):
-    assert_matches(world2.value(run_2)[layout], reference, layout)
-
-
-@pytest.mark.world
-@pytest.mark.parametrize("layout", list(LAYOUTS_4))
-def test_pp2_fsdp2_matches_single_process(world4, reference, layout):
-    assert_matches(world4.value(run_4)[layout], reference, layout)
-
-
-@pytest.mark.world
-@pytest.mark.parametrize("layout", list(LAYOUTS_8))
-def test_3d_matches_single_process(world8, reference, layout):
-    """pp 2 x dp_shard 2 x tp 2 (+SP, loss parallel) on 8 ranks."""
-    assert_matches(world8.value(run_8)[layout], reference, layout)
+@pytest.mark.parametrize(("ranks", "layout"), [(n, name) for n, layouts in LAYOUTS.items() for name in layouts])
+def test_matches_single_process(request, reference, ranks, layout):
+    """pp 2 on 2 ranks; pp 2 x FSDP 2 and pp 2 x TP 2 on 4; pp 2 x dp_shard 2 x tp 2 (+SP, loss parallel) on 8."""
+    assert_matches(request.getfixturevalue(f"world{ranks}").value(run)[layout], reference, layout)
 
 
 @pytest.mark.world
 def test_pp2_resume_is_bitwise(world2):
-    assert world2.value(pp2_checkpoint) == world2.value(run_2)["pp2-1f1b-mb4"]["loss"]
+    assert world2.value(pp2_checkpoint) == world2.value(run)["pp2-1f1b-mb4"]["loss"]
 
 
 @pytest.mark.world
