@@ -35,15 +35,18 @@ NOT_YET = {
 }
 
 
-def check_supported(mesh: MeshSpec, stages_per_rank: int = 1) -> None:
-    """Raise for layouts the planner accepts but apply cannot run yet (called before launching)."""
+def check_supported(mesh: MeshSpec, stages_per_rank: int = 1, fsdp: bool | None = None) -> None:
+    """Raise for layouts the planner accepts but apply cannot run yet (called before launching).
+
+    fsdp: whether the plan uses FSDP (None: whenever dp > 1, as before launching)."""
     for axis, why in NOT_YET.items():
         if mesh.size(axis) > 1:
             raise ValueError(f"mesh.{axis}={mesh.size(axis)}: {why}; set mesh.{axis}=1")
-    if mesh.pp > 1 and stages_per_rank > 1:
+    fsdp = mesh.size("dp") > 1 if fsdp is None else fsdp
+    if mesh.pp > 1 and stages_per_rank > 1 and fsdp:
         raise ValueError(
-            f"plan.pp_stages_per_rank={stages_per_rank}: several stages per rank (looped and V-shaped schedules) are "
-            "planned but do not run yet (issue 4); use pp_schedule gpipe or 1f1b with pp_stages_per_rank=1"
+            f"plan.pp_stages_per_rank={stages_per_rank} with FSDP: several stages per rank with FSDP (or bf16 mixed "
+            "precision) inside them do not run yet (issue 4); use pp_stages_per_rank=1 (gpipe, 1f1b) or no dp"
         )
 
 
@@ -52,7 +55,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
 
     A plan without TP or FSDP (one process in fp32) needs no mesh: only checkpointing and compile apply.
     """
-    check_supported(plan.mesh, plan.pipeline.stages_per_rank if plan.pipeline else 1)
+    check_supported(plan.mesh, plan.pipeline.stages_per_rank if plan.pipeline else 1, plan.fsdp is not None)
     if mesh is None:
         if plan.mesh.tp > 1 or plan.fsdp is not None or plan.pipeline is not None:
             raise ValueError(
@@ -60,14 +63,14 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
             )
     else:
         _check_mesh(plan, mesh)
-    kept = _keep_own_stage(model, plan, mesh) if plan.pipeline is not None else None
+    kept = _keep_own_stages(model, plan, mesh) if plan.pipeline is not None else None
     _check_model(model, plan, kept)
     if plan.mesh.tp > 1:
-        kept_modules = plan.modules if kept is None else [m for m in plan.modules if _in_stage(m.fqn, kept)]
+        kept_modules = plan.modules if kept is None else [m for m in plan.modules if _in_stages(m.fqn, kept)]
         parallelize_module(model, mesh["tp"], {m.fqn: _tp_style(m) for m in kept_modules})
         _retie(model, plan)
     # Block indices count over the whole model, so selective checkpointing picks the same blocks in every layout.
-    blocks = [(i, model.get_submodule(f)) for i, f in enumerate(plan.blocks) if kept is None or f in kept.blocks]
+    blocks = [(i, model.get_submodule(f)) for i, f in enumerate(plan.blocks) if kept is None or _in_stages(f, kept)]
     for i, block in blocks:
         if plan.activation_checkpoint == "full" or (
             plan.activation_checkpoint == "selective" and i % plan.ac_every == 0
@@ -102,25 +105,27 @@ def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
     plan.check_mesh(mesh_spec_of(mesh))
 
 
-def _keep_own_stage(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> StagePlan:
-    """Replace every block and module of the other pipeline stages by nn.Identity, so this rank holds, builds and
-    checkpoints only its own stage; parameter names stay those of the whole model."""
+def _keep_own_stages(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> tuple[StagePlan, ...]:
+    """Replace every block and module of the other ranks' pipeline stages by nn.Identity, so this rank holds,
+    builds and checkpoints only its own stages; parameter names stay those of the whole model."""
     pp_rank = mesh["pp"].get_local_rank()
-    (stage,) = [s for s in plan.pipeline.stages if s.pp_rank == pp_rank]  # one stage per rank (check_supported)
-    others = {f for s in plan.pipeline.stages if s is not stage for f in (*s.blocks, *s.others)}
-    for fqn in others:
-        model.set_submodule(fqn, nn.Identity())
-    return stage
+    own = tuple(s for s in plan.pipeline.stages if s.pp_rank == pp_rank)
+    for s in plan.pipeline.stages:
+        if s.pp_rank != pp_rank:
+            for fqn in (*s.blocks, *s.others):
+                model.set_submodule(fqn, nn.Identity())
+    return own
 
 
-def _in_stage(fqn: str, stage: StagePlan) -> bool:
-    return any(fqn == m or fqn.startswith(m + ".") for m in (*stage.blocks, *stage.others))
+def _in_stages(fqn: str, stages: tuple[StagePlan, ...]) -> bool:
+    return any(fqn == m or fqn.startswith(m + ".") for s in stages for m in (*s.blocks, *s.others))
 
 
-def _check_model(model: nn.Module, plan: Plan, stage: StagePlan | None = None) -> None:
-    """The plan must describe this model (or this rank's pipeline stage of it): same parameter names and shapes."""
+def _check_model(model: nn.Module, plan: Plan, stages: tuple[StagePlan, ...] | None = None) -> None:
+    """The plan must describe this model (or this rank's pipeline stages of it): same parameter names and shapes."""
     have = {fqn: tuple(p.shape) for fqn, p in model.named_parameters()}
-    want = {p.fqn: p.shape for p in plan.params if stage is None or p.stage == stage.index}
+    held = None if stages is None else {s.index for s in stages}
+    want = {p.fqn: p.shape for p in plan.params if held is None or p.stage in held}
     for fqn in sorted(have.keys() ^ want.keys()):
         where = "the model" if fqn in have else "the plan"
         raise ValueError(f"apply: parameter {fqn!r} is only in {where}; make the plan from this model (make_plan)")

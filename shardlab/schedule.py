@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from shardlab.pipeline import StagePlan
 from shardlab.plan import Plan
 
 SCHEDULE_NAMES = {
@@ -34,8 +35,31 @@ SCHEDULE_NAMES = {
 """shardlab's schedule names -> torch's (get_schedule_class)."""
 
 
+class StageView(nn.Module):
+    """One pipeline stage of a rank that holds several: runs, in model order, the modules before the blocks (first
+    stage), the stage's blocks, and the modules after them (last stage), each on the previous one's output.
+
+    Holds the rank's model without registering it, so parameter names and the optimizer stay the model's. Assumes
+    what Llama does: the model's forward is that sequence.
+    """
+
+    def __init__(self, model: nn.Module, stage: StagePlan, last: bool) -> None:
+        super().__init__()
+        names = (*stage.blocks, *stage.others) if last else (*stage.others, *stage.blocks)
+        self._parts = [model.get_submodule(n) for n in names]
+        self._params = [p for part in self._parts for p in part.parameters()]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for part in self._parts:
+            x = part(x)
+        return x
+
+    def parameters(self, recurse: bool = True):  # what PipelineStage reads (device, gradient hooks)
+        return iter(self._params)
+
+
 class PipelineRun:
-    """Runs a batch through this rank's stage under the plan's schedule; returns the stage's summed loss."""
+    """Runs a batch through this rank's stages under the plan's schedule; returns the last stage's summed loss."""
 
     def __init__(self, plan: Plan, mesh: DeviceMesh, ignore_index: int) -> None:
         pipeline = plan.pipeline
@@ -44,9 +68,10 @@ class PipelineRun:
         self.pipeline = pipeline
         self.pp_mesh = mesh["pp"]
         self.pp_rank = self.pp_mesh.get_local_rank()
-        (self.stage,) = [s for s in pipeline.stages if s.pp_rank == self.pp_rank]
-        self.is_first = self.stage.index == 0
-        self.is_last = self.stage.index == len(pipeline.stages) - 1
+        self.stages = [s for s in pipeline.stages if s.pp_rank == self.pp_rank]
+        self.n_stages = len(pipeline.stages)
+        self.is_first = any(s.index == 0 for s in self.stages)
+        self.is_last = any(s.index == self.n_stages - 1 for s in self.stages)
         self.ignore_index = ignore_index
         self.vocab_parallel = plan.loss_parallel
         self.scale = 1.0
@@ -70,11 +95,21 @@ class PipelineRun:
 
     def _schedule_for(self, model: nn.Module, device: torch.device):
         if self._model is not model:
-            stage = PipelineStage(model, self.stage.index, len(self.pipeline.stages), device, group=self.group)
             cls = get_schedule_class(SCHEDULE_NAMES[self.pipeline.schedule])
-            self._schedule = cls(
-                stage, n_microbatches=self.pipeline.microbatches, loss_fn=self._loss, scale_grads=False
-            )
+            m = self.pipeline.microbatches
+            if issubclass(cls, PipelineScheduleSingle):  # one stage: the rank's model is it (the rest is Identity)
+                (s,) = self.stages
+                stage = PipelineStage(model, s.index, self.n_stages, device, group=self.group)
+                self._schedule = cls(stage, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
+            else:
+                stages = [
+                    PipelineStage(
+                        StageView(model, s, s.index == self.n_stages - 1), s.index, self.n_stages, device,
+                        group=self.group,
+                    )
+                    for s in self.stages
+                ]  # fmt: skip
+                self._schedule = cls(stages, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
             self._model = model
         return self._schedule
 

@@ -1,23 +1,35 @@
 """Pipeline parallelism against one process (issue 4, slice 2): fp32, same seed and global batch, 10 steps;
 loss and gradient norm of every step within 1e-5. pp 2 with GPipe and 1F1B (2, 4 and 8 micro batches, with
-activation checkpointing); pp 2 x FSDP 2 and pp 2 x TP 2 (+SP, loss parallel) on 4 ranks; pp 2 x dp_shard 2 x
-tp 2 on 8. Each rank holds only its stage's parameters.
+activation checkpointing) and, with 2 stages per rank, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
+ZBVZeroBubble and DualPipeV; pp 2 x FSDP 2 and pp 2 x TP 2 (+SP, loss parallel) on 4 ranks, the latter also
+interleaved; pp 2 x dp_shard 2 x tp 2 on 8. Each rank holds only its stages' parameters.
 Checkpoints: a pp 2 run stopped at step 5 and resumed is bitwise the uninterrupted one, and its checkpoint
 continues on one process within 1e-5."""
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from shardlab.checkpoint import step_dir
-from shardlab.config import MeshSpec
+from shardlab.config import Config, MeshSpec
 from shardlab.loop import build_model
 
 from ._harness import run_world
 from .layouts import TOL, assert_matches, ckpt, continue_from, curves, layout_curves, tiny
 
 PP2, PP2_FSDP2 = MeshSpec(pp=2, dp_shard=1), MeshSpec(pp=2, dp_shard=2)
+
+
+def deep(mesh: MeshSpec = MeshSpec(dp_shard=1), **plan: object) -> Config:
+    """The parity model with 4 blocks: 2 stages per rank at pp 2."""
+    cfg = tiny(mesh, **plan)
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, n_layers=4))
+
+
+SEVERAL_STAGES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 LAYOUTS_2 = {
+    **{f"pp2x2-{s}-mb4": deep(PP2, pp_schedule=s, pp_stages_per_rank=2) for s in SEVERAL_STAGES},
     "pp2-gpipe-mb2": tiny(PP2, pp_schedule="gpipe"),
     "pp2-1f1b-mb4": tiny(PP2, pp_microbatches=4),
     "pp2-1f1b-mb8-ac_full": tiny(PP2, pp_microbatches=8, activation_checkpoint="full"),
@@ -25,6 +37,8 @@ LAYOUTS_2 = {
 LAYOUTS_4 = {
     "pp2_fsdp2-1f1b-mb2": tiny(PP2_FSDP2),
     "pp2_tp2_sp-1f1b-mb2": tiny(MeshSpec(pp=2, dp_shard=1, tp=2)),
+    "pp2x2_tp2_sp-interleaved_1f1b-mb4": deep(MeshSpec(pp=2, dp_shard=1, tp=2), pp_schedule="interleaved_1f1b",
+                                              pp_stages_per_rank=2),
     "pp2_fsdp2-gpipe-mb4-ac_selective": tiny(PP2_FSDP2, pp_schedule="gpipe", pp_microbatches=4,
                                              activation_checkpoint="selective"),
 }  # fmt: skip
@@ -57,6 +71,11 @@ def run(rank, world_size, tmp):
 
 
 @pytest.fixture(scope="module")
+def reference_deep():
+    return curves(deep())
+
+
+@pytest.fixture(scope="module")
 def tmp(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("pipeline")
 
@@ -84,9 +103,11 @@ def test_each_rank_holds_its_stage(world2, world4):
 
 @pytest.mark.world
 @pytest.mark.parametrize(("ranks", "layout"), [(n, name) for n, layouts in LAYOUTS.items() for name in layouts])
-def test_matches_single_process(request, reference, ranks, layout):
-    """pp 2 on 2 ranks; pp 2 x FSDP 2 and pp 2 x TP 2 on 4; pp 2 x dp_shard 2 x tp 2 (+SP, loss parallel) on 8."""
-    assert_matches(request.getfixturevalue(f"world{ranks}").value(run)[layout], reference, layout)
+def test_matches_single_process(request, reference, reference_deep, ranks, layout):
+    """pp 2 on 2 ranks (every schedule); pp 2 x FSDP 2 and pp 2 x TP 2 on 4; pp 2 x dp_shard 2 x tp 2 (+SP, loss
+    parallel) on 8. Layouts with 2 stages per rank run the 4-block model, against its own one-process run."""
+    want = reference_deep if LAYOUTS[ranks][layout].model.n_layers == 4 else reference
+    assert_matches(request.getfixturevalue(f"world{ranks}").value(run)[layout], want, layout)
 
 
 @pytest.mark.world
