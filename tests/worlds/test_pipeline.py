@@ -3,8 +3,8 @@ loss and gradient norm of every step within 1e-5. pp 2 with GPipe and 1F1B (2, 4
 activation checkpointing) and, with 2 stages per rank, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
 ZBVZeroBubble and DualPipeV; pp 2 x FSDP 2 and pp 2 x TP 2 (+SP, loss parallel) on 4 ranks, the latter also
 interleaved; pp 2 x dp_shard 2 x tp 2 on 8. Each rank holds only its stages' parameters.
-Checkpoints: a pp 2 run stopped at step 5 and resumed is bitwise the uninterrupted one, and its checkpoint
-continues on one process within 1e-5."""
+Checkpoints: a pp 2 run stopped at step 5 and resumed is bitwise the uninterrupted one; its checkpoint
+continues on one process, and a one-process checkpoint continues on pp 2, within 1e-5."""
 
 from pathlib import Path
 
@@ -58,9 +58,14 @@ LAYOUTS_8 = {"pp2_fsdp2_tp2_sp-1f1b-mb2": tiny(MeshSpec(pp=2, dp_shard=2, tp=2))
 
 
 def pp2_checkpoint(rank, world_size, tmp):
-    """Stop after step 5 (saving it), then resume on pp 2: the losses of all 10 steps."""
+    """Stop after step 5 (saving it), then resume on pp 2: the losses of all 10 steps. Also continue a one-process
+    checkpoint of step 5 (written by the test before the world starts) on pp 2: the losses of steps 6-10."""
     cfg = ckpt(LAYOUTS_2["pp2-1f1b-mb4"], Path(tmp) / "pp2", every=5)
-    return curves(cfg, until=5)["loss"] + curves(cfg)["loss"]
+    split = curves(cfg, until=5)["loss"] + curves(cfg)["loss"]
+    from_one = continue_from(
+        LAYOUTS_2["pp2-1f1b-mb4"], Path(tmp) / "from_one", step_dir(Path(tmp) / "one" / "checkpoints", 5)
+    )
+    return {"split": split, "from_one": from_one}
 
 
 LAYOUTS = {2: LAYOUTS_2, 4: LAYOUTS_4, 8: LAYOUTS_8}
@@ -82,6 +87,7 @@ def tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def world2(tmp):
+    curves(ckpt(tiny(), tmp / "one", every=5), until=5)  # a one-process checkpoint for pp 2 to continue
     return run_world(2, [stage_params, run, pp2_checkpoint], timeout_s=400, tmp=str(tmp))
 
 
@@ -112,7 +118,13 @@ def test_matches_single_process(request, reference, reference_deep, ranks, layou
 
 @pytest.mark.world
 def test_pp2_resume_is_bitwise(world2):
-    assert world2.value(pp2_checkpoint) == world2.value(run)["pp2-1f1b-mb4"]["loss"]
+    assert world2.value(pp2_checkpoint)["split"] == world2.value(run)["pp2-1f1b-mb4"]["loss"]
+
+
+@pytest.mark.world
+def test_one_process_checkpoint_continues_on_pp2(world2, reference):
+    got = world2.value(pp2_checkpoint)["from_one"]
+    assert max(abs(a - b) for a, b in zip(got, reference["loss"][5:], strict=True)) <= TOL, (got, reference["loss"])
 
 
 @pytest.mark.world
