@@ -91,7 +91,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
         )
         for unit in f.units:
             modules = [model.get_submodule(m) for m in unit]
-            modules = [m for m in modules if any(True for _ in m.parameters())]  # another stage's modules are gone
+            modules = [m for m in modules if next(m.parameters(), None) is not None]  # other stages' are Identity
             if modules:
                 fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
         fully_shard(model, **kwargs)
@@ -109,7 +109,7 @@ def _keep_own_stages(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> tuple[St
     """Replace every block and module of the other ranks' pipeline stages by nn.Identity, so this rank holds,
     builds and checkpoints only its own stages; parameter names stay those of the whole model."""
     pp_rank = mesh["pp"].get_local_rank()
-    own = tuple(s for s in plan.pipeline.stages if s.pp_rank == pp_rank)
+    own = plan.pipeline.stages_of(pp_rank)
     for s in plan.pipeline.stages:
         if s.pp_rank != pp_rank:
             for fqn in (*s.blocks, *s.others):

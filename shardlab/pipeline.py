@@ -44,6 +44,10 @@ class PipelinePlan(Frozen):
     stages: tuple[StagePlan, ...]
     bubble: float
 
+    def stages_of(self, pp_rank: int) -> tuple[StagePlan, ...]:
+        """The stages pp rank `pp_rank` runs, in model order."""
+        return tuple(s for s in self.stages if s.pp_rank == pp_rank)
+
 
 def pipeline_plan(
     params: list[tuple[str, tuple[str, ...], int]],

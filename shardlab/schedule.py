@@ -68,7 +68,7 @@ class PipelineRun:
         self.pipeline = pipeline
         self.pp_mesh = mesh["pp"]
         self.pp_rank = self.pp_mesh.get_local_rank()
-        self.stages = [s for s in pipeline.stages if s.pp_rank == self.pp_rank]
+        self.stages = pipeline.stages_of(self.pp_rank)
         self.n_stages = len(pipeline.stages)
         self.is_first = any(s.index == 0 for s in self.stages)
         self.is_last = any(s.index == self.n_stages - 1 for s in self.stages)
