@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
     import tyro
 
+    from shardlab._base import deferred_checks
     from shardlab.config import Config
     from shardlab.launch import init_distributed, nproc_for, relaunch, under_launcher
     from shardlab.recipe import load_recipe
@@ -73,13 +74,15 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
     recipe = load_recipe(recipe_path)
     launched = under_launcher()
     rank = int(os.environ.get("RANK", "0"))
-    cfg = tyro.cli(
-        Config,
-        default=recipe.config,
-        args=overrides,
-        prog=f"python -m shardlab {recipe_path}",
-        console_outputs=rank == 0,
-    ).validated()
+    with deferred_checks():  # checks run in validated(): one line, not tyro's box
+        cfg = tyro.cli(
+            Config,
+            default=recipe.config,
+            args=overrides,
+            prog=f"python -m shardlab {recipe_path}",
+            console_outputs=rank == 0,
+        )
+    cfg = cfg.validated()
     if launched:
         world = int(os.environ["WORLD_SIZE"])
     elif world is None:
@@ -100,7 +103,7 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
         return 0
     from shardlab.apply import check_supported
 
-    check_supported(cfg.mesh, cfg.plan.pp_stages_per_rank)
+    check_supported(cfg.mesh)
     _check_data(cfg)
     if world > 1 and not launched:
         print(f"shardlab: launching {world} ranks ({cfg.mesh.describe()}) through torch.distributed.run", flush=True)

@@ -1,11 +1,16 @@
 """The one base for every config and plan struct: frozen, keyword-only, strict about unknown keys.
 
-Change a struct with `msgspec.structs.replace`; validation lives in `__post_init__` and raises
-`ValueError` (tyro turns that into a clean CLI error, and it also runs inside `msgspec.convert`).
+Change a struct with `msgspec.structs.replace`; validation lives in `check`, which runs whenever a struct is
+built (also inside `msgspec.convert`) and raises a one-line `ValueError` naming the field and the fix. The CLI
+builds under `deferred_checks` and then calls `revalidate`, so a bad override reads as one line too (tyro would
+draw a box around it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import msgspec
@@ -13,12 +18,33 @@ import msgspec
 T = TypeVar("T", bound="Frozen")
 
 
+_DEFERRED: ContextVar[bool] = ContextVar("shardlab_deferred_checks", default=False)
+
+
 class Frozen(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Immutable, keyword-only struct that rejects unknown fields when decoded."""
 
+    def __post_init__(self) -> None:
+        if not _DEFERRED.get():
+            self.check()
+
+    def check(self) -> None:
+        """Raise ValueError for values that cannot work together (subclasses override)."""
+
+
+@contextmanager
+def deferred_checks() -> Iterator[None]:
+    """Build structs without running `check` (call `revalidate` on the result to run them all)."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
 
 def revalidate(value: T) -> T:
-    """Round-trip through msgspec so `msgspec.Meta` constraints run (tyro builds structs by calling them).
+    """Round-trip through msgspec so `msgspec.Meta` constraints and every `check` run (tyro builds structs by
+    calling them, which skips the former).
 
     Errors come out as one line with the path, e.g. ``Expected `int` >= 1 - at `$.mesh.tp```.
     """

@@ -31,7 +31,7 @@ class RopeScaling(Frozen):
     original_max_position: Positive = 8192
     """Context length the base model was trained with."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if self.factor < 1:
             raise ValueError(f"model.rope_scaling.factor={self.factor}: must be >= 1")
         if not 0 < self.low_freq_factor < self.high_freq_factor:
@@ -67,7 +67,7 @@ class ModelConfig(Frozen):
     init_std: float = 0.02
     """Std of the truncated-normal init of the projections."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if self.dim % self.n_heads:
             raise ValueError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; pick n_heads dividing dim"
@@ -137,11 +137,12 @@ class PlanConfig(Frozen):
     pp_microbatches: Annotated[int, msgspec.Meta(ge=1)] | None = None
     """Micro batches each data-parallel rank's batch is split into for the pipeline (default: the number of stages)."""
     pp_balance: Balance = "blocks"
-    """Stage split: an even count of blocks, or the fewest parameters on the largest stage ("params")."""
+    """Stage split: an even count of blocks, or the least work on the busiest stage: "flops" (training FLOPs per token
+    of each block, the embeddings and the head, counted by torch on the meta device) or "params"."""
     pp_split: tuple[int, ...] = ()
     """Explicit split: the first block of every stage after the first (overrides pp_balance)."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         check_schedule(self.pp_schedule, self.pp_stages_per_rank)
 
 
@@ -165,7 +166,7 @@ class OptimConfig(Frozen):
     max_norm: float | None = 1.0
     """Clip gradients to this global L2 norm; None disables clipping."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if self.lr <= 0:
             raise ValueError(f"optim.lr={self.lr}: must be > 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -195,7 +196,7 @@ class DataConfig(Frozen):
     seed: int = 1234
     """Seed of the data order (and of synthetic tokens)."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if self.source == "files" and not self.paths:
             raise ValueError("data.paths is empty but data.source='files'; pass --data.paths FILE [FILE ...]")
         if self.source != "files" and self.paths:
@@ -259,7 +260,7 @@ class CheckpointConfig(Frozen):
     init_from_hf: str | None = None
     """Start from the weights of a Hugging Face Llama directory (safetensors) when there is nothing to resume."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if self.async_save and self.every is None:
             raise ValueError("checkpoint.async_save is set but checkpoint.every is not; set --checkpoint.every N")
         if not self.resume:
@@ -288,7 +289,7 @@ class Config(Frozen):
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpointing."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         m, tp = self.model, self.mesh.tp
         if tp > 1:
             for field, value in (

@@ -42,7 +42,7 @@ class MeshSpec(Frozen):
     ep: Annotated[int, msgspec.Meta(ge=1)] = 1
     """Expert parallel, borrowed from dp_shard x cp (not yet supported by apply)."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         sizes = {a: getattr(self, a) for a in AXES}
         for axis, size in sizes.items():
             if size == 0 or size < -1:

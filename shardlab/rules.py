@@ -27,7 +27,7 @@ class Rule(Frozen):
     axes: tuple[str | None, ...] | None = None
     """Logical dim names, mapped to mesh axes by the logical table."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if (self.spec is None) == (self.axes is None):
             raise ValueError(f"rule {self.pattern!r}: give exactly one of spec= (mesh axes) or axes= (logical names)")
         glob_regex(self.pattern)

@@ -34,20 +34,8 @@ def error_of(args, capsys) -> str:
         (["recipes/llama_fsdp_tp.py", "--world", "8"], r"mesh: dp_shard=2 x tp=2 = 4 ranks but world_size is 8"),
         (["recipes/llama_fsdp_tp.py", "--world", "x"], r"--world 'x': expected a positive integer"),
         (
-            [
-                "recipes/llama_debug.py",
-                "--mesh.pp",
-                "2",
-                "--mesh.dp-shard",
-                "2",
-                "--train.global-batch",
-                "16",
-                "--plan.pp-schedule",
-                "interleaved_1f1b",
-                "--plan.pp-stages-per-rank",
-                "2",
-            ],
-            r"plan.pp_stages_per_rank=2 with FSDP: several stages per rank with FSDP .* do not run yet",
+            ["recipes/llama_pp.py", "--plan.pp-schedule", "gpipe", "--plan.pp-stages-per-rank", "2"],
+            r"plan.pp_schedule='gpipe' runs one stage per rank but plan.pp_stages_per_rank=2",
         ),
         (
             ["recipes/llama_fsdp_tp.py", "--mesh.cp", "2", "--mesh.dp-shard", "1"],
