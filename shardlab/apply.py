@@ -1,7 +1,8 @@
 """apply(model, plan, mesh): the one door to torch's parallel APIs, in the order the layout needs.
 
-this rank's pipeline stage (the other stages' modules become nn.Identity) -> TP/SP (`parallelize_module`)
--> activation checkpointing -> compile -> FSDP/HSDP (`fully_shard` per unit, then the root). The pipeline
+this rank's pipeline stages (the other stages' modules become nn.Identity) -> TP/SP (`parallelize_module`)
+-> activation checkpointing -> compile -> FSDP/HSDP (`fully_shard` per unit, then the root: the model, or each
+StageModule when a rank runs several stages). The pipeline
 schedule itself runs in the step (shardlab.schedule). Also the JAX-like helpers `shard` (device_put with a spec) and
 `constrain` (with_sharding_constraint for activations).
 """
@@ -35,19 +36,11 @@ NOT_YET = {
 }
 
 
-def check_supported(mesh: MeshSpec, stages_per_rank: int = 1, fsdp: bool | None = None) -> None:
-    """Raise for layouts the planner accepts but apply cannot run yet (called before launching).
-
-    fsdp: whether the plan uses FSDP (None: whenever dp > 1, as before launching)."""
+def check_supported(mesh: MeshSpec) -> None:
+    """Raise for layouts the planner accepts but apply cannot run yet (called before launching)."""
     for axis, why in NOT_YET.items():
         if mesh.size(axis) > 1:
             raise ValueError(f"mesh.{axis}={mesh.size(axis)}: {why}; set mesh.{axis}=1")
-    fsdp = mesh.size("dp") > 1 if fsdp is None else fsdp
-    if mesh.pp > 1 and stages_per_rank > 1 and fsdp:
-        raise ValueError(
-            f"plan.pp_stages_per_rank={stages_per_rank} with FSDP: several stages per rank with FSDP (or bf16 mixed "
-            "precision) inside them do not run yet (issue 4); use pp_stages_per_rank=1 (gpipe, 1f1b) or no dp"
-        )
 
 
 def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Module:
@@ -55,7 +48,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
 
     A plan without TP or FSDP (one process in fp32) needs no mesh: only checkpointing and compile apply.
     """
-    check_supported(plan.mesh, plan.pipeline.stages_per_rank if plan.pipeline else 1, plan.fsdp is not None)
+    check_supported(plan.mesh)
     if mesh is None:
         if plan.mesh.tp > 1 or plan.fsdp is not None or plan.pipeline is not None:
             raise ValueError(
@@ -63,7 +56,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
             )
     else:
         _check_mesh(plan, mesh)
-    kept = _keep_own_stages(model, plan, mesh) if plan.pipeline is not None else None
+    kept = keep_own_stages(model, plan, mesh["pp"].get_local_rank()) if plan.pipeline is not None else None
     _check_model(model, plan, kept)
     if plan.mesh.tp > 1:
         kept_modules = plan.modules if kept is None else [m for m in plan.modules if _in_stages(m.fqn, kept)]
@@ -79,6 +72,10 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
     if plan.compile:
         for _, block in blocks:
             block.compile()
+    roots = (model,)
+    if kept is not None and len(kept) > 1:
+        roots = tuple(StageModule(model, s, last=s.index == len(plan.pipeline.stages) - 1) for s in kept)
+        model.__dict__["_pipeline_stages"] = roots  # not registered: the model's names and state_dict stay
     # FSDP goes last: fully_shard must see the TP-sharded DTensors to shard them again over dp.
     if plan.fsdp is not None:
         f = plan.fsdp
@@ -94,8 +91,34 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
             modules = [m for m in modules if next(m.parameters(), None) is not None]  # other stages' are Identity
             if modules:
                 fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
-        fully_shard(model, **kwargs)
+        for root in roots:  # one FSDP root per module a pipeline stage runs: its forward must run the root's hooks
+            fully_shard(root, **kwargs)
     return model
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of a rank that holds several: runs, in model order, the modules before the blocks (first
+    stage), the stage's blocks, and the modules after them (last stage), each on the previous one's output.
+
+    Its parts are the model's own modules, so the model's parameter names, optimizer and checkpoints stay as they
+    are; with FSDP each StageModule is a root. Assumes what Llama does: the model's forward is that sequence.
+    """
+
+    def __init__(self, model: nn.Module, stage: StagePlan, last: bool) -> None:
+        super().__init__()
+        names = (*stage.blocks, *stage.others) if last else (*stage.others, *stage.blocks)
+        self.parts = nn.ModuleList(model.get_submodule(n) for n in names)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for part in self.parts:
+            x = part(x)
+        return x
+
+
+def stage_modules(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The modules torch's PipelineStage runs for this rank, in model order: the model itself (one stage per rank,
+    or no pipeline), else one StageModule per stage, as `apply` built them."""
+    return model.__dict__.get("_pipeline_stages", (model,))
 
 
 def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
@@ -105,10 +128,10 @@ def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
     plan.check_mesh(mesh_spec_of(mesh))
 
 
-def _keep_own_stages(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> tuple[StagePlan, ...]:
+def keep_own_stages(model: nn.Module, plan: Plan, pp_rank: int) -> tuple[StagePlan, ...]:
     """Replace every block and module of the other ranks' pipeline stages by nn.Identity, so this rank holds,
-    builds and checkpoints only its own stages; parameter names stay those of the whole model."""
-    pp_rank = mesh["pp"].get_local_rank()
+    builds and checkpoints only its own stages; parameter names stay those of the whole model. On the meta
+    device, before materialising, the other stages are never allocated. Returns this rank's stages."""
     own = plan.pipeline.stages_of(pp_rank)
     for s in plan.pipeline.stages:
         if s.pp_rank != pp_rank:

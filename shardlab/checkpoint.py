@@ -251,7 +251,7 @@ def export_to_hf(source: Path, out: Path) -> Path:
     One process, no process group: DCP reshards whatever layout saved it into plain full tensors.
     """
     from shardlab.hf import to_hf
-    from shardlab.models.llama import Llama
+    from shardlab.models.llama import Llama, materialize
 
     step = source if (source / STATE_FILE).is_file() else resolve_resume("auto", source / "checkpoints")
     if step is None:
@@ -264,8 +264,7 @@ def export_to_hf(source: Path, out: Path) -> Path:
     cfg = msgspec.json.decode(config_file.read_bytes(), type=Config)
     with torch.device("meta"):
         model = Llama(cfg.model)
-    model.to_empty(device="cpu")
-    model.init_weights()
+    materialize(model)
     tensors = {"model": get_model_state_dict(model)}
     verify(step, tensors["model"])
     dcp.load(tensors, checkpoint_id=str(step), no_dist=True)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from shardlab.config import ModelConfig
 from shardlab.mesh import AXES, mesh_spec_of
-from shardlab.models.llama import Llama, from_hf_config, to_hf_config
+from shardlab.models.llama import Llama, from_hf_config, materialize, to_hf_config
 from shardlab.spec import P, block, spec_from_placements
 
 INDEX = "model.safetensors.index.json"
@@ -58,8 +58,7 @@ def from_hf(path: str | os.PathLike, device: torch.device | str = "cpu") -> Llam
     cfg = read_hf_config(path)
     with torch.device("meta"):
         model = Llama(cfg)
-    model.to_empty(device=device)
-    model.init_weights()  # re-ties and rebuilds the RoPE buffers; every parameter is overwritten below
+    materialize(model, device)  # re-ties and builds the RoPE buffers; every weight is overwritten below
     load_hf_weights(model, path)
     return model
 

@@ -1,8 +1,8 @@
 """train(config): data, logging and run-directory output around `step`; the loop a CLI run executes.
 
-Builds the model on the meta device, plans it, materialises it with the config's seed (the same
-full weights on every rank, so every layout starts from the same model), applies the plan, then
-steps. Returns the per-step metrics, so tests and researchers can compare layouts directly.
+Builds the model on the meta device, plans it, materialises it with the config's seed (each weight a
+function of the seed and its name, so every layout starts from the same model; a pipeline rank allocates
+only its own stages), applies the plan, then steps. Returns the per-step metrics, so tests and researchers can compare layouts directly.
 """
 
 from __future__ import annotations
@@ -19,14 +19,21 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardlab import checkpoint
 from shardlab._base import to_json
-from shardlab.apply import apply, check_supported
+from shardlab.apply import apply, check_supported, keep_own_stages
 from shardlab.config import Config
 from shardlab.data import make_loader
 from shardlab.hf import load_hf_weights, read_hf_config
 from shardlab.launch import resolve_device
 from shardlab.mesh import make_mesh
-from shardlab.metrics import MetricsWriter, device_peak_flops, mfu, model_flops_per_token, peak_memory_bytes
-from shardlab.models.llama import Llama
+from shardlab.metrics import (
+    MetricsWriter,
+    device_peak_flops,
+    mfu,
+    model_flops_per_token,
+    module_flops,
+    peak_memory_bytes,
+)
+from shardlab.models.llama import Llama, materialize
 from shardlab.models.llama_rules import llama_rules
 from shardlab.plan import Plan, make_plan
 from shardlab.rules import Rules
@@ -37,7 +44,10 @@ def plan_model(cfg: Config, rules: Rules | None = None) -> tuple[nn.Module, Plan
     """The model on the meta device and its plan for cfg.mesh (resolved): no process group, no memory."""
     with torch.device("meta"):
         model = Llama(cfg.model)
-    return model, make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan)
+    flops = None
+    if cfg.mesh.pp > 1 and cfg.plan.pp_balance == "flops":
+        flops = module_flops(model, torch.zeros(1, cfg.train.seq_len, dtype=torch.long, device="meta"))
+    return model, make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan, flops)
 
 
 def build_model(
@@ -49,11 +59,12 @@ def build_model(
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = cfg.validated().resolve(world)
-    check_supported(cfg.mesh, cfg.plan.pp_stages_per_rank)
+    check_supported(cfg.mesh)
     device = resolve_device(cfg.train.device) if device is None else torch.device(device)
     if cfg.train.init == "sharded" and cfg.mesh.pp > 1:
         raise ValueError(
-            "train.init='sharded' with mesh.pp > 1 is not implemented yet (issue 4); use train.init='full'"
+            "train.init='sharded' with mesh.pp > 1 is not supported yet; use train.init='full', which with pp "
+            "allocates and draws only this rank's stages"
         )
     if cfg.train.init == "sharded" and device.type != "cuda":
         raise ValueError(
@@ -71,10 +82,9 @@ def build_model(
         mesh = make_mesh(cfg.mesh, device.type)
     if cfg.train.init == "sharded":
         apply(model, plan, mesh)  # on the meta device: no rank ever holds more than its shards
-    model.to_empty(device=device)
-    torch.manual_seed(cfg.train.seed)
-    with torch.no_grad():
-        model.init_weights()
+    elif plan.pipeline is not None:
+        keep_own_stages(model, plan, mesh["pp"].get_local_rank())  # on the meta device: only this rank's stages
+    materialize(model, device, cfg.train.seed)  # each weight a function of (seed, name): the same in every layout
     if cfg.train.init == "full":
         apply(model, plan, mesh)
     return model, plan, mesh

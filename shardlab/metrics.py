@@ -1,7 +1,7 @@
 """Metrics: each step's values from the loop -> progress bar, log lines, run_dir/metrics.jsonl and wandb.
 
 Only the rank built with `enabled=True` (rank 0) writes or prints anything. Also the throughput helpers
-the loop needs: FLOPs per token, MFU and peak memory.
+the loop needs: FLOPs per token (per module for the pipeline's balance), MFU and peak memory.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from types import TracebackType
 from typing import Any, TextIO
 
 import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from shardlab.config import LogConfig, ModelConfig
 
@@ -156,6 +158,23 @@ def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     """`flops_per_token` of a Llama config: N counts every matmul weight, not an untied embedding (a lookup)."""
     matmul_params = model.n_params - (0 if model.tie_embeddings else model.vocab_size * model.dim)
     return flops_per_token(matmul_params, model.n_layers, model.dim, seq_len)
+
+
+def module_flops(model: nn.Module, sample: torch.Tensor) -> dict[str, float]:
+    """Training FLOPs per token (forward + backward) of every module, by fqn, from torch's FlopCounterMode on one
+    forward and backward of `sample` (on the meta device it costs no memory). Attention counts as the kernel the
+    device picks computes it (on meta: the math kernel, full S^2 with no causal saving)."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(sample).float().sum().backward()
+    for p in model.parameters():
+        p.grad = None
+    tokens = sample.numel()
+    return {
+        name.partition(".")[2]: sum(ops.values()) / tokens
+        for name, ops in counter.get_flop_counts().items()
+        if "." in name
+    }
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | None) -> float | None:

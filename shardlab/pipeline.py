@@ -9,6 +9,7 @@ deal them out round robin (rank r holds stages r, r + pp, ...), V-shaped ones gi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from shardlab._base import Frozen
@@ -16,10 +17,12 @@ from shardlab._base import Frozen
 Schedule = Literal[
     "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
 ]
-Balance = Literal["blocks", "params"]
+Balance = Literal["blocks", "params", "flops"]
 ONE_STAGE = ("gpipe", "1f1b")
 LOOPED = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
 V_SHAPED = ("zbv_zero_bubble", "dualpipev")
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+"""Schedules that split the backward into an input-gradient and a later weight-gradient step."""
 
 
 class StagePlan(Frozen):
@@ -59,10 +62,12 @@ def pipeline_plan(
     microbatches: int | None,
     balance: Balance,
     split: tuple[int, ...],
+    flops: Mapping[str, float] | None = None,
 ) -> tuple[PipelinePlan, dict[str, int]]:
     """Stages for `params` ((name, tied aliases, element count)) cut from `blocks` (module fqns), and each
     parameter's stage. `names`: every parameter name, aliases included, in model order; what precedes the blocks
-    goes to the first stage, what follows them to the last."""
+    goes to the first stage, what follows them to the last. `flops`: training FLOPs per token of each module
+    (by fqn), needed for balance="flops"."""
     if not blocks:
         raise ValueError(f"mesh.pp={pp} needs rules.blocks to name the repeated blocks the stages are cut from")
     block_of = {b: i for i, b in enumerate(blocks)}
@@ -81,14 +86,22 @@ def pipeline_plan(
                 f"mesh.pp={pp}: {fqn} is tied to {aliases[0]}, which another pipeline stage holds; untie them "
                 "(model.tie_embeddings=False)"
             )
-    sizes = [0] * len(blocks)
-    ends = {"first": 0, "last": 0}
-    for fqn, _, numel in params:
-        where = place(fqn)
-        if isinstance(where, int):
-            sizes[where] += numel
-        else:
-            ends[where] += numel
+    sizes: list[float] = [0] * len(blocks)
+    ends: dict[str, float] = {"first": 0, "last": 0}
+    if balance == "flops" and not split:
+        if flops is None:
+            raise ValueError("plan.pp_balance='flops' needs each module's FLOPs: pass make_plan(..., flops=...)")
+        outside = dict.fromkeys(fqn.rpartition(".")[0] for fqn, _, _ in params if owner[fqn] is None)
+        sizes = [flops.get(b, 0.0) for b in blocks]
+        for module in outside:
+            ends[place(next(f for f, _, _ in params if f.rpartition(".")[0] == module))] += flops.get(module, 0.0)
+    else:
+        for fqn, _, numel in params:
+            where = place(fqn)
+            if isinstance(where, int):
+                sizes[where] += numel
+            else:
+                ends[where] += numel
     n_stages = pp * stages_per_rank
     starts = split_stages(sizes, ends["first"], ends["last"], n_stages, balance, split)
     stage_of_block = [sum(1 for start in starts if start <= i) - 1 for i in range(len(blocks))]
@@ -145,9 +158,9 @@ def stage_ranks(pp: int, stages_per_rank: int, schedule: Schedule) -> tuple[int,
 
 
 def split_stages(
-    block_params: list[int],
-    first_params: int,
-    last_params: int,
+    block_costs: list[float],
+    first_cost: float,
+    last_cost: float,
     n_stages: int,
     balance: Balance = "blocks",
     split: tuple[int, ...] = (),
@@ -155,10 +168,10 @@ def split_stages(
     """The first block of each stage (stage 0 starts at block 0), for `n_stages` contiguous stages.
 
     split: explicit first blocks of stages 1..n-1. balance "blocks": as even a count of blocks as can be (earlier
-    stages take the extra ones); "params": the split whose largest stage (embeddings with the first, norm and
-    head with the last) holds the fewest parameters.
+    stages take the extra ones); "params" or "flops": the split whose largest stage (the embeddings' cost with the
+    first, the norm's and head's with the last) costs least, in parameters or FLOPs as the costs are given.
     """
-    n = len(block_params)
+    n = len(block_costs)
     if n_stages > n:
         raise ValueError(
             f"mesh.pp x plan.pp_stages_per_rank = {n_stages} stages but the model has {n} blocks; every stage needs "
@@ -183,13 +196,13 @@ def split_stages(
             starts.append(at)
             at += base + (1 if s < extra else 0)
         return tuple(starts)
-    return _balanced(block_params, first_params, last_params, n_stages)
+    return _balanced(block_costs, first_cost, last_cost, n_stages)
 
 
-def _balanced(block_params: list[int], first: int, last: int, n_stages: int) -> tuple[int, ...]:
+def _balanced(block_costs: list[float], first: float, last: float, n_stages: int) -> tuple[int, ...]:
     """Linear partition: the contiguous split minimising the largest stage, by dynamic programming."""
-    n = len(block_params)
-    cost = [p for p in block_params]
+    n = len(block_costs)
+    cost = list(block_costs)
     cost[0] += first
     cost[-1] += last
     prefix = [0]
@@ -232,3 +245,18 @@ def bubble_fraction(schedule: Schedule, pp: int, stages_per_rank: int, microbatc
     if schedule in V_SHAPED and m >= 2 * p:
         return 0.0
     return (p - 1) / (3 * v * m + p - 1)
+
+
+def in_flight(schedule: Schedule, pp: int, stages_per_rank: int, microbatches: int) -> float:
+    """Micro batches whose activations the busiest rank (the first) holds at its peak, in units of one micro batch
+    through all of the rank's layers.
+
+    GPipe and looped BFS run every forward before any backward: m. 1F1B and ZB-V: p (ZB-V's paper keeps 1F1B's
+    memory). Interleaved 1F1B and interleaved zero bubble: p + (p - 1) / v (Megatron's interleaved schedule).
+    DualPipeV: p + 1 (DualPipe's paper). Never more than m.
+    """
+    p, v, m = pp, stages_per_rank, microbatches
+    if schedule in ("gpipe", "looped_bfs"):
+        return float(m)
+    peak = {"1f1b": p, "zbv_zero_bubble": p, "dualpipev": p + 1}.get(schedule, p + (p - 1) / v)
+    return float(min(m, peak))

@@ -8,6 +8,7 @@ options. A Plan holds no modules, meshes or tensors: it prints, diffs and round-
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Literal
 
 import msgspec
@@ -18,7 +19,7 @@ from shardlab import _plan_text
 from shardlab._base import Frozen, to_json
 from shardlab.config import PlanConfig
 from shardlab.mesh import MeshSpec
-from shardlab.pipeline import PipelinePlan, pipeline_plan
+from shardlab.pipeline import ZERO_BUBBLE, PipelinePlan, pipeline_plan
 from shardlab.rules import Activation, Rules, logical_to_spec, matches, resolve
 from shardlab.spec import Entry, P, check_shape, expand, local_shape, placements
 
@@ -174,8 +175,16 @@ class Plan(Frozen):
         return self.table()
 
 
-def make_plan(model: nn.Module, mesh: MeshSpec, rules: Rules, options: PlanConfig = PlanConfig()) -> Plan:
-    """Resolve `rules` against `model` (any nn.Module, normally on the meta device) for `mesh`. Pure: no process group."""
+def make_plan(
+    model: nn.Module,
+    mesh: MeshSpec,
+    rules: Rules,
+    options: PlanConfig = PlanConfig(),
+    flops: Mapping[str, float] | None = None,
+) -> Plan:
+    """Resolve `rules` against `model` (any nn.Module, normally on the meta device) for `mesh`. Pure: no process group.
+
+    flops: training FLOPs per token of each module (`metrics.module_flops`), for plan.pp_balance="flops"."""
     if not mesh.is_resolved:
         raise ValueError("make_plan: the mesh has a -1 axis; call MeshSpec.resolve(world_size) first")
     modules = dict(model.named_modules())
@@ -230,9 +239,14 @@ def make_plan(model: nn.Module, mesh: MeshSpec, rules: Rules, options: PlanConfi
         pipeline, stage_of = pipeline_plan(
             [(p.fqn, p.aliases, math.prod(p.shape)) for p in out],
             [name for name, _ in model.named_parameters(remove_duplicate=False)], blocks, mesh.pp, options.pp_schedule,
-            options.pp_stages_per_rank, options.pp_microbatches, options.pp_balance, options.pp_split,
+            options.pp_stages_per_rank, options.pp_microbatches, options.pp_balance, options.pp_split, flops,
         )  # fmt: skip
         out = [msgspec.structs.replace(p, stage=stage_of[p.fqn]) for p in out]
+        if fsdp is not None and fsdp.reshard_after_forward and options.pp_schedule in ZERO_BUBBLE:
+            raise ValueError(
+                f"plan.pp_schedule={options.pp_schedule!r} computes weight gradients after FSDP has resharded the "
+                "weights (wrong gradients); set plan.reshard_after_forward=False, or use a schedule without zero bubble"
+            )
     for option, on in (
         ("activation_checkpoint", options.activation_checkpoint != "none"),
         ("compile", options.compile),

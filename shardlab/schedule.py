@@ -1,8 +1,8 @@
 """PipelineRun: one optimizer step's forward and backward through torch.distributed.pipelining, for the step.
 
-The rank's model is its own stage (apply replaced the other stages' modules by nn.Identity); torch's
-PipelineStage and schedule are built on the first call and reused while the model is the same object. The
-loss of a micro batch is its summed cross-entropy times the step's scale (dp / tokens in the global batch),
+The rank's stages are the modules `apply` left it (`stage_modules`: the model, whose other stages are
+nn.Identity, or one StageModule per stage when it runs several); torch's PipelineStage and schedule are built
+on the first call and reused while the model is the same object. The loss of a micro batch is its summed cross-entropy times the step's scale (dp / tokens in the global batch),
 as in the non-pipelined step, and the schedule does not rescale gradients: every layout gets the same ones.
 """
 
@@ -20,7 +20,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from shardlab.pipeline import StagePlan
+from shardlab.apply import stage_modules
 from shardlab.plan import Plan
 
 SCHEDULE_NAMES = {
@@ -33,29 +33,6 @@ SCHEDULE_NAMES = {
     "dualpipev": "DualPipeV",
 }
 """shardlab's schedule names -> torch's (get_schedule_class)."""
-
-
-class StageView(nn.Module):
-    """One pipeline stage of a rank that holds several: runs, in model order, the modules before the blocks (first
-    stage), the stage's blocks, and the modules after them (last stage), each on the previous one's output.
-
-    Holds the rank's model without registering it, so parameter names and the optimizer stay the model's. Assumes
-    what Llama does: the model's forward is that sequence.
-    """
-
-    def __init__(self, model: nn.Module, stage: StagePlan, last: bool) -> None:
-        super().__init__()
-        names = (*stage.blocks, *stage.others) if last else (*stage.others, *stage.blocks)
-        self._parts = [model.get_submodule(n) for n in names]
-        self._params = [p for part in self._parts for p in part.parameters()]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for part in self._parts:
-            x = part(x)
-        return x
-
-    def parameters(self, recurse: bool = True):  # what PipelineStage reads (device, gradient hooks)
-        return iter(self._params)
 
 
 class PipelineRun:
@@ -97,19 +74,20 @@ class PipelineRun:
         if self._model is not model:
             cls = get_schedule_class(SCHEDULE_NAMES[self.pipeline.schedule])
             m = self.pipeline.microbatches
-            if issubclass(cls, PipelineScheduleSingle):  # one stage: the rank's model is it (the rest is Identity)
-                (s,) = self.stages
-                stage = PipelineStage(model, s.index, self.n_stages, device, group=self.group)
-                self._schedule = cls(stage, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
-            else:
-                stages = [
-                    PipelineStage(
-                        StageView(model, s, s.index == self.n_stages - 1), s.index, self.n_stages, device,
-                        group=self.group,
-                    )
-                    for s in self.stages
-                ]  # fmt: skip
-                self._schedule = cls(stages, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
+            modules = stage_modules(model)
+            if len(modules) != len(self.stages):
+                raise ValueError(
+                    f"PipelineRun: the model runs {len(modules)} stage(s) but the plan gives pp rank {self.pp_rank} "
+                    f"{len(self.stages)}; parallelize it with apply(model, plan, mesh) first"
+                )
+            stages = [
+                PipelineStage(module, s.index, self.n_stages, device, group=self.group)
+                for module, s in zip(modules, self.stages, strict=True)
+            ]
+            single = issubclass(cls, PipelineScheduleSingle)
+            self._schedule = cls(
+                stages[0] if single else stages, n_microbatches=m, loss_fn=self._loss, scale_grads=False
+            )
             self._model = model
         return self._schedule
 

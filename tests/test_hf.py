@@ -11,7 +11,7 @@ import torch
 
 from shardlab.config import ModelConfig, RopeScaling
 from shardlab.hf import from_hf, load_hf_weights, read_hf_config, to_hf
-from shardlab.models.llama import Llama
+from shardlab.models.llama import Llama, materialize
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,9 +60,7 @@ def small_llama(*, tied: bool = False) -> Llama:
     )  # fmt: skip
     with torch.device("meta"):
         model = Llama(cfg)
-    model.to_empty(device="cpu")
-    torch.manual_seed(3)
-    model.init_weights()
+    materialize(model, "cpu", seed=3)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

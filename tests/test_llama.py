@@ -13,7 +13,15 @@ from msgspec.structs import replace
 from torch import nn
 
 from shardlab.config import ModelConfig, RopeScaling
-from shardlab.models.llama import SIZES, Llama, from_hf_config, llama_config, rope_inv_freq, to_hf_config
+from shardlab.models.llama import (
+    SIZES,
+    Llama,
+    from_hf_config,
+    llama_config,
+    materialize,
+    rope_inv_freq,
+    to_hf_config,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,10 +59,7 @@ def _hf_model(cfg: ModelConfig) -> nn.Module:
 def _initialised(cfg: ModelConfig, seed: int = 0) -> Llama:
     with torch.device("meta"):
         model = Llama(cfg)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    model.init_weights()
-    return model
+    return materialize(model, "cpu", seed)
 
 
 @pytest.mark.parametrize(
@@ -111,6 +116,25 @@ def test_meta_init_is_deterministic_finite_and_scaled() -> None:
     assert abs(std["model.layers.3.mlp.down_proj.weight"] - 0.986 * cfg.init_std / 8**0.5) < 0.0005
     assert torch.equal(a.model.layers[0].input_layernorm.weight, torch.ones(cfg.dim))
     assert torch.equal(a.model.layers[5].self_attn.inv_freq, rope_inv_freq(cfg))
+
+
+def test_each_weight_depends_only_on_seed_and_name() -> None:
+    """A pipeline rank that pruned the other stages on the meta device draws the same weights as one process,
+    and init leaves the caller's RNG as it was."""
+    cfg = replace(SIZES["debug"], tie_embeddings=False)  # pipelines refuse ties across stages
+    whole = _initialised(cfg, seed=7)
+    with torch.device("meta"):
+        pruned = Llama(cfg)
+    for fqn in ("model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"):
+        pruned.set_submodule(fqn, nn.Identity())
+    before = torch.get_rng_state()
+    materialize(pruned, "cpu", seed=7)
+    assert torch.equal(torch.get_rng_state(), before)
+    kept = dict(pruned.named_parameters())
+    assert len(kept) == len(dict(whole.named_parameters())) - 2 - 2 * 9
+    for name, p in kept.items():
+        assert torch.equal(p, whole.get_parameter(name)), name
+    assert torch.equal(pruned.model.layers[2].self_attn.inv_freq, rope_inv_freq(cfg))
 
 
 def test_tied_init_reties_after_to_empty() -> None:

@@ -12,6 +12,7 @@ import torch
 
 from shardlab import Config, MeshSpec, ModelConfig, PlanConfig, TrainConfig
 from shardlab.estimate import estimate_memory
+from shardlab.loop import plan_model
 from shardlab.models.llama import Llama
 from shardlab.models.llama_rules import llama_rules
 from shardlab.pipeline import bubble_fraction, split_stages, stage_ranks
@@ -163,3 +164,31 @@ def test_micro_batches_must_divide_each_dp_ranks_batch():
         msgspec.structs.replace(cfg, plan=PlanConfig(pp_microbatches=3))
     with pytest.raises(ValueError, match=r"^train\.micro_batch with mesh\.pp=2: the pipeline splits each batch"):
         msgspec.structs.replace(cfg, train=TrainConfig(global_batch=8, micro_batch=2))
+
+
+def test_flops_balance_weighs_the_head_but_not_the_embedding_lookup():
+    """A large vocabulary: by parameters the embedding and the head weigh the same; by FLOPs (torch's counter on
+    the meta device) the lookup costs nothing and the head's matmul as much as 11 blocks, so the last stage holds
+    one block."""
+    model = msgspec.structs.replace(MODEL, n_layers=8, vocab_size=8192)
+    cfg = Config(mesh=MeshSpec(pp=2, dp_shard=1), model=model, train=TrainConfig(global_batch=8, seq_len=64))
+
+    def blocks_per_stage(balance: str) -> list[int]:
+        _, plan = plan_model(msgspec.structs.replace(cfg, plan=PlanConfig(pp_balance=balance)).resolve(2))
+        return [len(s.blocks) for s in plan.pipeline.stages]
+
+    assert blocks_per_stage("blocks") == blocks_per_stage("params") == [4, 4]
+    assert blocks_per_stage("flops") == [7, 1]
+
+
+def test_flops_balance_needs_the_flops():
+    with pytest.raises(ValueError, match=r"^plan\.pp_balance='flops' needs each module's FLOPs"):
+        plan_for(MeshSpec(pp=2, dp_shard=1), pp_balance="flops")
+
+
+def test_zero_bubble_schedules_with_fsdp_need_the_weights_kept_after_forward():
+    mesh = MeshSpec(pp=2, dp_shard=2)
+    for schedule in ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"):
+        with pytest.raises(ValueError, match=rf"^plan\.pp_schedule='{schedule}' computes weight gradients after FSDP"):
+            plan_for(mesh, pp_schedule=schedule, pp_stages_per_rank=2)
+        plan_for(mesh, pp_schedule=schedule, pp_stages_per_rank=2, reshard_after_forward=False)

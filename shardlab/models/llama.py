@@ -8,6 +8,8 @@ modules local shards without changing this file.
 from __future__ import annotations
 
 import math
+import zlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -153,7 +155,7 @@ class LlamaModel(nn.Module):
 class Llama(nn.Module):
     """Llama 3 causal LM: tokens LongTensor[b, s] -> logits [b, s, vocab_size]; the loss lives outside.
 
-    Build on the meta device, then `to_empty(device=...)` and `init_weights()` (seed torch's RNG first).
+    Build on the meta device, then `materialize(model, device, seed)` (to_empty + init_weights).
     With `tie_embeddings`, `lm_head.weight` is the embedding Parameter, as in HF: the state_dict holds both
     names, and a load may omit `lm_head.weight` (HF's safetensors files do).
     """
@@ -171,35 +173,74 @@ class Llama(nn.Module):
         return self.lm_head(self.model(tokens))
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Re-tie, rebuild the RoPE buffers and initialise every parameter in a fixed order (torchtitan's scheme).
+    def init_weights(self, seed: int = 0) -> None:
+        """Re-tie, rebuild the RoPE buffers and draw every parameter the module still holds (torchtitan's scheme).
 
         Projections into a block get std init_std; projections out of it (o, down) and up_proj get
         init_std / sqrt(2 (layer_id + 1)); all cut at 3 std. A tied matrix gets the output-projection
         init (std dim**-0.5), because std-1 embeddings as the head would give logits of std sqrt(dim).
-        Works on plain tensors and on DTensors (in-place init only).
+        Each parameter is drawn after seeding torch's RNG with (seed, its name), so a weight does not depend on
+        which others exist: a pipeline rank that pruned the other stages draws the same weights as one process.
+        The caller's RNG state is restored. Works on plain tensors and on DTensors (in-place init only).
         """
         cfg, embed = self.cfg, self.model.embed_tokens
-        if cfg.tie_embeddings and self.lm_head.weight is not embed.weight:  # to_empty / distribute_module untie
+        both = isinstance(embed, nn.Embedding) and isinstance(self.lm_head, nn.Linear)  # not pruned by a pipeline
+        if (
+            cfg.tie_embeddings and both and self.lm_head.weight is not embed.weight
+        ):  # to_empty / distribute_module untie
             if getattr(self.lm_head.weight, "placements", None) != getattr(embed.weight, "placements", None):
                 raise ValueError(
                     "Llama.init_weights: tied embed_tokens and lm_head are placed differently; give both the same layout"
                 )
             self.lm_head.weight = embed.weight
-        if not cfg.tie_embeddings:
-            nn.init.normal_(embed.weight, mean=0.0, std=1.0)
-        for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.inv_freq = rope_inv_freq(cfg).to(attn.inv_freq.device)
-            depth_std = cfg.init_std / math.sqrt(2 * (layer.layer_id + 1))
-            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj):
-                _trunc_normal(linear.weight, cfg.init_std)
-            for linear in (attn.o_proj, mlp.up_proj, mlp.down_proj):
-                _trunc_normal(linear.weight, depth_std)
-            nn.init.ones_(layer.input_layernorm.weight)
-            nn.init.ones_(layer.post_attention_layernorm.weight)
-        nn.init.ones_(self.model.norm.weight)
-        _trunc_normal(self.lm_head.weight, cfg.dim**-0.5)
+        for block in self.modules():
+            if isinstance(block, LlamaBlock):
+                block.self_attn.inv_freq = rope_inv_freq(self.cfg).to(block.self_attn.inv_freq.device)
+        draws = list(self._draws())
+        if not draws:
+            return
+        device = draws[0][1].device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+            for name, weight, draw in draws:
+                torch.manual_seed(param_seed(seed, name))
+                draw(weight)
+
+    def _draws(self) -> Iterator[tuple[str, torch.Tensor, Callable[[torch.Tensor], Any]]]:
+        """(name, parameter, initialiser) for every parameter present (pruned pipeline stages are nn.Identity)."""
+        cfg = self.cfg
+        head_std = cfg.dim**-0.5
+
+        def trunc(std: float) -> Callable[[torch.Tensor], None]:
+            return lambda w: _trunc_normal(w, std)
+
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Embedding):
+                init = trunc(head_std) if cfg.tie_embeddings else (lambda w: nn.init.normal_(w, mean=0.0, std=1.0))
+                yield f"{name}.weight", module.weight, init
+            elif isinstance(module, nn.RMSNorm):
+                yield f"{name}.weight", module.weight, nn.init.ones_
+            elif isinstance(module, LlamaBlock):
+                depth_std = cfg.init_std / math.sqrt(2 * (module.layer_id + 1))
+                for proj, std in (
+                    ("self_attn.q_proj", cfg.init_std), ("self_attn.k_proj", cfg.init_std),
+                    ("self_attn.v_proj", cfg.init_std), ("mlp.gate_proj", cfg.init_std),
+                    ("self_attn.o_proj", depth_std), ("mlp.up_proj", depth_std), ("mlp.down_proj", depth_std),
+                ):  # fmt: skip
+                    yield f"{name}.{proj}.weight", module.get_submodule(proj).weight, trunc(std)
+            elif module is self.lm_head and isinstance(module, nn.Linear) and not cfg.tie_embeddings:
+                yield f"{name}.weight", module.weight, trunc(head_std)
+
+
+def param_seed(seed: int, name: str) -> int:
+    """The RNG seed a parameter is drawn with: a function of the run's seed and the parameter's name only."""
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (1 << 63)
+
+
+def materialize(model: Llama, device: torch.device | str = "cpu", seed: int = 0) -> Llama:
+    """Allocate a meta-device Llama (or what a pipeline rank kept of it) on `device` and draw its weights."""
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
 
 
 def _trunc_normal(w: torch.Tensor, std: float) -> None:

@@ -24,6 +24,9 @@ from shardlab.mesh import AXES
 
 STEPS = 10
 TOL = 1e-5
+GRAD_NORM_TOL = 1e-4
+"""The gradient norm sums squares over every parameter, after AdamW has amplified fp32 rounding for several steps;
+TP's different summation order moves it by about 1e-5. A wrong gradient scale is off by at least 1/dp."""
 
 
 def tiny(mesh: MeshSpec = MeshSpec(dp_shard=1), **plan: object) -> Config:
@@ -52,12 +55,14 @@ def layout_curves(layouts: dict[str, Config]) -> dict[str, dict[str, list[float]
 
 
 def assert_matches(got: dict[str, list[float]], want: dict[str, list[float]], name: str, tol: float = TOL) -> None:
-    """Loss and grad norm of every step within `tol` (grad norm relative to max(1, |norm|))."""
+    """Loss of every step within `tol`, and gradient norm within GRAD_NORM_TOL (relative to max(1, |norm|))."""
     assert len(got["loss"]) == len(want["loss"]) == STEPS, name
     loss = max(abs(a - b) for a, b in zip(got["loss"], want["loss"]))
     assert loss <= tol, f"{name}: max |loss diff| {loss:.2e} > {tol}; {got['loss']} vs {want['loss']}"
     norm = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(got["grad_norm"], want["grad_norm"]))
-    assert norm <= tol, f"{name}: max grad-norm diff {norm:.2e} > {tol}; {got['grad_norm']} vs {want['grad_norm']}"
+    assert norm <= GRAD_NORM_TOL, (
+        f"{name}: max grad-norm diff {norm:.2e} > {GRAD_NORM_TOL}; {got['grad_norm']} vs {want['grad_norm']}"
+    )
 
 
 def placements_match_plan(rank: int, world_size: int, cfg: Config) -> None:

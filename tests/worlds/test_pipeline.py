@@ -1,8 +1,8 @@
 """Pipeline parallelism against one process (issue 4, slice 2): fp32, same seed and global batch, 10 steps;
 loss and gradient norm of every step within 1e-5. pp 2 with GPipe and 1F1B (2, 4 and 8 micro batches, with
 activation checkpointing) and, with 2 stages per rank, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
-ZBVZeroBubble and DualPipeV; pp 2 x FSDP 2 and pp 2 x TP 2 (+SP, loss parallel) on 4 ranks, the latter also
-interleaved; pp 2 x dp_shard 2 x tp 2 on 8. Each rank holds only its stages' parameters.
+ZBVZeroBubble and DualPipeV; pp 2 x FSDP 2 (also interleaved and ZB-V, with one FSDP root per stage) and pp 2 x TP 2
+(+SP, loss parallel) on 4 ranks, the latter also interleaved; pp 2 x dp_shard 2 x tp 2 on 8. Each rank holds only its stages' parameters.
 Checkpoints: a pp 2 run stopped at step 5 and resumed is bitwise the uninterrupted one; its checkpoint
 continues on one process, and a one-process checkpoint continues on pp 2, within 1e-5."""
 
@@ -41,6 +41,9 @@ LAYOUTS_4 = {
                                               pp_stages_per_rank=2),
     "pp2_fsdp2-gpipe-mb4-ac_selective": tiny(PP2_FSDP2, pp_schedule="gpipe", pp_microbatches=4,
                                              activation_checkpoint="selective"),
+    "pp2x2_fsdp2-interleaved_1f1b-mb4": deep(PP2_FSDP2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2),
+    "pp2x2_fsdp2-zbv_zero_bubble-mb4-no_reshard": deep(PP2_FSDP2, pp_schedule="zbv_zero_bubble", pp_stages_per_rank=2,
+                                                       reshard_after_forward=False),
 }  # fmt: skip
 
 
