@@ -3,7 +3,8 @@
 `fake_world(N)` makes this process rank 0 of an N-rank world whose collectives return at once; tensors
 made under `fake_tensors()` have shapes, dtypes and devices but no data. Together they run the real
 `apply` and a real forward/backward of any size on a laptop. `forget_dtensor_dispatch` lets a dispatch mode
-see every local op of a DTensor op, and `inferring_dtensor_shapes` tells it which ops only infer shapes.
+see every local op of a DTensor op, and `inferring_dtensor_shapes` tells it which ops only infer shapes;
+`in_backward` whether autograd's engine is running (a pipeline interleaves micro batches' forwards and backwards).
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """Rank 0 of a fake world of `world_size` ranks, for the duration of the block."""
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Rank `rank` of a fake world of `world_size` ranks, for the duration of the block."""
     if dist.is_initialized():
         raise RuntimeError("fake_world: a process group already exists; estimate in a process that is not training")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -51,3 +52,8 @@ def inferring_dtensor_shapes() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def in_backward() -> bool:
+    """Whether this thread is running an autograd backward (FSDP asks torch the same way)."""
+    return torch._C._current_graph_task_id() != -1

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable
 
 import msgspec
+import torch.distributed as dist
 
 from shardlab._base import Frozen
+from shardlab._fake import fake_world
 from shardlab.config import Config
 from shardlab.metrics import model_flops_per_token
+from shardlab.pipeline import in_flight
 from shardlab.plan import Plan
 from shardlab.probe import Collective, probe
-from shardlab.roofline import Device, StepTime, collective_seconds, step_time
+from shardlab.roofline import DP_AXES, Device, StepTime, collective_seconds, step_time
 from shardlab.rules import Rules
+from shardlab.schedule import stage_actions
 
 ADAM_STATES = 2
 """AdamW keeps exp_avg and exp_avg_sq per parameter, in the parameter's dtype, plus a 0-dim fp32 step."""
@@ -48,12 +53,21 @@ def estimate_memory(plan: Plan) -> MemoryEstimate:
 
 def fsdp_buffer_bytes(plan: Plan) -> int:
     """FSDP's transient buffers at their largest: two units' unsharded parameters (the one computing and the
-    one prefetched) in param_dtype, plus one unit's unsharded gradients in reduce_dtype before reduce-scatter."""
+    one prefetched) in param_dtype, plus one unit's unsharded gradients in reduce_dtype before reduce-scatter.
+
+    Under a pipeline torch's schedule keeps every unit of the busiest rank's stages unsharded from its first
+    backward to the end of the step (set_reshard_after_backward(False)), and accumulates their unsharded
+    gradients in reduce_dtype until the last backward reduces them (set_requires_gradient_sync(False)).
+    """
     f = plan.fsdp
     if f is None:
         return 0
     shards = plan.mesh.size("dp_shard")
     numel: Counter[str | None] = Counter()
+    if plan.pipeline is not None:
+        held = {s.index for s in plan.pipeline.stages_of(busiest_pp_rank(plan))}
+        unsharded = sum(math.prod(p.local_shape) * shards for p in plan.params if p.stage in held)
+        return unsharded * (DTYPE_BYTES[f.param_dtype] + DTYPE_BYTES[f.reduce_dtype])
     for p in plan.params:
         numel[p.fsdp_unit] += math.prod(p.local_shape) * shards
     largest = sorted(numel.values(), reverse=True)
@@ -88,29 +102,50 @@ class Estimate(Frozen):
 
 
 def estimate(cfg: Config, plan: Plan, rules: Rules | None = None, dev: Device | None = None) -> Estimate:
-    """The estimate for `cfg` (resolved) laid out by `plan`, with step time on `dev` when given."""
-    p = probe(cfg, rules)
+    """The estimate for `cfg` (resolved) laid out by `plan`, with step time on `dev` when given.
+
+    A pipelined layout is probed as its busiest pp rank (the most blocks): one pipeline micro batch through each
+    of that rank's stages. Per step: m micro batches; FSDP's collectives as often as torch's schedule order makes
+    them happen (`_runs`); the activations of the micro batches the schedule keeps in flight
+    (`pipeline.in_flight`); the sends between stages; the analytic bubble.
+    """
     other = "full" if cfg.plan.activation_checkpoint == "none" else "none"
     other_cfg = msgspec.structs.replace(cfg, plan=msgspec.structs.replace(cfg.plan, activation_checkpoint=other))
-    activations_other = probe(other_cfg, rules, forward_only=True).activation_bytes
+    pipe = plan.pipeline
+    if pipe is None:
+        micro, rank, blocks, held, bubble = cfg.train.grad_accum(cfg.mesh.size("dp")), 0, None, 1.0, 0.0
+    else:
+        micro, bubble = pipe.microbatches, pipe.bubble
+        rank = busiest_pp_rank(plan)
+        blocks = sum(len(s.blocks) for s in pipe.stages_of(rank))
+        held = in_flight(pipe.schedule, cfg.mesh.pp, pipe.stages_per_rank, micro)
+    p = probe(cfg, rules, pp_rank=rank, blocks=blocks)
+    forward = probe(other_cfg, rules, forward_only=True, pp_rank=rank, blocks=blocks)
+    extra_blocks = (held - 1) * (blocks or 0)  # activations of the other micro batches in flight: blocks only
+    if pipe is None:
+        collectives = [_times(c, micro) for c in p.collectives]
+    else:
+        actions = _stage_actions(cfg, plan, rank)
+        collectives = _merge_stages(_times(c, _runs(c, actions[c.stage], plan)) for c in p.collectives)
+        collectives += _pipeline_sends(cfg, plan, micro)
     memory = estimate_memory(plan)
-    micro = cfg.train.grad_accum(cfg.mesh.size("dp"))
     fpt = model_flops_per_token(cfg.model, cfg.train.seq_len)
     time = None
     if dev is not None:
         time = step_time(
-            p, plan.mesh, dev, micro_batches=micro, params_per_rank=sum(math.prod(q.local_shape) for q in plan.params),
-            global_tokens=cfg.train.global_batch * cfg.train.seq_len, model_flops_per_token=fpt,
+            p, collectives, plan.mesh, dev, micro_batches=micro,
+            params_per_rank=sum(math.prod(q.local_shape) for q in plan.worst_rank_params),
+            global_tokens=cfg.train.global_batch * cfg.train.seq_len, model_flops_per_token=fpt, bubble=bubble,
         )  # fmt: skip
     return Estimate(
         mesh=plan.mesh.describe(),
         n_params=sum(math.prod(q.shape) for q in plan.params),
         memory=memory,
-        activations=p.activation_bytes,
-        activations_other=activations_other,
+        activations=p.activation_bytes + round(extra_blocks * p.block_activation_bytes),
+        activations_other=forward.activation_bytes + round(extra_blocks * forward.block_activation_bytes),
         other_checkpointing=other,
         fsdp_buffers=fsdp_buffer_bytes(plan),
-        collectives=tuple(_per_step(c, micro) for c in p.collectives),
+        collectives=tuple(collectives),
         micro_batches=micro,
         flops_per_token=fpt,
         executed_flops=micro * p.flops,
@@ -118,8 +153,74 @@ def estimate(cfg: Config, plan: Plan, rules: Rules | None = None, dev: Device | 
     )
 
 
-def _per_step(c: Collective, micro: int) -> Collective:
-    return msgspec.structs.replace(c, count=c.count * micro, bytes=c.bytes * micro)
+def _stage_actions(cfg: Config, plan: Plan, pp_rank: int) -> dict[int, str]:
+    """`schedule.stage_actions` for pp rank `pp_rank`, asked in a fake world of the config's size."""
+    world, pp = cfg.mesh.world_size, cfg.mesh.pp
+    with fake_world(world, pp_rank * (world // pp)):
+        group = dist.new_group([r * (world // pp) for r in range(pp)])
+        return stage_actions(plan.pipeline, pp_rank, group)
+
+
+def _runs(c: Collective, actions: str, plan: Plan) -> int:
+    """How often one step of the pipeline runs what a stage's probed micro batch ran once: FSDP reduces gradients
+    once (the schedule syncs on the last backward) and all-gathers in the forwards and backwards that find the
+    weights sharded (they are resharded after each forward unless reshard_after_forward=False, and stay
+    gathered after a backward); everything else runs once per micro batch."""
+    if c.axis not in DP_AXES:
+        return plan.pipeline.microbatches
+    if c.kind != "all_gather":
+        return 1
+    sharded, forwards, backwards = True, 0, 0
+    for action in actions:
+        if action == "F":
+            forwards += sharded
+            sharded = plan.fsdp.reshard_after_forward
+        elif action in "BI":
+            backwards += sharded
+            sharded = False
+    return forwards if c.phase == "forward" else backwards
+
+
+def _merge_stages(collectives: Iterable[Collective]) -> list[Collective]:
+    """Per-stage counts summed into one row per (axis, kind, phase, group size)."""
+    merged: dict[tuple, Collective] = {}
+    for c in collectives:
+        key = (c.axis, c.kind, c.phase, c.group_size)
+        if key in merged:
+            m = merged[key]
+            c = msgspec.structs.replace(m, count=m.count + c.count, bytes=m.bytes + c.bytes)
+        merged[key] = msgspec.structs.replace(c, stage=None)
+    return [c for c in merged.values() if c.count]
+
+
+def busiest_pp_rank(plan: Plan) -> int:
+    """The pp rank whose stages hold the most blocks (the lowest such rank)."""
+    pipe = plan.pipeline
+    return max(range(plan.mesh.pp), key=lambda r: (sum(len(s.blocks) for s in pipe.stages_of(r)), -r))
+
+
+def _pipeline_sends(cfg: Config, plan: Plan, micro: int) -> list[Collective]:
+    """The busiest pp rank's sends per step: each micro batch's output to the next stage (forward) and its input
+    gradient to the previous one (backward), where that stage is on another rank; one residual-stream tensor
+    (sequence-sharded under SP), in the parameters' compute dtype."""
+    pipe = plan.pipeline
+    ranks = [s.pp_rank for s in pipe.stages]
+    busiest = busiest_pp_rank(plan)
+    tp = cfg.mesh.tp if cfg.plan.sequence_parallel else 1
+    rows = cfg.train.global_batch // cfg.mesh.size("dp") // micro
+    dtype = DTYPE_BYTES[plan.fsdp.param_dtype] if plan.fsdp is not None else 4
+    nbytes = rows * cfg.train.seq_len * cfg.model.dim // tp * dtype
+    forward = sum(1 for s in pipe.stages_of(busiest) if s.index + 1 < len(ranks) and ranks[s.index + 1] != busiest)
+    backward = sum(1 for s in pipe.stages_of(busiest) if s.index > 0 and ranks[s.index - 1] != busiest)
+    return [
+        Collective(axis="pp", kind="send", phase=phase, count=n * micro, bytes=n * micro * nbytes, group_size=2)
+        for phase, n in (("forward", forward), ("backward", backward))
+        if n
+    ]
+
+
+def _times(c: Collective, runs: int) -> Collective:
+    return msgspec.structs.replace(c, count=c.count * runs, bytes=c.bytes * runs)
 
 
 def _gib(n: float) -> str:
@@ -139,7 +240,7 @@ def estimate_table(e: Estimate, cfg: Config, dev: Device | None = None) -> str:
         f"  {'optimizer (AdamW)':<34}{_gib(e.memory.optim)}",
         f"  {f'activations (checkpointing {ac})':<34}{_gib(e.activations)}",
         f"  {f'activations (checkpointing {e.other_checkpointing})':<34}{_gib(e.activations_other)}  (not in peak)",
-        f"  {'FSDP all-gather/reduce buffers':<34}{_gib(e.fsdp_buffers)}",
+        f"  {'FSDP unsharded params and grads':<34}{_gib(e.fsdp_buffers)}",
         f"  {'peak':<34}{_gib(e.peak)}",
         "communication per step (buffer bytes; ring traffic is (n-1)/n of it, all-reduce twice)",
     ]
@@ -156,7 +257,8 @@ def estimate_table(e: Estimate, cfg: Config, dev: Device | None = None) -> str:
         lines += [
             f"on {dev.name} (see shardlab/roofline.py for the model): compute {t.compute_s * 1e3:.1f} ms, "
             f"FSDP comm {t.fsdp_comm_s * 1e3:.1f} ms (overlapped), TP comm {t.tp_comm_s * 1e3:.1f} ms, "
-            f"optimizer {t.optimizer_s * 1e3:.1f} ms",
+            + (f"PP sends {t.pp_comm_s * 1e3:.1f} ms, bubble {t.bubble_s * 1e3:.1f} ms, " if cfg.mesh.pp > 1 else "")
+            + f"optimizer {t.optimizer_s * 1e3:.1f} ms",
             f"  step {t.step_s:.3f} s, {t.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * t.mfu:.1f}%",
         ]
     return "\n".join(lines)

@@ -2,45 +2,50 @@
 
 The estimator's measurements, so they cannot drift from what `apply` and `step` do: in a fake world of
 the config's size (this process is rank 0, the worst rank), the model is planned, built on the meta
-device, parallelized by `apply`, given fake storage, and one micro batch goes through `forward_backward`.
-A dispatch mode (torch's CommDebugMode, which also counts) records every collective with its mesh axis
-and bytes, every op's FLOPs and bytes moved, and what the forward leaves alive (activations).
+device, parallelized by `apply`, given fake storage, and one micro batch goes through `forward_backward`
+(with pipeline stages: through each stage this pp rank runs, as torch's PipelineStage would; the schedule's
+order and its sends are left to shardlab.estimate). A dispatch mode (torch's CommDebugMode, which also
+counts) records every collective with its mesh axis, phase and bytes, every op's FLOPs and bytes moved, and
+what the forward leaves alive (activations).
 
-A model of L identical blocks is probed with 2k and 3k blocks (k = the activation-checkpointing period);
-every quantity is linear in the number of blocks, so the two probes give it for L exactly, in seconds
-even for 405B on 4096 ranks.
+A model of L identical blocks is probed with 2k and 3k blocks per stage (k = the activation-checkpointing
+period); every quantity is linear in the number of blocks, so the two probes give it for L exactly (for
+uneven pipeline stages, to the nearest byte), in seconds even for 405B on 4096 ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections import Counter
-from collections.abc import Iterator
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import msgspec
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from shardlab._base import Frozen
-from shardlab._fake import fake_tensors, fake_world, forget_dtensor_dispatch, inferring_dtensor_shapes
-from shardlab.apply import apply, check_supported
+from shardlab._fake import fake_tensors, fake_world, forget_dtensor_dispatch, in_backward, inferring_dtensor_shapes
+from shardlab.apply import apply, check_supported, stage_modules
 from shardlab.config import Config
 from shardlab.mesh import AXES, FLAT_VIEWS, flat_view, make_mesh
 from shardlab.models.llama import Llama
 from shardlab.models.llama_rules import llama_rules
-from shardlab.plan import make_plan
+from shardlab.plan import Plan, make_plan
 from shardlab.rules import Rules
 from shardlab.step import forward_backward
 
-Kind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"]
+Kind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send"]
 Phase = Literal["forward", "backward"]
 
 aten, c10d = torch.ops.aten, torch.ops.c10d
@@ -86,6 +91,8 @@ class Collective(Frozen):
     bytes: int
     """Summed full-buffer bytes."""
     group_size: int
+    stage: int | None = None
+    """The pipeline stage whose forward or backward ran it (None without a pipeline)."""
 
 
 class Probe(Frozen):
@@ -98,6 +105,8 @@ class Probe(Frozen):
     """(FLOPs, bytes read + written, how many such ops): the roofline's input, one entry per distinct op."""
     activation_bytes: int
     """Bytes the forward leaves alive for the backward (saved tensors, checkpoint inputs, logits, loss)."""
+    block_activation_bytes: int
+    """What one more block adds to activation_bytes (a model of at most 3 periods: the mean over its blocks)."""
 
 
 class _Recorder(CommDebugMode):
@@ -106,13 +115,28 @@ class _Recorder(CommDebugMode):
     def __init__(self, axis_of_group: dict[str, str]) -> None:
         super().__init__()
         self.axis_of_group = axis_of_group
-        self.phase: Phase = "forward"
-        self.collectives: Counter[tuple[str, Kind, Phase, int]] = Counter()
-        self.collective_bytes: Counter[tuple[str, Kind, Phase, int]] = Counter()
+        self.stage: int | None = None
+        self.collectives: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
+        self.collective_bytes: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
         self.ops: Counter[tuple[int, int]] = Counter()
         self.flops = 0
         self.storages: dict[int, StorageWeakRef] = {}
         self.activation_bytes = 0
+
+    def __enter__(self) -> _Recorder:
+        """CommDebugMode's, without its module tracker: its hooks assume each module's forward and backward nest,
+        which a pipeline schedule's interleaved micro batches break, and nothing here reads per-module counts."""
+        self.comm_counts.clear()
+        self.comm_module_counts.clear()
+        self.comm_module_counts["Global"] = {"forward": defaultdict(int), "backward": defaultdict(int)}
+        self.comm_module_operation_counts.clear()
+        tracker = self.advanced_module_tracker  # never entered: every count goes to the root, outside any module
+        tracker.name, tracker.module_parents_dict["Global"] = "Global", set()
+        TorchDispatchMode.__enter__(self)
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        TorchDispatchMode.__exit__(self, *args)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if inferring_dtensor_shapes():  # DTensor runs the global op on fake tensors to learn its output shape
@@ -150,7 +174,8 @@ class _Recorder(CommDebugMode):
         nbytes = sum(t.nbytes for t in _tensors(args[full : full + 1]))
         if kind == "all_gather" and packet not in (c10d._allgather_base_, c10d.allgather_):
             nbytes *= size
-        key = (self.axis_of_group.get(name, f"group of {size}"), kind, self.phase, size)
+        phase: Phase = "backward" if in_backward() else "forward"
+        key = (self.axis_of_group.get(name, f"group of {size}"), kind, phase, size, self.stage)
         self.collectives[key] += 1
         self.collective_bytes[key] += nbytes
 
@@ -210,13 +235,18 @@ def _axis_names(mesh: DeviceMesh) -> dict[str, str]:
 
 
 def _probe_layers(cfg: Config, rules: Rules | None, mesh: DeviceMesh, n_layers: int, forward_only: bool) -> _Recorder:
-    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, n_layers=n_layers))
+    if n_layers != cfg.model.n_layers:  # a smaller model of the same shape; its stages split evenly
+        plan_cfg = msgspec.structs.replace(cfg.plan, pp_split=(), pp_balance="blocks")
+        cfg = msgspec.structs.replace(
+            cfg, model=msgspec.structs.replace(cfg.model, n_layers=n_layers), plan=plan_cfg
+        )  # fmt: skip
     with torch.device("meta"):
         model = Llama(cfg.model)
     plan = make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan)
     apply(model, plan, mesh)
     dp = cfg.mesh.size("dp")
-    rows = cfg.train.global_batch // dp // cfg.train.grad_accum(dp)
+    micro = plan.pipeline.microbatches if plan.pipeline is not None else cfg.train.grad_accum(dp)
+    rows = cfg.train.global_batch // dp // micro
     recorder = _Recorder(_axis_names(mesh))
     with fake_tensors():
         model.to_empty(device="cpu")
@@ -224,13 +254,47 @@ def _probe_layers(cfg: Config, rules: Rules | None, mesh: DeviceMesh, n_layers: 
 
         def after_forward() -> None:
             recorder.activation_bytes = recorder.live_bytes(_param_storages(model))
-            recorder.phase = "backward"
             if forward_only:
                 raise _ForwardDone
 
         with recorder, contextlib.suppress(_ForwardDone):
-            forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward)
+            if plan.pipeline is None:
+                forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward)
+            else:
+                _stages_forward_backward(model, plan, mesh, cfg, tokens, after_forward, recorder)
     return recorder
+
+
+def _stages_forward_backward(
+    model: nn.Module,
+    plan: Plan,
+    mesh: DeviceMesh,
+    cfg: Config,
+    tokens: torch.Tensor,
+    after_forward: Callable[[], None],
+    recorder: _Recorder,
+) -> None:
+    """One micro batch through each of this rank's pipeline stages, as torch's PipelineStage runs them: the first
+    stage takes the tokens, the others a residual-stream tensor from the previous stage (sequence-sharded under
+    SP); the last stage's loss is backpropagated, the others' outputs get a gradient from the next stage."""
+    stages = plan.pipeline.stages_of(mesh["pp"].get_local_rank())
+    last = len(plan.pipeline.stages) - 1
+    sp = cfg.mesh.tp if cfg.plan.sequence_parallel else 1
+    dtype = getattr(torch, plan.fsdp.param_dtype) if plan.fsdp is not None else torch.float32
+    hidden = (tokens.shape[0], tokens.shape[1] // sp, cfg.model.dim)
+    outputs = []
+    with loss_parallel() if plan.loss_parallel else contextlib.nullcontext():
+        for module, stage in zip(stage_modules(model), stages, strict=True):
+            recorder.stage = stage.index
+            x = tokens if stage.index == 0 else torch.zeros(hidden, dtype=dtype, requires_grad=True)
+            y = module(x)
+            if stage.index == last:
+                y = F.cross_entropy(y.flatten(0, 1).float(), tokens.flatten(), reduction="sum")
+            outputs.append((stage.index, y))
+        after_forward()
+        for index, y in reversed(outputs):  # the schedule runs the backwards in reverse stage order
+            recorder.stage = index
+            y.backward() if y.ndim == 0 else y.backward(torch.ones_like(y))
 
 
 class _ForwardDone(Exception):
@@ -243,24 +307,32 @@ def _param_storages(model: nn.Module) -> set[int]:
     return {t.untyped_storage()._cdata for t in local}
 
 
-def probe(cfg: Config, rules: Rules | None = None, *, forward_only: bool = False) -> Probe:
+def probe(
+    cfg: Config,
+    rules: Rules | None = None,
+    *,
+    forward_only: bool = False,
+    pp_rank: int = 0,
+    blocks: int | None = None,
+) -> Probe:
     """What one micro batch of `cfg` (resolved: its mesh names the world) does on rank 0, for the whole model.
 
     rules: the layout (default: llama_rules); they must not depend on the number of blocks. forward_only stops
     after the forward: only activation_bytes and the forward's collectives and ops are then filled.
+    With pipeline stages: one pipeline micro batch through the stages of pp rank `pp_rank` (this process is its
+    first rank), which hold `blocks` blocks in cfg's plan (default: an even share).
     """
-    if cfg.mesh.pp > 1:
-        raise ValueError(
-            f"estimate: mesh.pp={cfg.mesh.pp}: estimates of pipelined layouts are not implemented yet (issue 4); "
-            "`python -m shardlab plan` shows their stages, memory per stage and bubble"
-        )
     check_supported(cfg.mesh)
     n = cfg.model.n_layers
     k = cfg.plan.ac_every if cfg.plan.activation_checkpoint == "selective" else 1
-    # Two and three periods: the first and the last block differ from the middle ones (FSDP prefetches and
-    # reshards them differently), so every probe holds both and the difference is one middle period.
-    sizes = (n,) if n <= 3 * k else (2 * k, 3 * k)
-    with fake_world(cfg.mesh.world_size):
+    pp, v = cfg.mesh.pp, cfg.plan.pp_stages_per_rank if cfg.mesh.pp > 1 else 1
+    stages = pp * v  # the model's blocks split into `stages` stages, v of them on this rank
+    held = (n * v // stages if blocks is None else blocks) if pp > 1 else n
+    # Two and three periods per stage: the first and the last block differ from the middle ones (FSDP prefetches
+    # and reshards them differently), so every probe holds both and the difference is one middle period.
+    sizes = (n,) if n <= 3 * k * stages else (2 * k * stages, 3 * k * stages)
+    rank = pp_rank * (cfg.mesh.world_size // pp)
+    with fake_world(cfg.mesh.world_size, rank):
         # One mesh for both probes: DTensor caches redistributions by mesh equality, so a second equal mesh
         # would run on the first one's groups.
         mesh = make_mesh(cfg.mesh, "cpu")
@@ -268,25 +340,29 @@ def probe(cfg: Config, rules: Rules | None = None, *, forward_only: bool = False
     if len(records) == 1:
         a = b = records[0]
         scale = 0.0
+        per_block = a.activation_bytes / held
     else:
         a, b = records
-        scale = (n - 2 * k) / k  # quantity(n) = quantity(2k) + (n - 2k) / k * (quantity(3k) - quantity(2k))
+        # quantity(held) = quantity(2k v) + (held - 2k v) / (k v) * (quantity(3k v) - quantity(2k v))
+        scale = (held - 2 * k * v) / (k * v)
+        per_block = (b.activation_bytes - a.activation_bytes) / (k * v)
+    exact = abs(scale - round(scale)) < 1e-9  # uneven pipeline stages land between two probed sizes
 
     def extend(x: int, y: int) -> int:
         value = x + scale * (y - x)
-        if value < 0 or abs(value - round(value)) > 1e-6 * max(1.0, abs(value)):
-            raise AssertionError(f"probe: a quantity is not linear in blocks ({x} at {2 * k}, {y} at {3 * k})")
+        if value < 0 or (exact and abs(value - round(value)) > 1e-6 * max(1.0, abs(value))):
+            raise AssertionError(f"probe: a quantity is not linear in blocks ({x}, then {y} with {k * v} more)")
         return round(value)
 
     keys = a.collectives.keys() | b.collectives.keys()
     collectives = tuple(
         Collective(
-            axis=axis, kind=kind, phase=phase, group_size=size,
+            axis=axis, kind=kind, phase=phase, group_size=size, stage=stage,
             count=extend(a.collectives[key], b.collectives[key]),
             bytes=extend(a.collective_bytes[key], b.collective_bytes[key]),
         )
-        for key in sorted(keys)
-        for axis, kind, phase, size in [key]
+        for key in sorted(keys, key=str)
+        for axis, kind, phase, size, stage in [key]
     )  # fmt: skip
     ops = tuple(sorted((f, m, extend(a.ops[(f, m)], b.ops[(f, m)])) for f, m in a.ops.keys() | b.ops.keys()))
     return Probe(
@@ -294,4 +370,5 @@ def probe(cfg: Config, rules: Rules | None = None, *, forward_only: bool = False
         flops=extend(a.flops, b.flops),
         ops=tuple(op for op in ops if op[2]),
         activation_bytes=extend(a.activation_bytes, b.activation_bytes),
+        block_activation_bytes=round(per_block),
     )

@@ -3,11 +3,13 @@
 The model, stated so it can be argued with:
 - Each op of the probe takes max(FLOPs / (peak x MATMUL_EFFICIENCY), bytes / (HBM x HBM_EFFICIENCY)): eager
   PyTorch, one kernel per op, no fusion; causal attention does half the square.
-- A collective over n ranks moves (n - 1) / n of its buffer per rank (ring; all-reduce twice that) at the
-  group's link bandwidth: NVLink when the group's ranks share a node, else the node's network per GPU.
+- A collective over n ranks moves (n - 1) / n of its buffer per rank (ring; all-reduce twice that; a pipeline
+  send all of it) at the group's link bandwidth: NVLink when the group's ranks share a node, else the node's network per GPU.
   Mesh axes are laid out as `MeshSpec` orders them (tp innermost), GPUS_PER_NODE to a node.
 - FSDP's collectives (dp axes) overlap with compute (prefetch): they cost only what exceeds it. TP's are on
   the critical path (eager TP, no async TP). Scalar all-reduces of the loss and norm are left out.
+- Pipelines: the sends between stages are on the critical path; the rank idles the schedule's analytic
+  bubble fraction of the step (shardlab.pipeline.bubble_fraction), the optimizer step comes after.
 - The AdamW step streams 7 fp32 words per local parameter (read p, g, m, v; write p, m, v) through HBM.
 - No kernel-launch or Python overheads, no stragglers: a floor, which real runs approach from above.
 """
@@ -15,6 +17,7 @@ The model, stated so it can be argued with:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 from shardlab._base import Frozen
 from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec
@@ -62,6 +65,11 @@ class StepTime(Frozen):
     compute_s: float
     fsdp_comm_s: float
     tp_comm_s: float
+    """Collectives on the critical path: every axis but the data-parallel ones and pp."""
+    pp_comm_s: float
+    """Sends between pipeline stages (0 without a pipeline)."""
+    bubble_s: float
+    """Pipeline idle time: the schedule's bubble fraction of the step."""
     optimizer_s: float
     step_s: float
     tokens_per_s_per_device: float
@@ -78,7 +86,7 @@ def axis_bandwidth(mesh: MeshSpec, axis: str, dev: Device) -> float:
 
 def collective_seconds(c: Collective, mesh: MeshSpec, dev: Device) -> float:
     n = c.group_size
-    factor = 2 * (n - 1) / n if c.kind == "all_reduce" else (n - 1) / n
+    factor = {"all_reduce": 2 * (n - 1) / n, "send": 1.0}.get(c.kind, (n - 1) / n)
     return c.bytes * factor / axis_bandwidth(mesh, c.axis, dev)
 
 
@@ -90,6 +98,7 @@ def compute_seconds(p: Probe, dev: Device) -> float:
 
 def step_time(
     p: Probe,
+    collectives: Sequence[Collective],
     mesh: MeshSpec,
     dev: Device,
     *,
@@ -97,19 +106,28 @@ def step_time(
     params_per_rank: int,
     global_tokens: int,
     model_flops_per_token: float,
+    bubble: float = 0.0,
 ) -> StepTime:
-    """One optimizer step of `micro_batches` micro batches like the probed one, `global_tokens` in all, on `dev`.
+    """One optimizer step of `micro_batches` micro batches like the probed one, with `collectives` (per step),
+    `global_tokens` in all, on `dev`. A pipeline idles `bubble` of the step; the rest is this rank's work.
 
     MFU counts `model_flops_per_token` (the trainer's own convention, shardlab.metrics.flops_per_token).
     """
     compute = micro_batches * compute_seconds(p, dev)
-    fsdp = micro_batches * sum(collective_seconds(c, mesh, dev) for c in p.collectives if c.axis in DP_AXES)
-    tp = micro_batches * sum(collective_seconds(c, mesh, dev) for c in p.collectives if c.axis not in DP_AXES)
+
+    def seconds(axes: Callable[[str], bool]) -> float:
+        return sum(collective_seconds(c, mesh, dev) for c in collectives if axes(c.axis))
+
+    fsdp = seconds(lambda axis: axis in DP_AXES)
+    tp = seconds(lambda axis: axis not in DP_AXES and axis != "pp")
+    pp = seconds(lambda axis: axis == "pp")
     optimizer = params_per_rank * ADAM_BYTES_PER_PARAM / (dev.hbm_tb_s * 1e12 * HBM_EFFICIENCY)
-    step = max(compute, fsdp) + tp + optimizer
+    busy = max(compute, fsdp) + tp + pp
+    idle = busy * bubble / (1 - bubble)
+    step = busy + idle + optimizer
     per_device = global_tokens / mesh.world_size / step
     mfu = per_device * model_flops_per_token / (dev.bf16_tflops * 1e12)
     return StepTime(
-        compute_s=compute, fsdp_comm_s=fsdp, tp_comm_s=tp, optimizer_s=optimizer, step_s=step,
-        tokens_per_s_per_device=per_device, mfu=mfu,
+        compute_s=compute, fsdp_comm_s=fsdp, tp_comm_s=tp, pp_comm_s=pp, bubble_s=idle, optimizer_s=optimizer,
+        step_s=step, tokens_per_s_per_device=per_device, mfu=mfu,
     )  # fmt: skip

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlab.apply import stage_modules
+from shardlab.pipeline import PipelinePlan
 from shardlab.plan import Plan
 
 SCHEDULE_NAMES = {
@@ -104,3 +105,30 @@ class PipelineRun:
             return torch.stack(self._summed[-self.pipeline.microbatches :]).to(torch.float64).sum()
         schedule.step(*args)
         return torch.zeros((), dtype=torch.float64, device=device)
+
+
+def stage_actions(pipeline: PipelinePlan, pp_rank: int, group: dist.ProcessGroup) -> dict[int, str]:
+    """Each stage pp rank `pp_rank` runs -> its compute actions in the order torch's schedule runs them: F
+    (forward), B (backward), I and W (a zero-bubble schedule's input- and weight-gradient halves).
+
+    Multi-stage schedules are asked for their own `pipeline_order` (built on placeholder stages over `group`, the
+    pp group; no communication). GPipe and 1F1B keep no such list: GPipe runs every forward, then every backward;
+    1F1B on stage s runs w = min(m, stages - s) forwards, then alternates backward and forward, then the last w
+    backwards (torch's Schedule1F1B._step_microbatches).
+    """
+    m, n = pipeline.microbatches, len(pipeline.stages)
+    own = pipeline.stages_of(pp_rank)
+    if pipeline.schedule == "gpipe":
+        return {s.index: "F" * m + "B" * m for s in own}
+    if pipeline.schedule == "1f1b":
+        return {s.index: "F" * (w := min(m, n - s.index)) + "BF" * (m - w) + "B" * w for s in own}
+    cls = get_schedule_class(SCHEDULE_NAMES[pipeline.schedule])
+    placeholders = [PipelineStage(nn.Linear(1, 1), s.index, n, torch.device("cpu"), group=group) for s in own]
+    order = cls(placeholders, n_microbatches=m).pipeline_order[pp_rank]
+    actions: dict[int, str] = {s.index: "" for s in own}
+    for action in order:
+        for a in (action.sub_actions or (action,)) if action is not None else ():
+            kind = a.computation_type.value  # F, B, I, W
+            if kind in "FBIW":
+                actions[a.stage_index] += kind
+    return actions

@@ -5,18 +5,29 @@ bytes and mesh axes added): every collective of rank 0 (count and bytes per axis
 the probe's, and CommDebugMode's own count must agree. Activations: the resident memory the real forward
 adds (malloc returns every block of 64 KiB or more to the OS at once, so RSS follows live tensors) and the
 bytes of the storages the real forward left alive must each be within 10% of the probe's activation bytes.
+Pipelined layouts (pp 2 x FSDP 2 with 1F1B and interleaved 1F1B, pp 2 x TP 2 + SP with GPipe): the estimate's
+collectives per step and sends between stages equal what rank 0 runs in a real step of torch's schedule, and
+its parameter, gradient and AdamW bytes are what the worst rank holds; FSDP's unsharded parameters and
+gradients, which the schedule keeps until the step's end, are within 10% of what a 1F1B stage still holds then.
 """
 
 import os
+from collections import Counter
 
 import msgspec
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.tensor import DTensor
 
 from shardlab.config import Config, MeshSpec
-from shardlab.loop import build_model
+from shardlab.estimate import estimate
+from shardlab.loop import build_model, plan_model
 from shardlab.probe import _axis_names, _param_storages, _Recorder, probe
-from shardlab.step import forward_backward
+from shardlab.roofline import DP_AXES
+from shardlab.schedule import PipelineRun
+from shardlab.step import IGNORE_INDEX, forward_backward, init_state, match_param_layouts
 
 from ._harness import run_world
 from .layouts import tiny
@@ -57,12 +68,11 @@ def real(rank, world_size, name: str) -> dict:
     def after_forward() -> None:
         seen["after"] = rss()
         seen["live"] = recorder.live_bytes(_param_storages(model))
-        recorder.phase = "backward"
 
     with recorder:
         forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward)
     return {
-        "collectives": {k: (n, recorder.collective_bytes[k]) for k, n in recorder.collectives.items()},
+        "collectives": {k[:4]: (n, recorder.collective_bytes[k]) for k, n in recorder.collectives.items()},
         "comm_debug_mode_count": sum(recorder.comm_counts.values()),
         "rss_added": seen["after"] - seen["before"],
         "live": seen["live"],
@@ -81,7 +91,90 @@ def fsdp_tp_full_ac(rank, world_size):
     return real(rank, world_size, "fsdp_tp_full_ac")
 
 
-CHECKS = [fsdp_tp_sp, hsdp, fsdp_tp_full_ac]
+PIPELINES = {
+    "pp_fsdp_1f1b": (MeshSpec(pp=2, dp_shard=2), dict()),
+    "pp_fsdp_interleaved": (MeshSpec(pp=2, dp_shard=2), dict(pp_schedule="interleaved_1f1b", pp_stages_per_rank=2)),
+    "pp_tp_sp_gpipe": (MeshSpec(pp=2, dp_shard=1, tp=2), dict(pp_schedule="gpipe", pp_microbatches=4)),
+}
+
+
+def pipeline_config(name: str) -> Config:
+    mesh, plan = PIPELINES[name]
+    cfg = tiny(mesh, **plan)
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, n_layers=8))
+
+
+def nbytes(tensors) -> int:
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+
+
+def real_pipeline(name: str) -> dict:
+    """One step of torch's schedule on this rank: collectives (after a first step that infers shapes and
+    initialises FSDP), the bytes its stages send, and what it holds."""
+    cfg = pipeline_config(name)
+    model, plan, mesh = build_model(cfg)
+    rows = cfg.train.global_batch // cfg.resolve(4).mesh.size("dp")
+    tokens = torch.randint(
+        0, cfg.model.vocab_size, (rows, cfg.train.seq_len), generator=torch.Generator().manual_seed(0)
+    )
+    run = PipelineRun(plan, mesh, IGNORE_INDEX)
+    run(model, tokens, tokens, 1.0)
+    sends = []
+    real_batch_p2p = schedules._batch_p2p
+
+    def batch_p2p(ops, desc=None):
+        sends.extend(op.tensor.nbytes for op in ops if op.op is dist.isend)
+        return real_batch_p2p(ops, desc)
+
+    recorder = _Recorder(_axis_names(mesh))
+    unsharded = [0]  # what the step made and still holds when a stage's gradients are reduced at its end
+    real_reduce = PipelineStage.perform_reduce_grad
+
+    def reduce(stage, *args):
+        unsharded.append(recorder.live_bytes(set()))
+        return real_reduce(stage, *args)
+
+    schedules._batch_p2p, PipelineStage.perform_reduce_grad = batch_p2p, reduce
+    try:
+        with recorder:
+            run(model, tokens, tokens, 1.0)
+    finally:
+        schedules._batch_p2p, PipelineStage.perform_reduce_grad = real_batch_p2p, real_reduce
+    match_param_layouts(model)  # as the step does before the optimizer
+    state = init_state(model, cfg.optim)
+    state.optim.step()
+    counts, volume = Counter(), Counter()
+    for key, n in recorder.collectives.items():
+        axis, kind, phase, size, _ = key
+        # torch's schedule has FSDP reduce the gradients after the last backward has returned from autograd
+        merged = (axis, kind, "backward" if kind == "reduce_scatter" and axis in DP_AXES else phase, size)
+        counts[merged] += n
+        volume[merged] += recorder.collective_bytes[key]
+    return {
+        "collectives": {k: (n, volume[k]) for k, n in counts.items() if k[0] != "pp"},
+        "sends": (len(sends), sum(sends)),
+        "unsharded": max(unsharded),
+        "memory": {
+            "params": nbytes(model.parameters()),
+            "grads": nbytes(p.grad for p in model.parameters()),
+            "optim": nbytes(t for s in state.optim.state.values() for t in s.values()),
+        },
+    }
+
+
+def pp_fsdp_1f1b(rank, world_size):
+    return real_pipeline("pp_fsdp_1f1b")
+
+
+def pp_fsdp_interleaved(rank, world_size):
+    return real_pipeline("pp_fsdp_interleaved")
+
+
+def pp_tp_sp_gpipe(rank, world_size):
+    return real_pipeline("pp_tp_sp_gpipe")
+
+
+CHECKS = [fsdp_tp_sp, hsdp, fsdp_tp_full_ac, pp_fsdp_1f1b, pp_fsdp_interleaved, pp_tp_sp_gpipe]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +191,7 @@ def world4():
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("check", CHECKS[:3], ids=lambda c: c.__name__)
 def test_probe_predicts_collectives_and_activations(world4, check):
     got = world4.value(check, rank=0)
     p = probe(config(check.__name__).resolve(4))
@@ -110,3 +203,22 @@ def test_probe_predicts_collectives_and_activations(world4, check):
     # _wrap_tensor_autograd) allocate new tensors. A constant per micro batch; vocab 8192 keeps it under 10%.
     assert abs(got["live"] - p.activation_bytes) <= 0.10 * p.activation_bytes, (got["live"], p.activation_bytes)
     assert abs(got["rss_added"] - p.activation_bytes) <= 0.10 * p.activation_bytes, (got, p.activation_bytes)
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("check", CHECKS[3:], ids=lambda c: c.__name__)
+def test_estimate_of_a_pipeline_is_the_busiest_ranks_step(world4, check):
+    """Rank 0 runs pp rank 0, the busiest (equal blocks: the lowest); memory is the worst rank's."""
+    got = world4.value(check, rank=0)
+    cfg = pipeline_config(check.__name__).resolve(4)
+    _, plan = plan_model(cfg)
+    e = estimate(cfg, plan)
+    want = {(c.axis, c.kind, c.phase, c.group_size): (c.count, c.bytes) for c in e.collectives if c.axis != "pp"}
+    assert got["collectives"] == want
+    sends = [c for c in e.collectives if c.axis == "pp"]
+    assert got["sends"] == (sum(c.count for c in sends), sum(c.bytes for c in sends))
+    held = [world4.value(check, rank=r)["memory"] for r in range(4)]
+    worst = {key: max(h[key] for h in held) for key in held[0]}
+    assert worst == {"params": e.memory.params, "grads": e.memory.grads, "optim": e.memory.optim}
+    if check is pp_fsdp_1f1b:  # one stage per rank: when it reduces, the step holds FSDP's buffers and nothing else
+        assert abs(got["unsharded"] - e.fsdp_buffers) <= 0.10 * e.fsdp_buffers, (got["unsharded"], e.fsdp_buffers)
