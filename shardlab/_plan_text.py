@@ -91,6 +91,13 @@ def table(plan: Plan, collapse: bool = True) -> str:
         ]
     if plan.pipeline is not None:
         out += ["", *_pipeline_text(plan)]
+    if plan.context is not None:
+        c = plan.context
+        out += [
+            "",
+            f"Context parallel over cp={plan.mesh.cp}: {c.attention} attention in {len(c.modules)} modules "
+            f"({', '.join(sorted({_layer_glob(m) for m in c.modules}))}); sequence load-balanced={c.load_balanced}",
+        ]
     extras = [
         f"loss_parallel={plan.loss_parallel}",
         f"activation_checkpoint={plan.activation_checkpoint}",

@@ -1,6 +1,7 @@
 """apply(model, plan, mesh): the one door to torch's parallel APIs, in the order the layout needs.
 
 this rank's pipeline stages (the other stages' modules become nn.Identity) -> TP/SP (`parallelize_module`)
+-> context-parallel attention (`shardlab.context`)
 -> activation checkpointing -> compile -> FSDP/HSDP (`fully_shard` per unit, then the root: the model, or each
 StageModule when a rank runs several stages). The pipeline
 schedule itself runs in the step (shardlab.schedule). Also the JAX-like helpers `shard` (device_put with a spec) and
@@ -8,6 +9,8 @@ schedule itself runs in the step (shardlab.schedule). Also the JAX-like helpers 
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -25,13 +28,13 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import Placement
 
 from shardlab._checkpoint import checkpoint as checkpoint_module
-from shardlab.mesh import AXES, MeshSpec, mesh_spec_of
+from shardlab.context import all_gather_attention
+from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec, flat_view, mesh_spec_of
 from shardlab.pipeline import StagePlan
 from shardlab.plan import ModulePlan, Plan, Spec
 from shardlab.spec import P, check_shape, expand, placements
 
 NOT_YET = {
-    "cp": "context parallelism is not implemented yet (issue 5)",
     "ep": "expert parallelism is not implemented yet (issue 5)",
 }
 
@@ -50,9 +53,10 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
     """
     check_supported(plan.mesh)
     if mesh is None:
-        if plan.mesh.tp > 1 or plan.fsdp is not None or plan.pipeline is not None:
+        if plan.mesh.world_size > 1 or plan.fsdp is not None:
             raise ValueError(
-                "apply: this plan shards over tp, FSDP or pipeline stages and needs the mesh from make_mesh(plan.mesh)"
+                "apply: this plan shards over tp, FSDP, pipeline stages or cp and needs the mesh from "
+                "make_mesh(plan.mesh)"
             )
     else:
         _check_mesh(plan, mesh)
@@ -62,6 +66,11 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
         kept_modules = plan.modules if kept is None else [m for m in plan.modules if _in_stages(m.fqn, kept)]
         parallelize_module(model, mesh["tp"], {m.fqn: _tp_style(m) for m in kept_modules})
         _retie(model, plan)
+    if plan.context is not None:
+        attend = all_gather_attention(mesh["cp"].get_group())
+        for fqn in plan.context.modules:
+            if kept is None or _in_stages(fqn, kept):
+                model.get_submodule(fqn).attend = attend
     # Block indices count over the whole model, so selective checkpointing picks the same blocks in every layout.
     blocks = [(i, model.get_submodule(f)) for i, f in enumerate(plan.blocks) if kept is None or _in_stages(f, kept)]
     for i, block in blocks:
@@ -79,7 +88,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
     # FSDP goes last: fully_shard must see the TP-sharded DTensors to shard them again over dp.
     if plan.fsdp is not None:
         f = plan.fsdp
-        dp_mesh = mesh[f.axes] if len(f.axes) > 1 else mesh[f.axes[0]]
+        dp_mesh = _fsdp_mesh(mesh, f.axes)
         kwargs = dict(
             mesh=dp_mesh,
             reshard_after_forward=f.reshard_after_forward,
@@ -119,6 +128,15 @@ def stage_modules(model: nn.Module) -> tuple[nn.Module, ...]:
     """The modules torch's PipelineStage runs for this rank, in model order: the model itself (one stage per rank,
     or no pipeline), else one StageModule per stage, as `apply` built them."""
     return model.__dict__.get("_pipeline_stages", (model,))
+
+
+def _fsdp_mesh(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
+    """FSDP's mesh: one axis or flattened view (dp_shard, dp_shard_cp), or HSDP's (dp_replicate, shard axis)."""
+    if len(axes) == 1:
+        return flat_view(mesh, axes[0]) if axes[0] in FLAT_VIEWS else mesh[axes[0]]
+    with warnings.catch_warnings():  # torch 2.13 has no other way to pair an axis with a flattened view
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+        return mesh[axes]
 
 
 def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:

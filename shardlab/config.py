@@ -307,6 +307,23 @@ class Config(Frozen):
                     f"train.seq_len={self.train.seq_len} is not divisible by mesh.tp={tp}; sequence parallel shards the "
                     "sequence over tp: change seq_len, or set plan.sequence_parallel=False"
                 )
+        cp = self.mesh.cp
+        if cp > 1:
+            if self.train.seq_len % (2 * cp):
+                raise ValueError(
+                    f"train.seq_len={self.train.seq_len} is not divisible by 2 x mesh.cp = {2 * cp}: context parallelism "
+                    "gives each cp rank two chunks of the sequence; change seq_len or cp"
+                )
+            if tp > 1 and self.plan.sequence_parallel and (self.train.seq_len // cp) % tp:
+                raise ValueError(
+                    f"train.seq_len / mesh.cp = {self.train.seq_len // cp} tokens per cp rank are not divisible by "
+                    f"mesh.tp={tp} for sequence parallelism; change seq_len, or set plan.sequence_parallel=False"
+                )
+            if self.mesh.pp > 1:
+                raise ValueError(
+                    f"mesh.cp={cp} with mesh.pp={self.mesh.pp}: context parallelism inside pipeline stages is not "
+                    "supported yet; use one of them"
+                )
         if self.mesh.is_resolved:
             self._check_batch(self.mesh.size("dp"))
         if self.plan.cpu_offload:

@@ -85,13 +85,25 @@ class FsdpPlan(Frozen):
     """fully_shard per unit, then at the root."""
 
     axes: tuple[str, ...]
-    """Mesh axes of the FSDP mesh: (dp_shard,) or (dp_replicate, dp_shard) for HSDP."""
+    """Mesh axes of the FSDP mesh: (dp_shard,) or (dp_replicate, dp_shard) for HSDP; dp_shard_cp in place of
+    dp_shard under context parallelism."""
     units: tuple[tuple[str, ...], ...]
     """Module fqns sharded together, in application order (the root is applied last)."""
     reshard_after_forward: bool
     param_dtype: str
     reduce_dtype: str
     cpu_offload: bool
+
+
+class ContextPlan(Frozen):
+    """Context parallelism (mesh.cp > 1): how each cp rank's attention sees the whole sequence."""
+
+    attention: Literal["all_gather_kv"]
+    """all_gather_kv: gather K and V over cp and mask by position (shardlab.context; runs on every backend)."""
+    modules: tuple[str, ...]
+    """The attention modules whose `attend` is replaced."""
+    load_balanced: bool = True
+    """Each rank holds sequence chunks r and 2 cp - 1 - r, so causal attention costs every rank the same."""
 
 
 class Plan(Frozen):
@@ -119,6 +131,8 @@ class Plan(Frozen):
     """The logits stay vocab-sharded, so the loss runs under torch's `loss_parallel()`."""
     pipeline: PipelinePlan | None = None
     """Pipeline stages; None when mesh.pp is 1."""
+    context: ContextPlan | None = None
+    """Context parallelism; None when mesh.cp is 1."""
 
     def param(self, fqn: str) -> ParamPlan:
         for p in self.params:
@@ -247,6 +261,21 @@ def make_plan(
                 f"plan.pp_schedule={options.pp_schedule!r} computes weight gradients after FSDP has resharded the "
                 "weights (wrong gradients); set plan.reshard_after_forward=False, or use a schedule without zero bubble"
             )
+    context = None
+    if mesh.cp > 1:
+        attention = tuple(f for f in modules if any(matches(g, f) for g in rules.attention))
+        if not attention:
+            raise ValueError(
+                f"mesh.cp={mesh.cp} needs rules.attention to name the attention modules whose `attend` context "
+                "parallelism replaces (e.g. 'model.layers.*.self_attn')"
+            )
+        missing = [f for f in attention if not hasattr(modules[f], "attend")]
+        if missing:
+            raise ValueError(
+                f"mesh.cp={mesh.cp}: {missing[0]} has no `attend(q, k, v, positions)` to replace; context "
+                "parallelism needs the model's attention to call it"
+            )
+        context = ContextPlan(attention="all_gather_kv", modules=attention)
     for option, on in (
         ("activation_checkpoint", options.activation_checkpoint != "none"),
         ("compile", options.compile),
@@ -268,6 +297,7 @@ def make_plan(
         compile=options.compile,
         loss_parallel=any(not m.local_output and m.style == "colwise" for m in styles),
         pipeline=pipeline,
+        context=context,
     )
 
 
@@ -304,11 +334,13 @@ def _param_plan(
     full = P(*spec) if spec else P()
     local = local_shape(full, mesh, t.shape)
     padded = False
-    if unit is not None and mesh.dp_shard > 1 and t.ndim > 0:
-        # FSDP chunks the TP-local tensor (torch.chunk: ceil rows, padded): ceil(ceil(n / tp) / dp_shard) rows
-        padded = local[0] % mesh.dp_shard != 0
-        local = (-(-local[0] // mesh.dp_shard), *local[1:])
-        full = full.with_minor(0, ("dp_shard",))
+    shards = mesh.dp_shard * mesh.cp
+    if unit is not None and shards > 1 and t.ndim > 0:
+        # FSDP chunks the TP-local tensor (torch.chunk: ceil rows, padded): ceil(ceil(n / tp) / shards) rows,
+        # over dp_shard and, with context parallelism, cp too
+        padded = local[0] % shards != 0
+        local = (-(-local[0] // shards), *local[1:])
+        full = full.with_minor(0, tuple(a for a in ("dp_shard", "cp") if mesh.size(a) > 1))
     return ParamPlan(
         fqn=fqn,
         shape=tuple(t.shape),
@@ -327,7 +359,7 @@ def _param_plan(
 
 
 def _fsdp_plan(modules, params, aliases, mesh: MeshSpec, rules: Rules, options: PlanConfig):
-    dp = mesh.dp_replicate * mesh.dp_shard
+    dp = mesh.dp_replicate * mesh.dp_shard * mesh.cp  # cp ranks hold other tokens: their gradients are summed too
     if dp == 1 and options.param_dtype == "float32" and options.reduce_dtype == "float32" and not options.cpu_offload:
         return {}, None
     units: list[tuple[str, ...]] = []
@@ -347,7 +379,8 @@ def _fsdp_plan(modules, params, aliases, mesh: MeshSpec, rules: Rules, options: 
                 "(drop them from rules.fsdp_units)"
             )
         unit_of[fqn] = owners.pop()
-    axes = ("dp_replicate", "dp_shard") if mesh.dp_replicate > 1 else ("dp_shard",)
+    shard = "dp_shard_cp" if mesh.cp > 1 else "dp_shard"
+    axes = ("dp_replicate", shard) if mesh.dp_replicate > 1 else (shard,)
     return unit_of, FsdpPlan(
         axes=axes,
         units=tuple(units),

@@ -323,6 +323,11 @@ def probe(
     first rank), which hold `blocks` blocks in cfg's plan (default: an even share).
     """
     check_supported(cfg.mesh)
+    if cfg.mesh.cp > 1:
+        raise ValueError(
+            f"estimate: mesh.cp={cfg.mesh.cp}: estimates of context-parallel layouts are not implemented yet; "
+            "`python -m shardlab plan` shows their layout"
+        )
     n = cfg.model.n_layers
     k = cfg.plan.ac_every if cfg.plan.activation_checkpoint == "selective" else 1
     pp, v = cfg.mesh.pp, cfg.plan.pp_stages_per_rank if cfg.mesh.pp > 1 else 1

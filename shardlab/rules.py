@@ -60,6 +60,8 @@ class Rules(Frozen):
     """FSDP units, each a group of module globs sharded together; the root takes the rest."""
     blocks: tuple[str, ...] = ()
     """Globs of the repeated blocks (activation checkpointing and torch.compile wrap these)."""
+    attention: tuple[str, ...] = ()
+    """Globs of the attention modules, whose `attend(q, k, v, positions)` context parallelism replaces."""
 
 
 @functools.lru_cache(maxsize=4096)

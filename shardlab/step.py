@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlab._base import Frozen
 from shardlab.config import Config, OptimConfig
+from shardlab.context import cp_positions
 from shardlab.data import Batch
 from shardlab.mesh import flat_view
 from shardlab.plan import Plan
@@ -79,14 +80,19 @@ def lr_schedule(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
 def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn:
     """The step for one layout; everything layout-specific is read off the plan and the mesh.
 
-    FSDP averages gradients over dp (dp_replicate x dp_shard), so each micro batch's summed loss is
-    scaled by dp / (tokens in the global batch): the result is the global mean. The token count and
-    the reported loss are reduced over `batch` (the ranks holding different tokens), never over tp.
+    FSDP averages gradients over the ranks holding different tokens (`batch`: dp_replicate x dp_shard x cp),
+    so each micro batch's summed loss is scaled by that count / (tokens in the global batch): the result is
+    the global mean. The token count and the reported loss are reduced over `batch`, never over tp. Under
+    context parallelism each cp rank keeps its chunks of every sequence (`shardlab.context.cp_positions`).
     """
     cfg = cfg.resolve(plan.mesh.world_size)
     plan.check_mesh(cfg.mesh)
     dp = plan.mesh.size("dp")
+    holders = plan.mesh.size("batch")  # ranks holding different tokens: FSDP averages over them
     grad_accum = cfg.train.grad_accum(dp)
+    positions = None
+    if plan.context is not None:
+        positions = cp_positions(cfg.train.seq_len, plan.mesh.cp, mesh["cp"].get_local_rank())
     group = flat_view(mesh, "batch").get_group() if mesh is not None and plan.mesh.size("batch") > 1 else None
     lr_at = lr_schedule(cfg.optim, cfg.train.steps)
     max_norm = cfg.optim.max_norm
@@ -100,18 +106,22 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
             g["lr"] = lr
         device = model_device(model)
         inputs, labels = batch.inputs.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
+        at = None
+        if positions is not None:  # this cp rank's chunks of every sequence
+            at = positions.to(device)
+            inputs, labels = inputs[:, at], labels[:, at]
         if inputs.shape[0] % grad_accum:
             raise ValueError(
                 f"step: {inputs.shape[0]} rows per rank do not split into grad_accum={grad_accum} micro batches"
             )
         tokens = _all_reduce((labels != IGNORE_INDEX).sum().to(torch.float64), group)
-        scale = dp / tokens.item()  # a float: a DTensor loss cannot be multiplied by a plain tensor
+        scale = holders / tokens.item()  # a float: a DTensor loss cannot be multiplied by a plain tensor
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         if pipeline is not None:  # the schedule splits the batch into the plan's micro batches
             loss_sum += pipeline(model, inputs, labels, scale)
         else:
             for x, y in zip(inputs.chunk(grad_accum), labels.chunk(grad_accum)):
-                loss = forward_backward(model, x, y, scale, plan.loss_parallel)
+                loss = forward_backward(model, x, y, scale, plan.loss_parallel, positions=at)
                 loss_sum += _local(loss).to(torch.float64)
         match_param_layouts(model)
         grad_norm = clip_grad_norm(model, max_norm, stage_group)
@@ -131,14 +141,16 @@ def forward_backward(
     scale: float,
     vocab_parallel: bool,
     after_forward: Callable[[], None] | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One micro batch: summed cross-entropy, backward of loss * scale; returns the (detached) summed loss.
 
     vocab_parallel: the logits are vocab-sharded DTensors (the plan's loss_parallel). after_forward runs between
-    the loss and the backward (the estimator measures what the forward left alive there).
+    the loss and the backward (the estimator measures what the forward left alive there). positions: where the
+    tokens sit in their sequences (a context-parallel rank's chunks; None: 0..s-1).
     """
     with loss_parallel() if vocab_parallel else contextlib.nullcontext():
-        logits = model(inputs)
+        logits = model(inputs) if positions is None else model(inputs, positions=positions)
         loss = F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
         )

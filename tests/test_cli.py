@@ -38,8 +38,8 @@ def error_of(args, capsys) -> str:
             r"plan.pp_schedule='gpipe' runs one stage per rank but plan.pp_stages_per_rank=2",
         ),
         (
-            ["recipes/llama_fsdp_tp.py", "--mesh.cp", "2", "--mesh.dp-shard", "1"],
-            r"mesh.cp=2: context parallelism is not implemented yet",
+            ["recipes/llama_cp.py", "--train.seq-len", "102"],
+            r"train.seq_len=102 is not divisible by 2 x mesh.cp = 4: context parallelism gives each cp rank two",
         ),
         (["recipes/llama_fsdp_tp.py", "--data.source", "files", "--data.paths", "/nope/x.bin"], r"/nope/x.bin"),
         (["recipes/llama_fsdp_tp.py", "--model.vocab-size", "256", "--model.n-heads", "16"], r"model.vocab_size"),

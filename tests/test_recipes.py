@@ -14,6 +14,7 @@ WORLD = {
     "llama_fsdp_tp.py": 4,
     "llama_hsdp_tp.py": 8,
     "llama_pp.py": 2,
+    "llama_cp.py": 4,
     "llama_3d.py": 8,
     "llama3_1b.py": 1,
     "llama3_8b.py": 8,

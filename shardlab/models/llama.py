@@ -76,8 +76,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Attention over the whole (local) sequence, each query seeing the keys at or before it: [b, heads, s, hd].
+    k and v may have fewer (grouped) heads; `positions` are 0..s-1 here (context parallelism swaps this
+    function for one that gathers the other ranks' keys and masks by position)."""
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:  # explicit repeat rather than enable_gqa: every SDPA backend accepts it
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5)
+
+
 class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE; head counts come from the (possibly sharded) projections."""
+    """Causal grouped-query attention with RoPE; head counts come from the (possibly sharded) projections.
+
+    `attend(q, k, v, positions)` computes the attention proper (default `causal_attention`); shardlab's apply
+    replaces it under context parallelism. `positions` are each token's place in the sequence (RoPE angles)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -88,22 +101,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         # Non-persistent so the state_dict holds exactly HF's parameters; init_weights rebuilds it after to_empty.
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+        self.attend = causal_attention
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1, not cfg.n_heads: under tensor parallelism each rank sees only its local heads.
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        freqs = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), self.inv_freq.float())
+        if positions is None:
+            positions = torch.arange(s, device=x.device)
+        freqs = torch.outer(positions.to(torch.float32), self.inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:  # explicit repeat rather than enable_gqa: every SDPA backend accepts it
-            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5)
+        out = self.attend(q, k, v, positions)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -121,7 +135,8 @@ class MLP(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """Pre-norm transformer block; submodules take one positional tensor so TP input/output hooks can wrap them."""
+    """Pre-norm transformer block; submodules take one positional tensor (positions go by keyword) so TP input and
+    output hooks can wrap them."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -131,8 +146,8 @@ class LlamaBlock(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h))
+    def forward(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions=positions)  # a keyword: TP hooks take positionals
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -145,10 +160,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed_tokens(tokens)
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h, positions=positions)
         return self.norm(h)
 
 
@@ -169,8 +184,9 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
             self.register_load_state_dict_pre_hook(_fill_tied_head)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model(tokens))
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: each token's place in the sequence (default 0..s-1; a context-parallel rank's chunks)."""
+        return self.lm_head(self.model(tokens, positions=positions))
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

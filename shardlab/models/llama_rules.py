@@ -75,4 +75,5 @@ def llama_rules(model: ModelConfig, options: PlanConfig = PlanConfig()) -> Rules
         activations=ACTIVATIONS,
         fsdp_units=units,
         blocks=("model.layers.*",),
+        attention=("model.layers.*.self_attn",),
     )

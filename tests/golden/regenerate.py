@@ -25,6 +25,7 @@ CASES: dict[str, tuple[str, MeshSpec]] = {
     "debug__dp_shard2xtp2": ("debug", MeshSpec(dp_shard=2, tp=2)),
     "debug__dp_replicate2xdp_shard2": ("debug", MeshSpec(dp_replicate=2, dp_shard=2)),
     "debug__tp2": ("debug", MeshSpec(dp_shard=1, tp=2)),
+    "debug__dp_shard2xcp2": ("debug", MeshSpec(dp_shard=2, cp=2)),
     "8B__dp_shard8xtp8": ("8B", MeshSpec(dp_shard=8, tp=8)),
 }
 

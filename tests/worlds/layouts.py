@@ -20,7 +20,7 @@ from shardlab.config import (
     TrainConfig,
 )
 from shardlab.loop import build_model, train
-from shardlab.mesh import AXES
+from shardlab.mesh import AXES, FLAT_VIEWS
 
 STEPS = 10
 TOL = 1e-5
@@ -71,7 +71,10 @@ def placements_match_plan(rank: int, world_size: int, cfg: Config) -> None:
     for fqn, param in model.named_parameters():
         want = plan.param(fqn).placements
         if isinstance(param, DTensor):
-            by_axis = dict(zip(param.device_mesh.mesh_dim_names, param.placements))
+            by_axis = {}
+            for name, placement in zip(param.device_mesh.mesh_dim_names, param.placements):
+                for axis in FLAT_VIEWS.get(name, (name,)):  # FSDP over dp_shard_cp shards over both axes
+                    by_axis[axis] = placement
             got = tuple(str(by_axis[a]) if a in by_axis else "R" for a in AXES)
         else:
             got = ("R",) * len(AXES)

@@ -1,0 +1,51 @@
+"""Context parallelism: each `cp` rank holds a slice of every sequence, and attention gathers the keys.
+
+Causal attention makes late tokens costlier than early ones, so the sequence is cut into 2 cp chunks and
+cp rank r holds chunks r and 2 cp - 1 - r (a head and a tail): every rank does the same work. The step
+takes each rank's tokens, labels and positions with `cp_positions`; RoPE reads the positions, the loss
+and the token count are reduced over all ranks holding different tokens, as without cp.
+
+Attention runs anywhere (CPU included): each rank all-gathers K and V over cp with autograd-aware
+functional collectives (the Llama 3 paper's choice; the backward reduce-scatters their gradients) and
+masks by position. torch's ring attention (`context_parallel`) has sharding strategies only for CUDA's
+attention kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_gather_single_autograd
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cp_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The sequence positions cp rank `rank` holds, in order: chunk `rank`, then chunk 2 cp - 1 - rank."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"train.seq_len={seq_len} must be divisible by 2 x mesh.cp = {2 * cp} (two chunks per rank)")
+    chunk = seq_len // (2 * cp)
+    head, tail = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat((torch.arange(head, head + chunk), torch.arange(tail, tail + chunk))).to(device)
+
+
+def all_gather_attention(group: dist.ProcessGroup) -> Attend:
+    """An `Attention.attend` for a cp group: gather every rank's K and V (in rank order, with their positions)
+    and let each local query see the keys at or before its own position."""
+    cp = dist.get_world_size(group)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        seq_len = positions.numel() * cp
+        k = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=group)
+        v = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=group)
+        keys = torch.cat([cp_positions(seq_len, cp, r, positions.device) for r in range(cp)])
+        mask = keys[None, :] <= positions[:, None]  # [local queries, all keys]
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=q.shape[-1] ** -0.5)
+
+    return attend

@@ -1,0 +1,73 @@
+"""Context parallelism against one process (issue 5): fp32, same seed and global batch, 10 steps; loss and
+gradient norm of every step within tolerance. cp 2 on 2 ranks; cp 2 x FSDP 2, cp 2 x TP 2 (+SP, loss
+parallel) and HSDP (2 replicas) x cp 2 on 4. Placements are the plan's; a cp 2 checkpoint continues on one
+process. Each cp rank holds sequence chunks r and 2 cp - 1 - r; attention all-gathers K and V."""
+
+from pathlib import Path
+
+import pytest
+
+from shardlab.checkpoint import step_dir
+from shardlab.config import MeshSpec
+
+from ._harness import run_world
+from .layouts import TOL, assert_matches, ckpt, continue_from, layout_curves, placements_match_plan, tiny
+
+LAYOUTS_2 = {"cp2": tiny(MeshSpec(dp_shard=1, cp=2))}
+LAYOUTS_4 = {
+    "cp2_fsdp2": tiny(MeshSpec(dp_shard=2, cp=2)),
+    "cp2_tp2_sp": tiny(MeshSpec(dp_shard=1, cp=2, tp=2)),
+    "hsdp2_cp2": tiny(MeshSpec(dp_replicate=2, dp_shard=1, cp=2)),
+}
+LAYOUTS = {2: LAYOUTS_2, 4: LAYOUTS_4}
+
+
+def run(rank, world_size, tmp):
+    return layout_curves(LAYOUTS[world_size])
+
+
+def placements(rank, world_size, tmp):
+    for cfg in LAYOUTS[world_size].values():
+        placements_match_plan(rank, world_size, cfg)
+
+
+def cp2_checkpoint(rank, world_size, tmp):
+    """cp 2 saves at step 5 (committed), for one process to continue."""
+    curves_cfg = ckpt(LAYOUTS_2["cp2"], Path(tmp) / "cp2", every=5)
+    from .layouts import curves
+
+    return curves(curves_cfg, until=5)["loss"]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("context")
+
+
+@pytest.fixture(scope="module")
+def world2(tmp):
+    return run_world(2, [run, placements, cp2_checkpoint], timeout_s=300, tmp=str(tmp))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp):
+    return run_world(4, [run, placements], timeout_s=300, tmp=str(tmp))
+
+
+@pytest.mark.world
+@pytest.mark.parametrize(("ranks", "layout"), [(n, name) for n, layouts in LAYOUTS.items() for name in layouts])
+def test_matches_single_process(request, reference, ranks, layout):
+    assert_matches(request.getfixturevalue(f"world{ranks}").value(run)[layout], reference, layout)
+
+
+@pytest.mark.world
+def test_placements_match_plan(world2, world4):
+    world2.raise_for(placements)
+    world4.raise_for(placements)
+
+
+@pytest.mark.world
+def test_cp2_checkpoint_continues_on_one_process(world2, tmp, reference):
+    world2.raise_for(cp2_checkpoint)
+    got = continue_from(tiny(), tmp / "one", step_dir(tmp / "cp2" / "checkpoints", 5))
+    assert max(abs(a - b) for a, b in zip(got, reference["loss"][5:], strict=True)) <= TOL, (got, reference["loss"])
