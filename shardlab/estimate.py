@@ -256,7 +256,7 @@ def estimate_table(e: Estimate, cfg: Config, dev: Device | None = None) -> str:
     if t is not None and dev is not None:
         lines += [
             f"on {dev.name} (see shardlab/roofline.py for the model): compute {t.compute_s * 1e3:.1f} ms, "
-            f"FSDP comm {t.fsdp_comm_s * 1e3:.1f} ms (overlapped), TP comm {t.tp_comm_s * 1e3:.1f} ms, "
+            f"FSDP comm {t.fsdp_comm_s * 1e3:.1f} ms (overlapped), TP/CP comm {t.tp_comm_s * 1e3:.1f} ms, "
             + (f"PP sends {t.pp_comm_s * 1e3:.1f} ms, bubble {t.bubble_s * 1e3:.1f} ms, " if cfg.mesh.pp > 1 else "")
             + f"optimizer {t.optimizer_s * 1e3:.1f} ms",
             f"  step {t.step_s:.3f} s, {t.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * t.mfu:.1f}%",

@@ -38,6 +38,7 @@ from shardlab._base import Frozen
 from shardlab._fake import fake_tensors, fake_world, forget_dtensor_dispatch, in_backward, inferring_dtensor_shapes
 from shardlab.apply import apply, check_supported, stage_modules
 from shardlab.config import Config
+from shardlab.context import cp_positions
 from shardlab.mesh import AXES, FLAT_VIEWS, flat_view, make_mesh
 from shardlab.models.llama import Llama
 from shardlab.models.llama_rules import llama_rules
@@ -227,7 +228,7 @@ def _axis_names(mesh: DeviceMesh) -> dict[str, str]:
     names = {}
     for view in FLAT_VIEWS:
         if math.prod(mesh[a].size() for a in FLAT_VIEWS[view] if mesh[a].size() > 1) > 1:
-            names[flat_view(mesh, view).get_group().group_name] = view
+            names.setdefault(flat_view(mesh, view).get_group().group_name, view)  # the narrowest view's name
     for axis in AXES:  # single axes win over views with the same group (a view of one axis of size > 1)
         if mesh[axis].size() > 1:
             names[mesh[axis].get_group().group_name] = axis
@@ -250,7 +251,10 @@ def _probe_layers(cfg: Config, rules: Rules | None, mesh: DeviceMesh, n_layers: 
     recorder = _Recorder(_axis_names(mesh))
     with fake_tensors():
         model.to_empty(device="cpu")
-        tokens = torch.zeros((rows, cfg.train.seq_len), dtype=torch.long)
+        positions = None
+        if plan.context is not None:  # cp rank 0's chunks of every sequence
+            positions = cp_positions(cfg.train.seq_len, cfg.mesh.cp, mesh["cp"].get_local_rank())
+        tokens = torch.zeros((rows, cfg.train.seq_len // cfg.mesh.cp), dtype=torch.long)
 
         def after_forward() -> None:
             recorder.activation_bytes = recorder.live_bytes(_param_storages(model))
@@ -259,7 +263,7 @@ def _probe_layers(cfg: Config, rules: Rules | None, mesh: DeviceMesh, n_layers: 
 
         with recorder, contextlib.suppress(_ForwardDone):
             if plan.pipeline is None:
-                forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward)
+                forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward, positions)
             else:
                 _stages_forward_backward(model, plan, mesh, cfg, tokens, after_forward, recorder)
     return recorder
@@ -323,11 +327,6 @@ def probe(
     first rank), which hold `blocks` blocks in cfg's plan (default: an even share).
     """
     check_supported(cfg.mesh)
-    if cfg.mesh.cp > 1:
-        raise ValueError(
-            f"estimate: mesh.cp={cfg.mesh.cp}: estimates of context-parallel layouts are not implemented yet; "
-            "`python -m shardlab plan` shows their layout"
-        )
     n = cfg.model.n_layers
     k = cfg.plan.ac_every if cfg.plan.activation_checkpoint == "selective" else 1
     pp, v = cfg.mesh.pp, cfg.plan.pp_stages_per_rank if cfg.mesh.pp > 1 else 1

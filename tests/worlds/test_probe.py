@@ -22,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import Config, MeshSpec
+from shardlab.context import cp_positions
 from shardlab.estimate import estimate
 from shardlab.loop import build_model, plan_model
 from shardlab.probe import _axis_names, _param_storages, _Recorder, probe
@@ -37,6 +38,7 @@ LAYOUTS = {
     "fsdp_tp_sp": (MeshSpec(dp_shard=2, tp=2), dict(sequence_parallel=True, loss_parallel=True)),
     "hsdp": (MeshSpec(dp_replicate=2, dp_shard=2), dict()),
     "fsdp_tp_full_ac": (MeshSpec(dp_shard=2, tp=2), dict(activation_checkpoint="full")),
+    "fsdp_cp": (MeshSpec(dp_shard=2, cp=2), dict()),
 }
 
 
@@ -61,7 +63,11 @@ def real(rank, world_size, name: str) -> dict:
     tokens = torch.randint(
         0, cfg.model.vocab_size, (rows, cfg.train.seq_len), generator=torch.Generator().manual_seed(0)
     )
-    forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel)  # FSDP's lazy init and the grads, once
+    positions = None
+    if plan.context is not None:  # this cp rank's chunks of every sequence, as the step takes them
+        positions = cp_positions(cfg.train.seq_len, cfg.mesh.cp, mesh["cp"].get_local_rank())
+        tokens = tokens[:, positions]
+    forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, positions=positions)  # lazy init, grads
     recorder = _Recorder(_axis_names(mesh))
     seen = {"before": rss()}
 
@@ -70,7 +76,7 @@ def real(rank, world_size, name: str) -> dict:
         seen["live"] = recorder.live_bytes(_param_storages(model))
 
     with recorder:
-        forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward)
+        forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward, positions)
     return {
         "collectives": {k[:4]: (n, recorder.collective_bytes[k]) for k, n in recorder.collectives.items()},
         "comm_debug_mode_count": sum(recorder.comm_counts.values()),
@@ -89,6 +95,10 @@ def hsdp(rank, world_size):
 
 def fsdp_tp_full_ac(rank, world_size):
     return real(rank, world_size, "fsdp_tp_full_ac")
+
+
+def fsdp_cp(rank, world_size):
+    return real(rank, world_size, "fsdp_cp")
 
 
 PIPELINES = {
@@ -174,7 +184,7 @@ def pp_tp_sp_gpipe(rank, world_size):
     return real_pipeline("pp_tp_sp_gpipe")
 
 
-CHECKS = [fsdp_tp_sp, hsdp, fsdp_tp_full_ac, pp_fsdp_1f1b, pp_fsdp_interleaved, pp_tp_sp_gpipe]
+CHECKS = [fsdp_tp_sp, hsdp, fsdp_tp_full_ac, fsdp_cp, pp_fsdp_1f1b, pp_fsdp_interleaved, pp_tp_sp_gpipe]
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +201,7 @@ def world4():
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("check", CHECKS[:3], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("check", CHECKS[:4], ids=lambda c: c.__name__)
 def test_probe_predicts_collectives_and_activations(world4, check):
     got = world4.value(check, rank=0)
     p = probe(config(check.__name__).resolve(4))
@@ -206,7 +216,7 @@ def test_probe_predicts_collectives_and_activations(world4, check):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("check", CHECKS[3:], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("check", CHECKS[4:], ids=lambda c: c.__name__)
 def test_estimate_of_a_pipeline_is_the_busiest_ranks_step(world4, check):
     """Rank 0 runs pp rank 0, the busiest (equal blocks: the lowest); memory is the worst rank's."""
     got = world4.value(check, rank=0)
