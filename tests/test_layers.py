@@ -10,6 +10,7 @@ LAYERS = [
     {"config"},
     {"spec", "rules"},
     {"models.llama", "models.llama_rules", "_plan_text", "plan"},
+    {"context"},
     {"apply", "debug", "data", "metrics", "launch", "hf"},
     {"schedule"},
     {"step"},
