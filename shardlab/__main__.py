@@ -81,6 +81,7 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
             args=overrides,
             prog=f"python -m shardlab {recipe_path}",
             console_outputs=rank == 0,
+            config=(tyro.conf.AvoidSubcommands,),  # a recipe's model.moe / rope_scaling: plain --flags, no subcommand
         )
     cfg = cfg.validated()
     if launched:

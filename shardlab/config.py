@@ -41,6 +41,43 @@ class RopeScaling(Frozen):
             )
 
 
+class MoEConfig(Frozen):
+    """Mixture of experts in place of every block's MLP: a top-k router over SwiGLU experts (Mixtral, Qwen-MoE,
+    DeepSeek-V3 style)."""
+
+    n_experts: Positive = 8
+    top_k: Positive = 2
+    """Experts each token is sent to; their outputs are summed with the router's (renormalised) weights."""
+    expert_ffn_dim: Positive = 256
+    """Hidden width of each expert's SwiGLU."""
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over experts (Mixtral) or independent sigmoids (DeepSeek-V3)."""
+    shared_expert: bool = False
+    """Add a dense SwiGLU of width model.ffn_dim that every token goes through (Qwen-MoE, DeepSeek)."""
+    balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
+    """aux_loss: add aux_loss_coef x E x sum_e(tokens share_e x mean score_e) over the global batch (Switch);
+    bias: the auxiliary-loss-free scheme, a per-expert bias on the selection scores nudged each step towards
+    even loads (DeepSeek-V3); none."""
+    aux_loss_coef: float = 0.01
+    bias_rate: float = 1e-3
+    """Step of the bias update (balance="bias")."""
+    capacity_factor: float | None = None
+    """None: every expert takes every token routed to it (nothing is dropped). A number: each expert takes at
+    most ceil(capacity_factor x tokens x top_k / n_experts) of a rank's micro batch, in token order; the rest
+    of its tokens skip it (their residual passes), and the metrics count them. Which tokens overflow depends on
+    how the batch is split over ranks, so runs with a capacity differ between layouts."""
+
+    def check(self) -> None:
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"model.moe.top_k={self.top_k} exceeds model.moe.n_experts={self.n_experts}; pick top_k <= n_experts"
+            )
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"model.moe.capacity_factor={self.capacity_factor}: must be > 0, or None to drop nothing")
+        if self.aux_loss_coef < 0 or self.bias_rate < 0:
+            raise ValueError("model.moe: aux_loss_coef and bias_rate must be >= 0")
+
+
 class ModelConfig(Frozen):
     """Llama 3 architecture. The defaults are torchtitan's llama3 `debugmodel` (6.2M parameters)."""
 
@@ -66,6 +103,8 @@ class ModelConfig(Frozen):
     """Share the embedding matrix with the output projection (Llama 3.2 1B/3B)."""
     init_std: float = 0.02
     """Std of the truncated-normal init of the projections."""
+    moe: MoEConfig | None = None
+    """Mixture of experts in place of the MLPs; None for the dense Llama."""
 
     def check(self) -> None:
         if self.dim % self.n_heads:
@@ -97,9 +136,21 @@ class ModelConfig(Frozen):
         """Parameter count (embedding counted once when tied)."""
         d, h, kv = self.dim, self.head_dim, self.n_kv_heads
         attn = d * self.n_heads * h * 2 + d * kv * h * 2
-        block = attn + 3 * d * self.ffn_dim + 2 * d
+        block = attn + self._ffn_params(active=False) + 2 * d
         head = 0 if self.tie_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.n_layers * block + d + head
+
+    @property
+    def n_active_params(self) -> int:
+        """Parameters a token goes through: with MoE, top_k of the experts (and the router and shared expert)."""
+        return self.n_params - self.n_layers * (self._ffn_params(active=False) - self._ffn_params(active=True))
+
+    def _ffn_params(self, active: bool) -> int:
+        d, m = self.dim, self.moe
+        if m is None:
+            return 3 * d * self.ffn_dim
+        experts = m.top_k if active else m.n_experts
+        return m.n_experts * d + experts * 3 * d * m.expert_ffn_dim + (3 * d * self.ffn_dim if m.shared_expert else 0)
 
 
 class PlanConfig(Frozen):
@@ -307,6 +358,12 @@ class Config(Frozen):
                     f"train.seq_len={self.train.seq_len} is not divisible by mesh.tp={tp}; sequence parallel shards the "
                     "sequence over tp: change seq_len, or set plan.sequence_parallel=False"
                 )
+        if m.moe is not None and (tp > 1 or self.mesh.pp > 1 or self.mesh.ep > 1):
+            raise ValueError(
+                "model.moe with mesh.tp, mesh.pp or mesh.ep > 1: the MoE model runs on data-parallel layouts (FSDP, "
+                "HSDP, cp) so far; expert and tensor parallelism inside experts and pipelines are not implemented yet "
+                "(issue 5)"
+            )
         cp = self.mesh.cp
         if cp > 1:
             if self.train.seq_len % (2 * cp):

@@ -90,15 +90,17 @@ class MetricsWriter:
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
             self._progress.start()
 
-    def record(self, step: int, values: dict[str, float | None]) -> None:
-        """Report the values after `step` steps; None values (e.g. an unknown MFU) are left out."""
+    def record(self, step: int, values: dict[str, float | list[int] | None]) -> None:
+        """Report the values after `step` steps; None values (e.g. an unknown MFU) are left out, and lists (an MoE
+        model's tokens per expert) go to metrics.jsonl only."""
         if not self.enabled:
             return
         if values.get("loss") is None:
             raise ValueError(
                 f"MetricsWriter.record: values has no 'loss' (keys: {sorted(values)}); pass the step's loss"
             )
-        floats = {key: float(value) for key, value in values.items() if value is not None}
+        floats = {key: float(value) for key, value in values.items() if isinstance(value, int | float)}
+        lists = {key: list(value) for key, value in values.items() if isinstance(value, list | tuple)}
         if self._progress is not None:
             status = f"loss {floats['loss']:.4f}"
             if "tokens_per_s" in floats:
@@ -107,7 +109,7 @@ class MetricsWriter:
         if step % self.log.every and step != self.total_steps:
             return
         print(format_line(step, self.total_steps, floats), flush=True)
-        self._file.write(json.dumps({"step": step, **floats}) + "\n")
+        self._file.write(json.dumps({"step": step, **floats, **lists}) + "\n")
         self._file.flush()
         if self._wandb_run is not None:
             self._wandb_run.log(floats, step=step)
@@ -155,8 +157,9 @@ def flops_per_token(n_params: int, n_layers: int, dim: int, seq_len: int) -> flo
 
 
 def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
-    """`flops_per_token` of a Llama config: N counts every matmul weight, not an untied embedding (a lookup)."""
-    matmul_params = model.n_params - (0 if model.tie_embeddings else model.vocab_size * model.dim)
+    """`flops_per_token` of a Llama config: N counts every matmul weight a token goes through (with MoE, its
+    top_k experts), not an untied embedding (a lookup)."""
+    matmul_params = model.n_active_params - (0 if model.tie_embeddings else model.vocab_size * model.dim)
     return flops_per_token(matmul_params, model.n_layers, model.dim, seq_len)
 
 

@@ -327,6 +327,10 @@ def probe(
     first rank), which hold `blocks` blocks in cfg's plan (default: an even share).
     """
     check_supported(cfg.mesh)
+    if cfg.model.moe is not None:
+        raise ValueError(
+            "estimate: MoE models are not estimated yet: their routing depends on the data, which fake tensors lack"
+        )
     n = cfg.model.n_layers
     k = cfg.plan.ac_every if cfg.plan.activation_checkpoint == "selective" else 1
     pp, v = cfg.mesh.pp, cfg.plan.pp_stages_per_rank if cfg.mesh.pp > 1 else 1

@@ -25,10 +25,11 @@ from shardlab.config import Config, OptimConfig
 from shardlab.context import cp_positions
 from shardlab.data import Batch
 from shardlab.mesh import flat_view
+from shardlab.models.moe import Routers, moe_layers
 from shardlab.plan import Plan
 from shardlab.schedule import PipelineRun
 
-Metrics = dict[str, float]
+Metrics = dict[str, float | list[int]]
 IGNORE_INDEX = -100
 """Label value that takes no part in the loss or in the token count (as in F.cross_entropy)."""
 
@@ -99,8 +100,11 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
     pipeline = PipelineRun(plan, mesh, IGNORE_INDEX) if plan.pipeline is not None else None
     stage_group = pipeline.group if pipeline is not None else None
 
+    moe = cfg.model.moe
+
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         model, opt = state.model, state.optim
+        routers = Routers(moe_layers(model), group, grad_accum) if moe is not None else None
         lr = lr_at(state.step)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -121,14 +125,20 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
             loss_sum += pipeline(model, inputs, labels, scale)
         else:
             for x, y in zip(inputs.chunk(grad_accum), labels.chunk(grad_accum)):
-                loss = forward_backward(model, x, y, scale, plan.loss_parallel, positions=at)
+                loss = forward_backward(
+                    model, x, y, scale, plan.loss_parallel, positions=at, extra_loss=routers and routers.loss
+                )
                 loss_sum += _local(loss).to(torch.float64)
         match_param_layouts(model)
         grad_norm = clip_grad_norm(model, max_norm, stage_group)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if routers is not None:
+            routers.update_bias()
         loss_total = _all_reduce(_all_reduce(loss_sum, stage_group), group)  # only the last stage has a loss
         metrics = {"loss": (loss_total / tokens).item(), "grad_norm": grad_norm, "lr": lr}
+        if routers is not None:
+            metrics |= routers.metrics()
         return msgspec.structs.replace(state, step=state.step + 1), metrics
 
     return step
@@ -142,12 +152,14 @@ def forward_backward(
     vocab_parallel: bool,
     after_forward: Callable[[], None] | None = None,
     positions: torch.Tensor | None = None,
+    extra_loss: Callable[[], torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """One micro batch: summed cross-entropy, backward of loss * scale; returns the (detached) summed loss.
 
     vocab_parallel: the logits are vocab-sharded DTensors (the plan's loss_parallel). after_forward runs between
     the loss and the backward (the estimator measures what the forward left alive there). positions: where the
-    tokens sit in their sequences (a context-parallel rank's chunks; None: 0..s-1).
+    tokens sit in their sequences (a context-parallel rank's chunks; None: 0..s-1). extra_loss: a term added
+    to what is backpropagated after the forward (an MoE model's load-balancing loss), or None.
     """
     with loss_parallel() if vocab_parallel else contextlib.nullcontext():
         logits = model(inputs) if positions is None else model(inputs, positions=positions)
@@ -156,7 +168,9 @@ def forward_backward(
         )
         if after_forward is not None:
             after_forward()
-        (loss * scale).backward()
+        objective = loss * scale
+        extra = extra_loss() if extra_loss is not None else None
+        (objective if extra is None else objective + extra).backward()
     return loss.detach()
 
 

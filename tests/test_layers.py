@@ -9,7 +9,7 @@ LAYERS = [
     {"pipeline"},
     {"config"},
     {"spec", "rules"},
-    {"models.llama", "models.llama_rules", "_plan_text", "plan"},
+    {"models.moe", "models.llama", "models.llama_rules", "_plan_text", "plan"},
     {"context"},
     {"apply", "debug", "data", "metrics", "launch", "hf"},
     {"schedule"},

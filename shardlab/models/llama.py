@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlab.config import ModelConfig, RopeScaling
+from shardlab.models.moe import MoE
 
 
 def _llama3(*, dim: int, n_layers: int, n_heads: int, ffn_dim: int, factor: float, tied: bool = False) -> ModelConfig:
@@ -142,7 +143,9 @@ class LlamaBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MLP(cfg)
+        if cfg.moe is not None:
+            self.mlp = MoE(cfg, shared_expert=MLP(cfg) if cfg.moe.shared_expert else None)
         self.input_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
@@ -212,6 +215,8 @@ class Llama(nn.Module):
         for block in self.modules():
             if isinstance(block, LlamaBlock):
                 block.self_attn.inv_freq = rope_inv_freq(self.cfg).to(block.self_attn.inv_freq.device)
+            if isinstance(block, MoE) and hasattr(block, "expert_bias"):
+                block.expert_bias.zero_()
         draws = list(self._draws())
         if not draws:
             return
@@ -237,12 +242,19 @@ class Llama(nn.Module):
                 yield f"{name}.weight", module.weight, nn.init.ones_
             elif isinstance(module, LlamaBlock):
                 depth_std = cfg.init_std / math.sqrt(2 * (module.layer_id + 1))
+                mlps = ("mlp",) if cfg.moe is None else ("mlp.shared_expert",) if cfg.moe.shared_expert else ()
                 for proj, std in (
                     ("self_attn.q_proj", cfg.init_std), ("self_attn.k_proj", cfg.init_std),
-                    ("self_attn.v_proj", cfg.init_std), ("mlp.gate_proj", cfg.init_std),
-                    ("self_attn.o_proj", depth_std), ("mlp.up_proj", depth_std), ("mlp.down_proj", depth_std),
+                    ("self_attn.v_proj", cfg.init_std), ("self_attn.o_proj", depth_std),
+                    *((f"{mlp}.{p}", s) for mlp in mlps for p, s in
+                      (("gate_proj", cfg.init_std), ("up_proj", depth_std), ("down_proj", depth_std))),
+                    *((("mlp.router", cfg.init_std),) if cfg.moe is not None else ()),
                 ):  # fmt: skip
                     yield f"{name}.{proj}.weight", module.get_submodule(proj).weight, trunc(std)
+                if cfg.moe is not None:
+                    experts = module.get_submodule("mlp.experts")
+                    for proj, std in (("gate_proj", cfg.init_std), ("up_proj", depth_std), ("down_proj", depth_std)):
+                        yield f"{name}.mlp.experts.{proj}", getattr(experts, proj), trunc(std)
             elif module is self.lm_head and isinstance(module, nn.Linear) and not cfg.tie_embeddings:
                 yield f"{name}.weight", module.weight, trunc(head_std)
 
@@ -275,6 +287,8 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
 
     Tokenizer ids (bos/eos) are not part of ModelConfig; add them before exporting a real checkpoint.
     """
+    if cfg.moe is not None:
+        raise ValueError("to_hf: MoE models have no Hugging Face mapping yet; export a dense model (model.moe=None)")
     rs = cfg.rope_scaling
     rope_scaling = None
     if rs is not None:

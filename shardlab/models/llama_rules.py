@@ -26,6 +26,22 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 )
 """Logical dim names of every Llama parameter (Hugging Face names)."""
 
+DENSE_MLP = (
+    "model.layers.*.mlp.gate_proj.weight",
+    "model.layers.*.mlp.up_proj.weight",
+    "model.layers.*.mlp.down_proj.weight",
+)
+MOE_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    ("model.layers.*.mlp.router.weight", ("experts", "embed")),
+    ("model.layers.*.mlp.experts.gate_proj", ("experts", "expert_mlp", "embed")),
+    ("model.layers.*.mlp.experts.up_proj", ("experts", "expert_mlp", "embed")),
+    ("model.layers.*.mlp.experts.down_proj", ("experts", "embed", "expert_mlp")),
+)
+"""The MoE block's own parameters (its shared expert is a dense MLP under `mlp.shared_expert`)."""
+SHARED_EXPERT_AXES = tuple(
+    (p.replace(".mlp.", ".mlp.shared_expert."), axes) for p, axes in PARAM_AXES if p in DENSE_MLP
+)
+
 RESIDUAL = ("batch", "residual_seq", "embed")
 """The residual stream between blocks: sequence-sharded over tp under sequence parallelism."""
 FULL = ("batch", "seq", "embed")
@@ -40,6 +56,8 @@ def logical_table(options: PlanConfig) -> LogicalTable:
         ("kv_heads", "tp"),
         ("mlp", "tp"),
         ("embed", None),
+        ("experts", None),
+        ("expert_mlp", None),
         ("batch", ("dp_replicate", "dp_shard")),
         ("seq", None),
         ("residual_seq", "tp" if options.sequence_parallel else None),
@@ -64,15 +82,25 @@ def llama_rules(model: ModelConfig, options: PlanConfig = PlanConfig()) -> Rules
     """torchtitan's Llama layout: FSDP per block (+ embedding, + norm/head), colwise q/k/v/gate/up,
     rowwise o/down, vocab-parallel embedding and head with loss parallel, sequence-parallel norms."""
     tied = model.tie_embeddings
-    params = tuple(Rule(pattern=p, axes=a) for p, a in PARAM_AXES if not (tied and p == "lm_head.weight"))
+    axes = PARAM_AXES
+    if model.moe is not None:  # the MoE block in place of the MLP, with its shared expert if any
+        axes = (
+            *(x for x in PARAM_AXES if x[0] not in DENSE_MLP),
+            *MOE_AXES,
+            *(SHARED_EXPERT_AXES if model.moe.shared_expert else ()),
+        )
+    params = tuple(Rule(pattern=p, axes=a) for p, a in axes if not (tied and p == "lm_head.weight"))
     # A tied embedding is shared with lm_head: both must stay in the root FSDP unit.
     units = (
         (("model.layers.*",),) if tied else (("model.embed_tokens",), ("model.layers.*",), ("model.norm", "lm_head"))
     )
+    activations = ACTIVATIONS
+    if model.moe is not None:
+        activations = tuple(a for a in ACTIVATIONS if a.pattern != "model.layers.*.mlp.down_proj")
     return Rules(
         params=params,
         logical=logical_table(options),
-        activations=ACTIVATIONS,
+        activations=activations,
         fsdp_units=units,
         blocks=("model.layers.*",),
         attention=("model.layers.*.self_attn",),

@@ -1,0 +1,187 @@
+"""Mixture-of-experts feed-forward: a top-k router over SwiGLU experts whose weights are stacked ([E, ...]).
+
+Stacked weights let a PartitionSpec shard the expert dim like any other (`P("ep", None, None)` once expert
+parallelism lands). Each forward leaves its router statistics on the module (`stats`); the step reads them
+to add the load-balancing loss over the global batch, update the auxiliary-loss-free bias and log the load.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+from shardlab.config import ModelConfig
+
+
+class RouterStats(NamedTuple):
+    """One forward's routing on this rank."""
+
+    counts: torch.Tensor
+    """[E] token slots routed to each expert (before any capacity limit)."""
+    score_sum: torch.Tensor
+    """[E] summed (normalised) router scores, with their gradient: the balancing loss's differentiable part."""
+    tokens: int
+    dropped: int
+    """Token slots that went over an expert's capacity and skipped it."""
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts: gate_proj and up_proj [E, ffn, dim], down_proj [E, dim, ffn]."""
+
+    def __init__(self, n_experts: int, dim: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+        self.up_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows [N, dim] sorted by expert, counts[e] of them for expert e -> [N, dim]."""
+        out = []
+        for e, x in enumerate(rows.split(counts)):
+            if x.shape[0]:
+                out.append((F.silu(x @ self.gate_proj[e].T) * (x @ self.up_proj[e].T)) @ self.down_proj[e].T)
+        return torch.cat(out) if out else rows.new_zeros(0, rows.shape[-1])
+
+
+class MoE(nn.Module):
+    """Router (`router`, [E, dim]), experts, an optional dense `shared_expert`; x [b, s, dim] -> [b, s, dim].
+
+    Each token goes to the top_k experts by score (plus `expert_bias` under balance="bias", which only
+    steers the choice); their outputs are summed with the chosen scores renormalised to 1.
+    """
+
+    def __init__(self, cfg: ModelConfig, shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        m = cfg.moe
+        if m is None:
+            raise ValueError("MoE: model.moe is None; build the dense MLP instead")
+        self.cfg = m
+        self.router = nn.Linear(cfg.dim, m.n_experts, bias=False)
+        self.experts = Experts(m.n_experts, cfg.dim, m.expert_ffn_dim)
+        self.shared_expert = shared_expert
+        if m.balance == "bias":
+            self.register_buffer("expert_bias", torch.zeros(m.n_experts))
+        self.stats: RouterStats | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        m = self.cfg
+        flat = x.reshape(-1, d)
+        logits = self.router(flat).float()
+        scores = logits.softmax(-1) if m.score == "softmax" else logits.sigmoid()
+        choose = scores + self.expert_bias if m.balance == "bias" else scores
+        chosen = choose.topk(m.top_k, dim=-1).indices  # [T, k]
+        weights = scores.gather(1, chosen)
+        weights = weights / weights.sum(-1, keepdim=True)
+        expert_of = chosen.flatten()  # slots, token-major
+        order = torch.argsort(expert_of, stable=True)  # by expert, then token
+        counts = torch.bincount(expert_of, minlength=m.n_experts)
+        keep = torch.ones_like(order, dtype=torch.bool)
+        if m.capacity_factor is not None:
+            capacity = math.ceil(m.capacity_factor * flat.shape[0] * m.top_k / m.n_experts)
+            starts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+            keep = torch.arange(order.numel(), device=order.device) - starts < capacity
+        kept = torch.bincount(expert_of[order][keep], minlength=m.n_experts)
+        slots = order[keep]
+        token = slots // m.top_k
+        out = self.experts(flat[token], kept.tolist()) * weights.flatten()[slots].unsqueeze(-1).to(x.dtype)
+        y = torch.zeros_like(flat).index_add(0, token, out)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(flat)
+        normalised = scores if m.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        dropped = int(order.numel() - slots.numel())
+        self.stats = RouterStats(counts.detach(), normalised.sum(0), flat.shape[0], dropped)
+        return y.view(b, s, d)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+class Balance(NamedTuple):
+    """The router statistics of one micro batch over the global batch (every rank holding other tokens)."""
+
+    aux_loss: torch.Tensor
+    """Summed over layers: E x sum_e(share of slots_e x mean score_e); differentiable, the same on every rank."""
+    counts: torch.Tensor
+    """[layers, E] token slots per expert."""
+    dropped: int
+
+
+def balance(layers: list[MoE], group: dist.ProcessGroup | None) -> Balance:
+    """Reduce the layers' last router statistics over `group` (None: one process) into the Switch balancing loss.
+
+    The score sums go through an autograd-aware all-reduce: each rank's router gets the gradient of the global
+    loss, as one process holding the whole batch would (FSDP then averages what the ranks computed)."""
+    stats = [layer.stats for layer in layers]
+    if any(s is None for s in stats):
+        raise ValueError("moe.balance: a MoE layer has not run a forward since its statistics were read")
+    counts = torch.stack([s.counts for s in stats]).to(torch.float64)
+    score_sum = torch.stack([s.score_sum for s in stats])
+    tokens = torch.tensor(
+        [float(stats[0].tokens), float(sum(s.dropped for s in stats))], dtype=torch.float64, device=counts.device
+    )
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+        dist.all_reduce(tokens, group=group)
+        score_sum = funcol.all_reduce(score_sum, "sum", group)  # differentiable: backward sums the gradients
+    for layer in layers:
+        layer.stats = None
+    n_tokens, dropped = tokens.tolist()
+    k = layers[0].cfg.top_k
+    share = counts / (n_tokens * k)
+    mean_score = score_sum / n_tokens
+    aux = (layers[0].cfg.n_experts * (share.to(mean_score.dtype) * mean_score).sum(-1)).sum()
+    return Balance(aux_loss=aux, counts=counts.round().to(torch.long), dropped=int(dropped))
+
+
+@torch.no_grad()
+def update_bias(layers: list[MoE], counts: torch.Tensor) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3): raise the bias of experts below the mean load, lower it above.
+
+    counts [layers, E]: the step's token slots per expert, over the global batch (the same on every rank)."""
+    for layer, load in zip(layers, counts.to(torch.float32), strict=True):
+        if layer.cfg.balance == "bias":
+            layer.expert_bias += layer.cfg.bias_rate * torch.sign(load.mean() - load).to(layer.expert_bias.device)
+
+
+class Routers:
+    """One step's router bookkeeping for the step: the balancing loss of each micro batch (over the global batch),
+    the step's loads for the bias update and the metrics."""
+
+    def __init__(self, layers: list[MoE], group: dist.ProcessGroup | None, micro_batches: int) -> None:
+        self.layers, self.group, self.micro_batches = layers, group, micro_batches
+        self.cfg = layers[0].cfg
+        self.counts: torch.Tensor | None = None
+        self.aux, self.dropped = 0.0, 0
+
+    def loss(self) -> torch.Tensor | None:
+        """After a micro batch's forward: what to add to its objective (aux_loss balance), else None."""
+        b = balance(self.layers, self.group)
+        self.counts = b.counts if self.counts is None else self.counts + b.counts
+        self.aux += b.aux_loss.item() / self.micro_batches
+        self.dropped += b.dropped
+        if self.cfg.balance != "aux_loss":
+            return None
+        return b.aux_loss * (self.cfg.aux_loss_coef / self.micro_batches)
+
+    def update_bias(self) -> None:
+        if self.cfg.balance == "bias" and self.counts is not None:
+            update_bias(self.layers, self.counts)
+
+    def metrics(self) -> dict[str, float | list[int]]:
+        """moe_aux_loss (summed over layers, whether or not it is trained on), dropped token slots, the busiest
+        expert's load over the mean (worst layer), and tokens per expert summed over layers."""
+        counts = self.counts.to(torch.float64)
+        return {
+            "moe_aux_loss": self.aux,
+            "moe_dropped": float(self.dropped),
+            "moe_max_load": (counts.max(-1).values / counts.mean(-1)).max().item(),
+            "moe_tokens_per_expert": self.counts.sum(0).tolist(),
+        }

@@ -1,0 +1,134 @@
+"""The MoE block (issue 5): routing against a per-token reference, capacity, scores and bias, the balancing
+loss, the bias update, the plan and the step's metrics. Runs against one process are in tests/worlds/test_moe.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import msgspec
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, TrainConfig
+from shardlab.config import DataConfig, LogConfig
+from shardlab.loop import plan_model, train
+from shardlab.models.llama import Llama, materialize
+from shardlab.models.moe import MoE, balance, update_bias
+
+DIM = 32
+
+
+def block(**moe) -> MoE:
+    cfg = ModelConfig(dim=DIM, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=48, vocab_size=64, moe=MoEConfig(
+        n_experts=4, top_k=2, expert_ffn_dim=24, **moe))  # fmt: skip
+    with torch.device("meta"):
+        model = Llama(cfg)
+    return materialize(model, "cpu", seed=3).model.layers[0].mlp
+
+
+def reference(moe: MoE, x: torch.Tensor, drop: set[tuple[int, int]] = frozenset()) -> torch.Tensor:
+    """Token by token: its top-k experts' SwiGLU outputs weighted by the renormalised scores."""
+    e = moe.experts
+    out = torch.zeros_like(x)
+    logits = x @ moe.router.weight.T
+    scores = logits.softmax(-1) if moe.cfg.score == "softmax" else logits.sigmoid()
+    for t in range(x.shape[0]):
+        chosen = scores[t].topk(moe.cfg.top_k).indices
+        weights = scores[t][chosen] / scores[t][chosen].sum()
+        for w, i in zip(weights, chosen.tolist(), strict=True):
+            if (t, i) not in drop:
+                h = F.silu(x[t] @ e.gate_proj[i].T) * (x[t] @ e.up_proj[i].T)
+                out[t] += w * (h @ e.down_proj[i].T)
+    if moe.shared_expert is not None:
+        out += moe.shared_expert(x)
+    return out
+
+
+@pytest.mark.parametrize("options", [dict(), dict(score="sigmoid"), dict(shared_expert=True)], ids=str)
+def test_routing_matches_a_per_token_reference(options):
+    moe = block(**options)
+    x = torch.randn(2, 5, DIM)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), reference(moe, x.reshape(10, DIM)).view(2, 5, DIM), rtol=1e-5, atol=1e-6)
+    assert moe.stats.dropped == 0 and moe.stats.counts.sum().item() == 10 * 2
+
+
+def test_capacity_drops_the_latest_tokens_and_counts_them():
+    moe = block(capacity_factor=0.5)  # ceil(0.5 x 12 x 2 / 4) = 3 slots per expert
+    x = torch.randn(12, DIM)
+    with torch.no_grad():
+        got = moe(x[None])[0]
+        chosen = (x @ moe.router.weight.T).softmax(-1).topk(2).indices
+    seen: dict[int, int] = {}
+    drop = set()
+    for t in range(12):
+        for i in chosen[t].tolist():
+            seen[i] = seen.get(i, 0) + 1
+            if seen[i] > 3:
+                drop.add((t, i))
+    with torch.no_grad():
+        torch.testing.assert_close(got, reference(moe, x, drop), rtol=1e-5, atol=1e-6)
+    assert moe.stats.dropped == len(drop) > 0
+
+
+def test_bias_steers_the_choice_but_not_the_weights():
+    moe = block(score="sigmoid", balance="bias")
+    moe.expert_bias[:] = torch.tensor([100.0, 0.0, 0.0, 0.0])
+    with torch.no_grad():
+        moe(torch.randn(1, 8, DIM))
+    assert moe.stats.counts[0].item() == 8  # every token picks expert 0 as one of its two
+    load = moe.stats.counts.float()
+    update_bias([moe], moe.stats.counts[None])
+    want = torch.tensor([100.0, 0.0, 0.0, 0.0]) + 1e-3 * torch.sign(load.mean() - load)  # busy down, idle up
+    torch.testing.assert_close(moe.expert_bias, want)
+    assert moe.expert_bias[0].item() < 100.0
+
+
+def test_balancing_loss_is_one_for_uniform_scores():
+    moe = block()
+    with torch.no_grad():
+        moe.router.weight.zero_()
+    moe(torch.randn(1, 6, DIM))
+    b = balance([moe], None)
+    assert b.aux_loss.item() == pytest.approx(1.0)
+    assert sorted(b.counts[0].tolist()) == [0, 0, 6, 6]  # ties: two experts take every token
+
+
+def test_parameter_counts_and_plan():
+    moe = MoEConfig(n_experts=8, top_k=2, expert_ffn_dim=64, shared_expert=True)
+    cfg = Config(model=ModelConfig(moe=moe))
+    model, plan = plan_model(cfg.resolve(1))
+    assert cfg.model.n_params == sum(p.numel() for p in model.parameters())
+    per_layer_inactive = 6 * 3 * cfg.model.dim * 64
+    assert cfg.model.n_params - cfg.model.n_active_params == cfg.model.n_layers * per_layer_inactive
+    assert plan.param("model.layers.0.mlp.experts.down_proj").shape == (8, 256, 64)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "moe", "message"),
+    [
+        (MeshSpec(), dict(n_experts=2, top_k=3), r"^model\.moe\.top_k=3 exceeds model\.moe\.n_experts=2"),
+        (MeshSpec(dp_shard=1, tp=2), dict(), r"^model\.moe with mesh\.tp, mesh\.pp or mesh\.ep > 1"),
+        (MeshSpec(), dict(capacity_factor=0.0), r"^model\.moe\.capacity_factor=0\.0: must be > 0"),
+    ],
+)
+def test_bad_moe_configs_are_one_line(mesh, moe, message):
+    with pytest.raises(ValueError, match=message):
+        Config(mesh=mesh, model=ModelConfig(moe=MoEConfig(**moe)))
+
+
+def test_a_step_reports_the_routers(tmp_path):
+    model = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=512,
+                        moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=32, capacity_factor=1.0))  # fmt: skip
+    cfg = Config(
+        model=model, train=TrainConfig(steps=3, global_batch=4, seq_len=32, run_dir=str(tmp_path / "{name}")),
+        log=LogConfig(wandb="disabled", progress=False), data=DataConfig(source="stdlib"),
+    )  # fmt: skip
+    history = train(cfg)
+    assert all(math.isfinite(m["moe_aux_loss"]) and m["moe_max_load"] >= 1 for m in history)
+    assert sum(history[0]["moe_tokens_per_expert"]) == 2 * 4 * 32 * 2  # layers x tokens x top_k
+    line = json.loads((tmp_path / cfg.name / "metrics.jsonl").read_text().splitlines()[-1])
+    assert len(line["moe_tokens_per_expert"]) == 4
+    assert msgspec.json.decode((tmp_path / cfg.name / "config.json").read_bytes(), type=Config) == cfg.resolve(1)
