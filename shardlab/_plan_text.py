@@ -96,7 +96,7 @@ def table(plan: Plan, collapse: bool = True) -> str:
         out += [
             "",
             f"Context parallel over cp={plan.mesh.cp}: {c.attention} attention in {len(c.modules)} modules "
-            f"({', '.join(sorted({_layer_glob(m) for m in c.modules}))}); sequence load-balanced={c.load_balanced}",
+            f"({', '.join(sorted({_layer_glob(m) for m in c.modules}))}); each rank holds sequence chunks r and 2cp-1-r",
         ]
     extras = [
         f"loss_parallel={plan.loss_parallel}",

@@ -47,7 +47,8 @@ class MoEConfig(Frozen):
 
     n_experts: Positive = 8
     top_k: Positive = 2
-    """Experts each token is sent to; their outputs are summed with the router's (renormalised) weights."""
+    """Experts each token is sent to; their outputs are summed with the router's scores (renormalised over the
+    chosen experts when top_k > 1; a single expert is weighted by its raw score, so the router learns)."""
     expert_ffn_dim: Positive = 256
     """Hidden width of each expert's SwiGLU."""
     score: Literal["softmax", "sigmoid"] = "softmax"
@@ -55,7 +56,8 @@ class MoEConfig(Frozen):
     shared_expert: bool = False
     """Add a dense SwiGLU of width model.ffn_dim that every token goes through (Qwen-MoE, DeepSeek)."""
     balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
-    """aux_loss: add aux_loss_coef x E x sum_e(tokens share_e x mean score_e) over the global batch (Switch);
+    """aux_loss: add aux_loss_coef x E x sum_e(tokens share_e x mean score_e) over each global micro batch (the
+    micro batch of every data-parallel rank together; Switch);
     bias: the auxiliary-loss-free scheme, a per-expert bias on the selection scores nudged each step towards
     even loads (DeepSeek-V3); none."""
     aux_loss_coef: float = 0.01
@@ -380,6 +382,11 @@ class Config(Frozen):
                 raise ValueError(
                     f"mesh.cp={cp} with mesh.pp={self.mesh.pp}: context parallelism inside pipeline stages is not "
                     "supported yet; use one of them"
+                )
+            if self.checkpoint.init_from_hf is not None:
+                raise ValueError(
+                    f"checkpoint.init_from_hf with mesh.cp={cp}: reading Hugging Face weights into FSDP's dp_shard x cp "
+                    "shards is not supported yet; start from a one-process run's checkpoint, or set mesh.cp=1"
                 )
         if self.mesh.is_resolved:
             self._check_batch(self.mesh.size("dp"))

@@ -18,7 +18,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_gather_single_autograd
+
+try:
+    from torch.distributed._functional_collectives import all_gather_single_autograd
+except ImportError:  # torch < 2.13 (GPU images that ship an older build) names it all_gather_tensor_autograd
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd as all_gather_single_autograd
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -36,13 +40,16 @@ def all_gather_attention(group: dist.ProcessGroup) -> Attend:
     """An `Attention.attend` for a cp group: gather every rank's K and V (in rank order, with their positions)
     and let each local query see the keys at or before its own position."""
     cp = dist.get_world_size(group)
+    gathered: dict[tuple[int, torch.device], torch.Tensor] = {}  # every rank's positions, in rank order
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         seq_len = positions.numel() * cp
         k = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=group)
         v = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=group)
-        keys = torch.cat([cp_positions(seq_len, cp, r, positions.device) for r in range(cp)])
-        mask = keys[None, :] <= positions[:, None]  # [local queries, all keys]
+        where = (seq_len, positions.device)
+        if where not in gathered:
+            gathered[where] = torch.cat([cp_positions(seq_len, cp, r, positions.device) for r in range(cp)])
+        mask = gathered[where][None, :] <= positions[:, None]  # [local queries, all keys]
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)

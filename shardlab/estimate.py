@@ -62,7 +62,7 @@ def fsdp_buffer_bytes(plan: Plan) -> int:
     f = plan.fsdp
     if f is None:
         return 0
-    shards = plan.mesh.size("dp_shard")
+    shards = plan.mesh.size("dp_shard_cp")  # FSDP shards over dp_shard x cp
     numel: Counter[str | None] = Counter()
     if plan.pipeline is not None:
         held = {s.index for s in plan.pipeline.stages_of(busiest_pp_rank(plan))}

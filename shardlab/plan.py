@@ -101,9 +101,8 @@ class ContextPlan(Frozen):
     attention: Literal["all_gather_kv"]
     """all_gather_kv: gather K and V over cp and mask by position (shardlab.context; runs on every backend)."""
     modules: tuple[str, ...]
-    """The attention modules whose `attend` is replaced."""
-    load_balanced: bool = True
-    """Each rank holds sequence chunks r and 2 cp - 1 - r, so causal attention costs every rank the same."""
+    """The attention modules whose `attend` is replaced. Each cp rank holds sequence chunks r and 2 cp - 1 - r,
+    so causal attention costs every rank the same (shardlab.context)."""
 
 
 class Plan(Frozen):

@@ -1,7 +1,8 @@
 """probe(cfg) -> Probe: run one micro batch of the real layout on fake tensors and record what happens.
 
 The estimator's measurements, so they cannot drift from what `apply` and `step` do: in a fake world of
-the config's size (this process is rank 0, the worst rank), the model is planned, built on the meta
+the config's size (this process is rank 0, the worst rank; with pipelines, the first rank of the busiest pp
+rank), the model is planned, built on the meta
 device, parallelized by `apply`, given fake storage, and one micro batch goes through `forward_backward`
 (with pipeline stages: through each stage this pp rank runs, as torch's PipelineStage would; the schedule's
 order and its sends are left to shardlab.estimate). A dispatch mode (torch's CommDebugMode, which also
@@ -40,6 +41,7 @@ from shardlab.apply import apply, check_supported, stage_modules
 from shardlab.config import Config
 from shardlab.context import cp_positions
 from shardlab.mesh import AXES, FLAT_VIEWS, flat_view, make_mesh
+from shardlab.metrics import module_flops
 from shardlab.models.llama import Llama
 from shardlab.models.llama_rules import llama_rules
 from shardlab.plan import Plan, make_plan
@@ -97,7 +99,8 @@ class Collective(Frozen):
 
 
 class Probe(Frozen):
-    """One micro batch of forward + backward on rank 0 (the worst rank), for the whole model."""
+    """One micro batch of forward + backward on the probed rank, for the whole model (with pipelines: for the
+    probed pp rank's stages)."""
 
     collectives: tuple[Collective, ...]
     flops: int
@@ -243,7 +246,10 @@ def _probe_layers(cfg: Config, rules: Rules | None, mesh: DeviceMesh, n_layers: 
         )  # fmt: skip
     with torch.device("meta"):
         model = Llama(cfg.model)
-    plan = make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan)
+    flops = None
+    if cfg.mesh.pp > 1 and cfg.plan.pp_balance == "flops":  # the model as configured: its stages split by FLOPs
+        flops = module_flops(model, torch.zeros(1, cfg.train.seq_len, dtype=torch.long, device="meta"))
+    plan = make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan, flops)
     apply(model, plan, mesh)
     dp = cfg.mesh.size("dp")
     micro = plan.pipeline.microbatches if plan.pipeline is not None else cfg.train.grad_accum(dp)
@@ -319,7 +325,8 @@ def probe(
     pp_rank: int = 0,
     blocks: int | None = None,
 ) -> Probe:
-    """What one micro batch of `cfg` (resolved: its mesh names the world) does on rank 0, for the whole model.
+    """What one micro batch of `cfg` (resolved: its mesh names the world) does on rank 0, for the whole model
+    (with pipelines: on the first rank of pp rank `pp_rank`, for its stages).
 
     rules: the layout (default: llama_rules); they must not depend on the number of blocks. forward_only stops
     after the forward: only activation_bytes and the forward's collectives and ops are then filled.

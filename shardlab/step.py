@@ -2,7 +2,8 @@
 
 Everything `step` reads is in its arguments; everything it changes is in, or owned by, the state it
 returns. The learning rate is a pure function of `state.step`. The loss is averaged over every token
-of the global batch, so a change of layout or of gradient accumulation never changes the maths.
+of the global batch, so a change of layout or of gradient accumulation never changes the maths (an MoE
+model's balancing loss is taken per global micro batch: a change of train.micro_batch changes it).
 """
 
 from __future__ import annotations

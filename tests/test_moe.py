@@ -21,8 +21,8 @@ DIM = 32
 
 
 def block(**moe) -> MoE:
-    cfg = ModelConfig(dim=DIM, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=48, vocab_size=64, moe=MoEConfig(
-        n_experts=4, top_k=2, expert_ffn_dim=24, **moe))  # fmt: skip
+    moe = dict(n_experts=4, top_k=2, expert_ffn_dim=24) | moe
+    cfg = ModelConfig(dim=DIM, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=48, vocab_size=64, moe=MoEConfig(**moe))
     with torch.device("meta"):
         model = Llama(cfg)
     return materialize(model, "cpu", seed=3).model.layers[0].mlp
@@ -132,3 +132,10 @@ def test_a_step_reports_the_routers(tmp_path):
     line = json.loads((tmp_path / cfg.name / "metrics.jsonl").read_text().splitlines()[-1])
     assert len(line["moe_tokens_per_expert"]) == 4
     assert msgspec.json.decode((tmp_path / cfg.name / "config.json").read_bytes(), type=Config) == cfg.resolve(1)
+
+
+def test_a_single_expert_per_token_still_trains_the_router():
+    """top_k=1 weights the expert by its raw score: renormalising would make it 1 and cut the router's gradient."""
+    moe = block(top_k=1, balance="none")
+    moe(torch.randn(1, 6, DIM)).sum().backward()
+    assert moe.router.weight.grad.abs().max().item() > 1e-4

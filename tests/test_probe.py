@@ -84,3 +84,12 @@ def test_groups_within_a_node_use_nvlink():
 def test_unknown_device_is_one_line():
     with pytest.raises(ValueError, match=r"^--device 'tpu' is unknown; choose one of h100, h200, a100, b200$"):
         device("tpu")
+
+
+def test_pipelines_balanced_by_flops_are_estimated():
+    """The probe plans the model as configured, so it needs the FLOPs too (a small model is probed whole)."""
+    c = cfg(MeshSpec(pp=2, dp_shard=1), n_layers=4, pp_balance="flops").resolve(2)
+    _, plan = plan_model(c)
+    e = estimate(c, plan)
+    assert e.micro_batches == plan.pipeline.microbatches == 2
+    assert {x.axis for x in e.collectives} == {"pp"}

@@ -143,9 +143,9 @@ class LlamaBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.self_attn = Attention(cfg)
-        self.mlp: nn.Module = MLP(cfg)
-        if cfg.moe is not None:
-            self.mlp = MoE(cfg, shared_expert=MLP(cfg) if cfg.moe.shared_expert else None)
+        self.mlp: nn.Module = (
+            MLP(cfg) if cfg.moe is None else MoE(cfg, shared_expert=MLP(cfg) if cfg.moe.shared_expert else None)
+        )
         self.input_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
@@ -198,9 +198,9 @@ class Llama(nn.Module):
         Projections into a block get std init_std; projections out of it (o, down) and up_proj get
         init_std / sqrt(2 (layer_id + 1)); all cut at 3 std. A tied matrix gets the output-projection
         init (std dim**-0.5), because std-1 embeddings as the head would give logits of std sqrt(dim).
-        Each parameter is drawn after seeding torch's RNG with (seed, its name), so a weight does not depend on
-        which others exist: a pipeline rank that pruned the other stages draws the same weights as one process.
-        The caller's RNG state is restored. Works on plain tensors and on DTensors (in-place init only).
+        Each parameter is drawn from its own generator, seeded with (seed, its name), so a weight does not depend
+        on which others exist: a pipeline rank that pruned the other stages draws the same weights as one
+        process. torch's global RNG is left alone. Works on plain tensors and on DTensors (in-place init only).
         """
         cfg, embed = self.cfg, self.model.embed_tokens
         both = isinstance(embed, nn.Embedding) and isinstance(self.lm_head, nn.Linear)  # not pruned by a pipeline
@@ -218,28 +218,26 @@ class Llama(nn.Module):
             if isinstance(block, MoE) and hasattr(block, "expert_bias"):
                 block.expert_bias.zero_()
         draws = list(self._draws())
-        if not draws:
-            return
-        device = draws[0][1].device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-            for name, weight, draw in draws:
-                torch.manual_seed(param_seed(seed, name))
-                draw(weight)
+        missed = {name for name, _ in self.named_parameters()} - {name for name, _, _ in draws}
+        if missed:
+            raise ValueError(f"Llama.init_weights: no initialiser for {sorted(missed)[0]}; add it to Llama._draws")
+        for name, weight, draw in draws:
+            draw(weight, torch.Generator(device=weight.device).manual_seed(param_seed(seed, name)))
 
-    def _draws(self) -> Iterator[tuple[str, torch.Tensor, Callable[[torch.Tensor], Any]]]:
+    def _draws(self) -> Iterator[tuple[str, torch.Tensor, Init]]:
         """(name, parameter, initialiser) for every parameter present (pruned pipeline stages are nn.Identity)."""
         cfg = self.cfg
         head_std = cfg.dim**-0.5
 
-        def trunc(std: float) -> Callable[[torch.Tensor], None]:
-            return lambda w: _trunc_normal(w, std)
+        def trunc(std: float) -> Init:
+            return lambda w, g: _trunc_normal(w, std, g)
 
         for name, module in self.named_modules():
             if isinstance(module, nn.Embedding):
-                init = trunc(head_std) if cfg.tie_embeddings else (lambda w: nn.init.normal_(w, mean=0.0, std=1.0))
+                init = trunc(head_std) if cfg.tie_embeddings else (lambda w, g: nn.init.normal_(w, 0.0, 1.0, g))
                 yield f"{name}.weight", module.weight, init
             elif isinstance(module, nn.RMSNorm):
-                yield f"{name}.weight", module.weight, nn.init.ones_
+                yield f"{name}.weight", module.weight, lambda w, g: nn.init.ones_(w)
             elif isinstance(module, LlamaBlock):
                 depth_std = cfg.init_std / math.sqrt(2 * (module.layer_id + 1))
                 mlps = ("mlp",) if cfg.moe is None else ("mlp.shared_expert",) if cfg.moe.shared_expert else ()
@@ -271,8 +269,12 @@ def materialize(model: Llama, device: torch.device | str = "cpu", seed: int = 0)
     return model
 
 
-def _trunc_normal(w: torch.Tensor, std: float) -> None:
-    nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std)
+Init = Callable[[torch.Tensor, torch.Generator], Any]
+"""Fills a parameter in place, drawing from the generator."""
+
+
+def _trunc_normal(w: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
 
 
 def _fill_tied_head(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:

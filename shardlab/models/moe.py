@@ -2,7 +2,8 @@
 
 Stacked weights let a PartitionSpec shard the expert dim like any other (`P("ep", None, None)` once expert
 parallelism lands). Each forward leaves its router statistics on the module (`stats`); the step reads them
-to add the load-balancing loss over the global batch, update the auxiliary-loss-free bias and log the load.
+to add the load-balancing loss over each global micro batch, update the auxiliary-loss-free bias from the
+step's loads and log them.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class MoE(nn.Module):
     """Router (`router`, [E, dim]), experts, an optional dense `shared_expert`; x [b, s, dim] -> [b, s, dim].
 
     Each token goes to the top_k experts by score (plus `expert_bias` under balance="bias", which only
-    steers the choice); their outputs are summed with the chosen scores renormalised to 1.
+    steers the choice); their outputs are summed with the chosen scores, renormalised to 1 when top_k > 1.
     """
 
     def __init__(self, cfg: ModelConfig, shared_expert: nn.Module | None = None) -> None:
@@ -78,7 +79,8 @@ class MoE(nn.Module):
         choose = scores + self.expert_bias if m.balance == "bias" else scores
         chosen = choose.topk(m.top_k, dim=-1).indices  # [T, k]
         weights = scores.gather(1, chosen)
-        weights = weights / weights.sum(-1, keepdim=True)
+        if m.top_k > 1:  # renormalised over the chosen; one expert keeps its raw score (its only gradient path)
+            weights = weights / weights.sum(-1, keepdim=True)
         expert_of = chosen.flatten()  # slots, token-major
         order = torch.argsort(expert_of, stable=True)  # by expert, then token
         counts = torch.bincount(expert_of, minlength=m.n_experts)
@@ -105,7 +107,7 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 class Balance(NamedTuple):
-    """The router statistics of one micro batch over the global batch (every rank holding other tokens)."""
+    """The router statistics of one global micro batch (this micro batch of every rank holding other tokens)."""
 
     aux_loss: torch.Tensor
     """Summed over layers: E x sum_e(share of slots_e x mean score_e); differentiable, the same on every rank."""
@@ -152,7 +154,7 @@ def update_bias(layers: list[MoE], counts: torch.Tensor) -> None:
 
 
 class Routers:
-    """One step's router bookkeeping for the step: the balancing loss of each micro batch (over the global batch),
+    """One step's router bookkeeping for the step: the balancing loss of each global micro batch,
     the step's loads for the bias update and the metrics."""
 
     def __init__(self, layers: list[MoE], group: dist.ProcessGroup | None, micro_batches: int) -> None:
