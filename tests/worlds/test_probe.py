@@ -101,17 +101,17 @@ def fsdp_cp(rank, world_size):
     return real(rank, world_size, "fsdp_cp")
 
 
-PIPELINES = {
-    "pp_fsdp_1f1b": (MeshSpec(pp=2, dp_shard=2), dict()),
-    "pp_fsdp_interleaved": (MeshSpec(pp=2, dp_shard=2), dict(pp_schedule="interleaved_1f1b", pp_stages_per_rank=2)),
-    "pp_tp_sp_gpipe": (MeshSpec(pp=2, dp_shard=1, tp=2), dict(pp_schedule="gpipe", pp_microbatches=4)),
+PIPELINES = {  # (mesh, plan options, blocks): 8 blocks where FSDP's buffers must outweigh the step's other ones
+    "pp_fsdp_1f1b": (MeshSpec(pp=2, dp_shard=2), dict(), 8),
+    "pp_fsdp_interleaved": (MeshSpec(pp=2, dp_shard=2), dict(pp_schedule="interleaved_1f1b", pp_stages_per_rank=2), 4),
+    "pp_tp_sp_gpipe": (MeshSpec(pp=2, dp_shard=1, tp=2), dict(pp_schedule="gpipe", pp_microbatches=4), 4),
 }
 
 
 def pipeline_config(name: str) -> Config:
-    mesh, plan = PIPELINES[name]
+    mesh, plan, blocks = PIPELINES[name]
     cfg = tiny(mesh, **plan)
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, n_layers=8))
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, n_layers=blocks))
 
 
 def nbytes(tensors) -> int:
