@@ -1,5 +1,7 @@
 """Context parallelism: each `cp` rank holds a slice of every sequence, and attention gathers the keys.
 
+`context_plan` is the planner's part (which attention modules, which algorithm); the rest runs at train time.
+
 Causal attention makes late tokens costlier than early ones, so the sequence is cut into 2 cp chunks and
 cp rank r holds chunks r and 2 cp - 1 - r (a head and a tail): every rank does the same work. The step
 takes each rank's tokens, labels and positions with `cp_positions`; RoPE reads the positions, the loss
@@ -14,10 +16,16 @@ attention kernels.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+
+from shardlab._base import Frozen
+from shardlab.mesh import MeshSpec
+from shardlab.rules import Rules, matches
 
 try:
     from torch.distributed._functional_collectives import all_gather_single_autograd
@@ -25,6 +33,35 @@ except ImportError:  # torch < 2.13 (GPU images that ship an older build) names 
     from torch.distributed._functional_collectives import all_gather_tensor_autograd as all_gather_single_autograd
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ContextPlan(Frozen):
+    """Context parallelism (mesh.cp > 1): how each cp rank's attention sees the whole sequence."""
+
+    attention: Literal["all_gather_kv"]
+    """all_gather_kv: gather K and V over cp and mask by position (shardlab.context; runs on every backend)."""
+    modules: tuple[str, ...]
+    """The attention modules whose `attend` is replaced. Each cp rank holds sequence chunks r and 2 cp - 1 - r,
+    so causal attention costs every rank the same (shardlab.context)."""
+
+
+def context_plan(modules: dict[str, nn.Module], mesh: MeshSpec, rules: Rules) -> ContextPlan | None:
+    """The plan's context parallelism for `modules` (fqn -> module): None when mesh.cp is 1."""
+    if mesh.cp == 1:
+        return None
+    attention = tuple(f for f in modules if any(matches(g, f) for g in rules.attention))
+    if not attention:
+        raise ValueError(
+            f"mesh.cp={mesh.cp} needs rules.attention to name the attention modules whose `attend` context "
+            "parallelism replaces (e.g. 'model.layers.*.self_attn')"
+        )
+    missing = [f for f in attention if not hasattr(modules[f], "attend")]
+    if missing:
+        raise ValueError(
+            f"mesh.cp={mesh.cp}: {missing[0]} has no `attend(q, k, v, positions)` to replace; context "
+            "parallelism needs the model's attention to call it"
+        )
+    return ContextPlan(attention="all_gather_kv", modules=attention)
 
 
 def cp_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:

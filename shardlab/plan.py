@@ -18,6 +18,7 @@ from torch import nn
 from shardlab import _plan_text
 from shardlab._base import Frozen, to_json
 from shardlab.config import PlanConfig
+from shardlab.context import ContextPlan, context_plan
 from shardlab.mesh import MeshSpec
 from shardlab.pipeline import ZERO_BUBBLE, PipelinePlan, pipeline_plan
 from shardlab.rules import Activation, Rules, logical_to_spec, matches, resolve
@@ -93,16 +94,6 @@ class FsdpPlan(Frozen):
     param_dtype: str
     reduce_dtype: str
     cpu_offload: bool
-
-
-class ContextPlan(Frozen):
-    """Context parallelism (mesh.cp > 1): how each cp rank's attention sees the whole sequence."""
-
-    attention: Literal["all_gather_kv"]
-    """all_gather_kv: gather K and V over cp and mask by position (shardlab.context; runs on every backend)."""
-    modules: tuple[str, ...]
-    """The attention modules whose `attend` is replaced. Each cp rank holds sequence chunks r and 2 cp - 1 - r,
-    so causal attention costs every rank the same (shardlab.context)."""
 
 
 class Plan(Frozen):
@@ -260,21 +251,7 @@ def make_plan(
                 f"plan.pp_schedule={options.pp_schedule!r} computes weight gradients after FSDP has resharded the "
                 "weights (wrong gradients); set plan.reshard_after_forward=False, or use a schedule without zero bubble"
             )
-    context = None
-    if mesh.cp > 1:
-        attention = tuple(f for f in modules if any(matches(g, f) for g in rules.attention))
-        if not attention:
-            raise ValueError(
-                f"mesh.cp={mesh.cp} needs rules.attention to name the attention modules whose `attend` context "
-                "parallelism replaces (e.g. 'model.layers.*.self_attn')"
-            )
-        missing = [f for f in attention if not hasattr(modules[f], "attend")]
-        if missing:
-            raise ValueError(
-                f"mesh.cp={mesh.cp}: {missing[0]} has no `attend(q, k, v, positions)` to replace; context "
-                "parallelism needs the model's attention to call it"
-            )
-        context = ContextPlan(attention="all_gather_kv", modules=attention)
+    context = context_plan(modules, mesh, rules)
     for option, on in (
         ("activation_checkpoint", options.activation_checkpoint != "none"),
         ("compile", options.compile),
