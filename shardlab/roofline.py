@@ -6,8 +6,8 @@ The model, stated so it can be argued with:
 - A collective over n ranks moves (n - 1) / n of its buffer per rank (ring; all-reduce twice that; a pipeline
   send all of it) at the group's link bandwidth: NVLink when the group's ranks share a node, else the node's network per GPU.
   Mesh axes are laid out as `MeshSpec` orders them (tp innermost), GPUS_PER_NODE to a node.
-- FSDP's collectives (dp axes) overlap with compute (prefetch): they cost only what exceeds it. TP's are on
-  the critical path (eager TP, no async TP). Scalar all-reduces of the loss and norm are left out.
+- FSDP's collectives (dp axes) overlap with compute (prefetch): they cost only what exceeds it. TP's and CP's
+  (K/V all-gathers) are on the critical path (eager TP, no async TP, no overlap of the gathers). Scalar all-reduces of the loss and norm are left out.
 - Pipelines: the sends between stages are on the critical path; the rank idles the schedule's analytic
   bubble fraction of the step (shardlab.pipeline.bubble_fraction), the optimizer step comes after.
 - The AdamW step streams 7 fp32 words per local parameter (read p, g, m, v; write p, m, v) through HBM.
