@@ -21,7 +21,7 @@ from shardlab.config import Config
 from shardlab.metrics import model_flops_per_token
 from shardlab.pipeline import in_flight
 from shardlab.plan import Plan
-from shardlab.probe import Collective, probe
+from shardlab.probe import Collective, probe, stage_boundary
 from shardlab.roofline import DP_AXES, Device, StepTime, collective_seconds, step_time
 from shardlab.rules import Rules
 from shardlab.schedule import stage_actions
@@ -201,15 +201,12 @@ def busiest_pp_rank(plan: Plan) -> int:
 
 def _pipeline_sends(cfg: Config, plan: Plan, micro: int) -> list[Collective]:
     """The busiest pp rank's sends per step: each micro batch's output to the next stage (forward) and its input
-    gradient to the previous one (backward), where that stage is on another rank; one residual-stream tensor
-    (sequence-sharded under SP), in the parameters' compute dtype."""
+    gradient to the previous one (backward), where that stage is on another rank (`probe.stage_boundary`)."""
     pipe = plan.pipeline
     ranks = [s.pp_rank for s in pipe.stages]
     busiest = busiest_pp_rank(plan)
-    tp = cfg.mesh.tp if cfg.plan.sequence_parallel else 1
-    rows = cfg.train.global_batch // cfg.mesh.size("dp") // micro
-    dtype = DTYPE_BYTES[plan.fsdp.param_dtype] if plan.fsdp is not None else 4
-    nbytes = rows * cfg.train.seq_len * cfg.model.dim // tp * dtype
+    shape, dtype = stage_boundary(cfg, plan, cfg.train.global_batch // cfg.mesh.size("dp") // micro)
+    nbytes = math.prod(shape) * dtype.itemsize
     forward = sum(1 for s in pipe.stages_of(busiest) if s.index + 1 < len(ranks) and ranks[s.index + 1] != busiest)
     backward = sum(1 for s in pipe.stages_of(busiest) if s.index > 0 and ranks[s.index - 1] != busiest)
     return [

@@ -275,6 +275,14 @@ def _probe_layers(cfg: Config, rules: Rules | None, mesh: DeviceMesh, n_layers: 
     return recorder
 
 
+def stage_boundary(cfg: Config, plan: Plan, rows: int) -> tuple[tuple[int, int, int], torch.dtype]:
+    """Shape and dtype of what one pipeline stage hands the next for a micro batch of `rows` sequences: the
+    residual stream (sequence-sharded over tp under SP), in the parameters' compute dtype."""
+    sp = cfg.mesh.tp if cfg.plan.sequence_parallel else 1
+    dtype = getattr(torch, plan.fsdp.param_dtype) if plan.fsdp is not None else torch.float32
+    return (rows, cfg.train.seq_len // sp, cfg.model.dim), dtype
+
+
 def _stages_forward_backward(
     model: nn.Module,
     plan: Plan,
@@ -289,9 +297,7 @@ def _stages_forward_backward(
     SP); the last stage's loss is backpropagated, the others' outputs get a gradient from the next stage."""
     stages = plan.pipeline.stages_of(mesh["pp"].get_local_rank())
     last = len(plan.pipeline.stages) - 1
-    sp = cfg.mesh.tp if cfg.plan.sequence_parallel else 1
-    dtype = getattr(torch, plan.fsdp.param_dtype) if plan.fsdp is not None else torch.float32
-    hidden = (tokens.shape[0], tokens.shape[1] // sp, cfg.model.dim)
+    hidden, dtype = stage_boundary(cfg, plan, tokens.shape[0])
     outputs = []
     with loss_parallel() if plan.loss_parallel else contextlib.nullcontext():
         for module, stage in zip(stage_modules(model), stages, strict=True):
