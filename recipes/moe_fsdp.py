@@ -2,7 +2,7 @@
 softmax router and the Switch load-balancing loss over the global batch (same loss curve as one rank, fp32).
 metrics.jsonl records the balancing loss, the busiest expert's load and tokens per expert. Try
 --model.moe.balance bias (DeepSeek-V3's auxiliary-loss-free balancing) or --model.moe.shared-expert True.
-Expert parallelism (mesh.ep) is not implemented yet."""
+Expert parallelism: recipes/moe_ep.py."""
 
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, TrainConfig
 

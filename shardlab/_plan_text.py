@@ -11,14 +11,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec
-from shardlab.spec import Entry, P
+from shardlab.mesh import FLAT_VIEWS, ExpertMeshSpec, MeshSpec
+from shardlab.spec import Entry, P, Spec
 
 if TYPE_CHECKING:
     from shardlab.plan import Plan
     from shardlab.rules import Rules
-
-Spec = tuple[Entry, ...]
 
 
 def explain(plan: Plan, fqn: str) -> str:
@@ -37,7 +35,7 @@ def explain(plan: Plan, fqn: str) -> str:
             + (" (padded)" if p.padded else "")
         )
     lines.append(
-        f"  placements {_placements_text(p.placements, plan.mesh)}  local {p.local_shape}  {p.bytes_per_rank:,} bytes/rank"
+        f"  placements {_placements_text(p.placements, plan.mesh.experts if p.expert else plan.mesh)}  local {p.local_shape}  {p.bytes_per_rank:,} bytes/rank"
     )
     lines += [f"  alias {a}" for a in p.aliases]
     return "\n".join(lines)
@@ -58,7 +56,7 @@ def table(plan: Plan, collapse: bool = True) -> str:
                 fqn + (f" (x{count})" if count > 1 else ""),
                 "x".join(map(str, p.shape)),
                 _spec_text(p.spec),
-                _placements_text(p.placements, plan.mesh),
+                _placements_text(p.placements, plan.mesh.experts if p.expert else plan.mesh),
                 "x".join(map(str, p.local_shape)),
                 f"{p.bytes_per_rank / 2**20:.2f}",
                 "-" if p.rule is None else str(p.rule),
@@ -97,6 +95,14 @@ def table(plan: Plan, collapse: bool = True) -> str:
             "",
             f"Context parallel over cp={plan.mesh.cp}: {c.attention} attention in {len(c.modules)} modules "
             f"({', '.join(sorted({_layer_glob(m) for m in c.modules}))}); each rank holds sequence chunks r and 2cp-1-r",
+        ]
+    if plan.experts is not None:
+        e = plan.experts
+        out += [
+            "",
+            f"Expert parallel over ep={e.ep} (of dp_shard x cp): all-to-all dispatch in {len(e.modules)} modules "
+            f"({', '.join(sorted({_layer_glob(m) for m in e.modules}))}); FSDP over {' x '.join(e.fsdp_axes)}, "
+            f"gradients divided by {e.gradient_divide_factor}",
         ]
     extras = [
         f"loss_parallel={plan.loss_parallel}",
@@ -144,8 +150,8 @@ def _spec_text(spec: Spec | None) -> str:
     return "P(" + ", ".join(entry(e) for e in spec) + ")"
 
 
-def _placements_text(pl: tuple[str, ...], mesh: MeshSpec) -> str:
-    shown = [f"{a}:{p}" for a, p, s in zip(AXES, pl, mesh.axis_sizes) if s > 1]
+def _placements_text(pl: tuple[str, ...], mesh: MeshSpec | ExpertMeshSpec) -> str:
+    shown = [f"{a}:{p}" for a, p, s in zip(mesh.axis_names, pl, mesh.axis_sizes) if s > 1]
     return " ".join(shown) or "R"
 
 

@@ -1,7 +1,7 @@
 """apply(model, plan, mesh): the one door to torch's parallel APIs, in the order the layout needs.
 
 this rank's pipeline stages (the other stages' modules become nn.Identity) -> TP/SP (`parallelize_module`)
--> context-parallel attention (`shardlab.context`)
+-> context-parallel attention (`shardlab.context`) -> expert parallelism (`shardlab.experts`)
 -> activation checkpointing -> compile -> FSDP/HSDP (`fully_shard` per unit, then the root: the model, or each
 StageModule when a rank runs several stages). The pipeline
 schedule itself runs in the step (shardlab.schedule). Also the JAX-like helpers `shard` (device_put with a spec) and
@@ -29,14 +29,14 @@ from torch.distributed.tensor.placement_types import Placement
 
 from shardlab._checkpoint import checkpoint as checkpoint_module
 from shardlab.context import all_gather_attention
-from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec, flat_view, mesh_spec_of
+from shardlab.experts import all_to_all_dispatch
+from shardlab.mesh import AXES, EXPERT_AXES, FLAT_VIEWS, MeshSpec, expert_mesh, flat_view, mesh_spec_of
 from shardlab.pipeline import StagePlan
-from shardlab.plan import ModulePlan, Plan, Spec
-from shardlab.spec import P, check_shape, expand, placements
+from shardlab.plan import Plan
+from shardlab.spec import P, Spec, check_shape, expand, placements
+from shardlab.styles import ModulePlan
 
-NOT_YET = {
-    "ep": "expert parallelism is not implemented yet (issue 5)",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def check_supported(mesh: MeshSpec) -> None:
@@ -71,6 +71,8 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
         for fqn in plan.context.modules:
             if kept is None or _in_stages(fqn, kept):
                 model.get_submodule(fqn).attend = attend
+    if plan.experts is not None:
+        _expert_parallel(model, plan, mesh)
     # Block indices count over the whole model, so selective checkpointing picks the same blocks in every layout.
     blocks = [(i, model.get_submodule(f)) for i, f in enumerate(plan.blocks) if kept is None or _in_stages(f, kept)]
     for i, block in blocks:
@@ -95,6 +97,14 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
             mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(f.param_dtype), reduce_dtype=_dtype(f.reduce_dtype)),
             offload_policy=CPUOffloadPolicy() if f.cpu_offload else OffloadPolicy(),
         )
+        if plan.experts is not None:  # before their blocks: a block's unit leaves out what is sharded already
+            e = plan.experts
+            on = expert_mesh(mesh, e.fsdp_axes)
+            for fqn in e.modules:
+                experts = fully_shard(model.get_submodule(fqn), **(kwargs | {"mesh": on}))
+                experts.set_gradient_divide_factor(float(e.gradient_divide_factor))
+                # Sum, then divide: gloo has no PREMUL_SUM. Not over one shard: torch 2.13 would divide twice.
+                experts.set_force_sum_reduction_for_comms(on.size(on.ndim - 1) > 1)
         for unit in f.units:
             modules = [model.get_submodule(m) for m in unit]
             modules = [m for m in modules if next(m.parameters(), None) is not None]  # other stages' are Identity
@@ -122,6 +132,22 @@ class StageModule(nn.Module):
         for part in self.parts:
             x = part(x)
         return x
+
+
+def _expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
+    """Expert weights become DTensors sharded over ep (and tp) as the plan says, each rank keeping its block of
+    the full weight it holds; their modules dispatch rows to them by all-to-all (shardlab.experts)."""
+    axes = ("ep", "tp") if plan.mesh.tp > 1 else ("ep",)
+    on = expert_mesh(mesh, axes)
+    dispatch = all_to_all_dispatch(expert_mesh(mesh, ("ep",)).get_group())
+    for fqn in plan.experts.modules:
+        module = model.get_submodule(fqn)
+        for name, param in list(module.named_parameters(recurse=False)):
+            full = placements(P(*plan.param(f"{fqn}.{name}").spec), plan.mesh.experts)
+            mine = [full[EXPERT_AXES.index(a)] for a in axes]
+            shard_ = distribute_tensor(param.detach(), on, mine, src_data_rank=None)  # every rank has the full weight
+            module.register_parameter(name, nn.Parameter(shard_, requires_grad=param.requires_grad))
+        module.dispatch = dispatch
 
 
 def stage_modules(model: nn.Module) -> tuple[nn.Module, ...]:

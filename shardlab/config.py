@@ -360,11 +360,19 @@ class Config(Frozen):
                     f"train.seq_len={self.train.seq_len} is not divisible by mesh.tp={tp}; sequence parallel shards the "
                     "sequence over tp: change seq_len, or set plan.sequence_parallel=False"
                 )
-        if m.moe is not None and (tp > 1 or self.mesh.pp > 1 or self.mesh.ep > 1):
+        ep = self.mesh.ep
+        if ep > 1 and m.moe is None:
+            raise ValueError(f"mesh.ep={ep} but the model has no experts; set model.moe, or mesh.ep=1")
+        if ep > 1 and m.moe.n_experts % ep:
             raise ValueError(
-                "model.moe with mesh.tp, mesh.pp or mesh.ep > 1: the MoE model runs on data-parallel layouts (FSDP, "
-                "HSDP, cp) so far; expert and tensor parallelism inside experts and pipelines are not implemented yet "
-                "(issue 5)"
+                f"model.moe.n_experts={m.moe.n_experts} is not divisible by mesh.ep={ep}; each ep rank holds "
+                "n_experts / ep experts: pick an ep that divides it"
+            )
+        if m.moe is not None and (tp > 1 or self.mesh.pp > 1):
+            raise ValueError(
+                "model.moe with mesh.tp or mesh.pp > 1: the MoE model runs on data-parallel and expert-parallel "
+                "layouts (FSDP, HSDP, cp, ep) so far; tensor parallelism and pipelines with experts are not "
+                "implemented yet (issue 5)"
             )
         cp = self.mesh.cp
         if cp > 1:

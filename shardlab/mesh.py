@@ -23,6 +23,10 @@ FLAT_VIEWS: dict[str, tuple[str, ...]] = {
 }
 """Flattened views over several axes, named like axes (the loss is reduced over `batch`)."""
 
+EXPERT_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+"""The expert mesh: the same ranks, with dp_shard x cp cut into (dp_shard_mod_ep, ep) as torchtitan does. Expert
+weights are sharded over ep (their tokens travel there by all-to-all) and FSDP shards them over the rest."""
+
 Size = Annotated[int, msgspec.Meta(ge=-1)]
 
 
@@ -40,7 +44,7 @@ class MeshSpec(Frozen):
     tp: Size = 1
     """Tensor parallel (with sequence parallel for norms when plan.sequence_parallel)."""
     ep: Annotated[int, msgspec.Meta(ge=1)] = 1
-    """Expert parallel, borrowed from dp_shard x cp (not yet supported by apply)."""
+    """Expert parallel: the minor ep ranks of dp_shard x cp each hold 1/ep of every MoE layer's experts."""
 
     def check(self) -> None:
         sizes = {a: getattr(self, a) for a in AXES}
@@ -64,6 +68,20 @@ class MeshSpec(Frozen):
     def axis_names(self) -> tuple[str, ...]:
         """The dims of the mesh `make_mesh` builds, in order (size-1 axes included)."""
         return AXES
+
+    @property
+    def flat_views(self) -> dict[str, tuple[str, ...]]:
+        return FLAT_VIEWS
+
+    @property
+    def experts(self) -> ExpertMeshSpec:
+        """The expert mesh over the same ranks (EXPERT_AXES): dp_shard x cp = dp_shard_mod_ep x ep."""
+        if not self.is_resolved:
+            raise ValueError("mesh: has a -1 axis; call MeshSpec.resolve(world_size) first")
+        return ExpertMeshSpec(
+            pp=self.pp, dp_replicate=self.dp_replicate, dp_shard_mod_ep=self.dp_shard * self.cp // self.ep,
+            ep=self.ep, tp=self.tp,
+        )  # fmt: skip
 
     @property
     def axis_sizes(self) -> tuple[int, ...]:
@@ -150,6 +168,35 @@ class MeshSpec(Frozen):
         return " x ".join(parts) + total
 
 
+class ExpertMeshSpec(Frozen):
+    """Sizes of the expert mesh's axes (EXPERT_AXES), made by `MeshSpec.experts`: the specs of expert weights
+    name these axes, and `spec.placements` lowers them over this mesh as over the main one."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard_mod_ep: int
+    """dp_shard x cp / ep: the ranks that hold the same experts (FSDP shards them over these)."""
+    ep: int
+    tp: int
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return EXPERT_AXES
+
+    @property
+    def flat_views(self) -> dict[str, tuple[str, ...]]:
+        return {}
+
+    @property
+    def axis_sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self, a) for a in EXPERT_AXES)
+
+    def size(self, axis: str) -> int:
+        if axis not in EXPERT_AXES:
+            raise ValueError(f"unknown expert mesh axis {axis!r}; valid axes are {', '.join(EXPERT_AXES)}")
+        return getattr(self, axis)
+
+
 def mesh_spec_of(mesh) -> MeshSpec:
     """The MeshSpec of a DeviceMesh from `make_mesh` or a slice of it (absent axes have size 1)."""
     names = tuple(mesh.mesh_dim_names or ())
@@ -158,7 +205,9 @@ def mesh_spec_of(mesh) -> MeshSpec:
         raise ValueError(
             f"mesh dims {unknown} are not shardlab axes ({', '.join(AXES)}); use a mesh from make_mesh or a slice of it"
         )
-    return MeshSpec(**{a: (mesh.size(names.index(a)) if a in names else 1) for a in AXES})
+    experts = getattr(mesh._get_root_mesh(), "_shardlab_experts", None)
+    ep = experts["ep"].size() if experts is not None else 1
+    return MeshSpec(**{a: (mesh.size(names.index(a)) if a in names else 1) for a in AXES}, ep=ep)
 
 
 def make_mesh(spec: MeshSpec, device_type: str = "cpu"):
@@ -178,7 +227,30 @@ def make_mesh(spec: MeshSpec, device_type: str = "cpu"):
     mesh = init_device_mesh(device_type, spec.axis_sizes, mesh_dim_names=AXES)
     for name, axes in FLAT_VIEWS.items():
         mesh[axes]._flatten(name)
+    if spec.ep > 1:
+        e = spec.experts
+        # torch keeps no unflattened meshes on the root: shardlab keeps the one it made (expert_mesh reads it)
+        mesh._shardlab_experts = flat_view(mesh, "batch")._unflatten(
+            0, (e.dp_replicate, e.dp_shard_mod_ep, e.ep), ("dp_replicate", "dp_shard_mod_ep", "ep")
+        )
     return mesh
+
+
+def expert_mesh(mesh, axes: tuple[str, ...]):
+    """The DeviceMesh over expert mesh axes `axes` (from EXPERT_AXES), with the root `make_mesh(spec)` built for
+    spec.ep > 1: ("ep",) or ("ep", "tp") holds the expert weights, ("dp_shard_mod_ep",) or
+    ("dp_replicate", "dp_shard_mod_ep") is FSDP's mesh for them."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    experts = getattr(mesh._get_root_mesh(), "_shardlab_experts", None)
+    if experts is None:
+        raise ValueError("expert_mesh: this mesh has no expert axes; build it with make_mesh(spec) with spec.ep > 1")
+    parts = [experts[a] if a in experts.mesh_dim_names else mesh[a] for a in axes]
+    if len(parts) == 1:
+        return parts[0]
+    if all(a in experts.mesh_dim_names for a in axes):
+        return experts[axes]
+    return DeviceMesh._concatenate(parts)  # ep x tp: slices of two meshes over the same root
 
 
 def flat_view(mesh, name: str):

@@ -19,17 +19,16 @@ from shardlab import _plan_text
 from shardlab._base import Frozen, to_json
 from shardlab.config import PlanConfig
 from shardlab.context import ContextPlan, context_plan
+from shardlab.experts import ExpertPlan, expert_plan, strip_ep
 from shardlab.mesh import MeshSpec
 from shardlab.pipeline import ZERO_BUBBLE, PipelinePlan, pipeline_plan
-from shardlab.rules import Activation, Rules, logical_to_spec, matches, resolve
-from shardlab.spec import Entry, P, check_shape, expand, local_shape, placements
+from shardlab.rules import Rules, matches, resolve
+from shardlab.spec import P, Spec, check_shape, expand, local_shape, placements
+from shardlab.styles import ModulePlan, module_plans
 
 PLAN_VERSION = 1
-DATA_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "dp", "dp_shard_cp", "batch")
+DATA_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "dp", "dp_shard_cp", "batch", "dp_shard_mod_ep")
 """Axes rules may not put in a parameter spec: FSDP (and later PP/CP) owns them."""
-
-Spec = tuple[Entry, ...]
-Style = Literal["colwise", "rowwise", "embedding_rowwise", "embedding_colwise", "sequence_parallel", "prepare_input"]
 
 
 class ParamPlan(Frozen):
@@ -62,24 +61,13 @@ class ParamPlan(Frozen):
     """Other names of the same tensor (tied weights)."""
     stage: int | None = None
     """Pipeline stage holding it; None without pipeline parallelism."""
+    expert: bool = False
+    """Sharded over ep: spec and placements are over the expert mesh (`mesh.EXPERT_AXES`), and its module is an
+    FSDP unit of its own there (`Plan.experts`)."""
 
     @property
     def tp_dim(self) -> int | None:
         return P(*self.spec).dim_of("tp")
-
-
-class ModulePlan(Frozen):
-    """A TP style derived from a module's parameter specs and declared activation layouts."""
-
-    fqn: str
-    style: Style
-    inputs: tuple[Spec | None, ...] | None = None
-    """Layout of positional inputs as they arrive (None = the style's default)."""
-    desired_inputs: tuple[Spec | None, ...] | None = None
-    output: Spec | None = None
-    """Layout of the output (None = the style's default)."""
-    local_output: bool = True
-    """Hand the next module a plain local tensor (False keeps a DTensor, e.g. vocab-sharded logits)."""
 
 
 class FsdpPlan(Frozen):
@@ -123,6 +111,8 @@ class Plan(Frozen):
     """Pipeline stages; None when mesh.pp is 1."""
     context: ContextPlan | None = None
     """Context parallelism; None when mesh.cp is 1."""
+    experts: ExpertPlan | None = None
+    """Expert parallelism; None when mesh.ep is 1."""
 
     def param(self, fqn: str) -> ParamPlan:
         for p in self.params:
@@ -200,15 +190,21 @@ def make_plan(
     out: list[ParamPlan] = []
     for fqn, t in params.items():
         match = resolve(fqn, t.ndim, rules)
+        expert = False
         if match is None:
             uncovered.append(fqn)
             spec: Spec = (None,) * t.ndim
         else:
             used.add(match.rule)
             spec = match.spec
-            _check_model_axes(fqn, match.rule, rules, spec, mesh)
-            check_shape(P(*spec), mesh, t.shape, name=fqn)
-        out.append(_param_plan(fqn, t, spec, match, mesh, unit_of.get(fqn), aliases.get(fqn, ())))
+            if "ep" in P(*spec).used_axes:  # an expert weight: on the expert mesh, or the main one when ep is 1
+                expert = mesh.ep > 1
+                spec = spec if expert else strip_ep(spec)
+            on = mesh.experts if expert else mesh
+            _check_model_axes(fqn, match.rule, rules, spec, on)
+            check_shape(P(*spec), on, t.shape, name=fqn)
+        unit = fqn.rpartition(".")[0] if expert and fsdp is not None else unit_of.get(fqn)
+        out.append(_param_plan(fqn, t, spec, match, mesh, unit, aliases.get(fqn, ()), expert))
     if uncovered and not options.allow_uncovered:
         more = f" (and {len(uncovered) - 1} more)" if len(uncovered) > 1 else ""
         raise ValueError(
@@ -236,7 +232,7 @@ def make_plan(
             "use tp in the rules, set mesh.tp=1, or set plan.allow_unused_axes=True"
         )
     by_name = {name: p for p in out for name in (p.fqn, *p.aliases)}
-    styles = _module_plans(modules, by_name, mesh, rules) if mesh.tp > 1 else ()
+    styles = module_plans(modules, {n: p.tp_dim for n, p in by_name.items()}, rules) if mesh.tp > 1 else ()
     blocks = tuple(f for f in modules if any(matches(g, f) for g in rules.blocks))
     pipeline = None
     if mesh.pp > 1:
@@ -252,6 +248,7 @@ def make_plan(
                 "weights (wrong gradients); set plan.reshard_after_forward=False, or use a schedule without zero bubble"
             )
     context = context_plan(modules, mesh, rules)
+    experts = expert_plan(modules, [p.fqn for p in out if p.expert], mesh)
     for option, on in (
         ("activation_checkpoint", options.activation_checkpoint != "none"),
         ("compile", options.compile),
@@ -274,6 +271,7 @@ def make_plan(
         loss_parallel=any(not m.local_output and m.style == "colwise" for m in styles),
         pipeline=pipeline,
         context=context,
+        experts=experts,
     )
 
 
@@ -305,24 +303,33 @@ def _check_model_axes(fqn: str, rule: int, rules: Rules, spec: Spec, mesh: MeshS
 
 
 def _param_plan(
-    fqn: str, t: torch.Tensor, spec: Spec, match, mesh: MeshSpec, unit: str | None, aliases: tuple[str, ...]
+    fqn: str,
+    t: torch.Tensor,
+    spec: Spec,
+    match,
+    mesh: MeshSpec,
+    unit: str | None,
+    aliases: tuple[str, ...],
+    expert: bool = False,
 ) -> ParamPlan:
     full = P(*spec) if spec else P()
-    local = local_shape(full, mesh, t.shape)
+    on = mesh.experts if expert else mesh
+    local = local_shape(full, on, t.shape)
     padded = False
-    shards = mesh.dp_shard * mesh.cp
+    fsdp_axes = ("dp_shard_mod_ep",) if expert else ("dp_shard", "cp")
+    shards = math.prod(on.size(a) for a in fsdp_axes)
     if unit is not None and shards > 1 and t.ndim > 0:
-        # FSDP chunks the TP-local tensor (torch.chunk: ceil rows, padded): ceil(ceil(n / tp) / shards) rows,
-        # over dp_shard and, with context parallelism, cp too
+        # FSDP chunks the TP/EP-local tensor (torch.chunk: ceil rows, padded): ceil(ceil(n / tp) / shards) rows,
+        # over dp_shard and, with context parallelism, cp too (expert weights: over dp_shard_mod_ep)
         padded = local[0] % shards != 0
         local = (-(-local[0] // shards), *local[1:])
-        full = full.with_minor(0, tuple(a for a in ("dp_shard", "cp") if mesh.size(a) > 1))
+        full = full.with_minor(0, tuple(a for a in fsdp_axes if on.size(a) > 1))
     return ParamPlan(
         fqn=fqn,
         shape=tuple(t.shape),
         dtype=str(t.dtype).removeprefix("torch."),
         spec=tuple(full),
-        placements=tuple(str(p) for p in placements(full, mesh, name=fqn)),
+        placements=tuple(str(p) for p in placements(full, on, name=fqn)),
         local_shape=local,
         bytes_per_rank=math.prod(local) * t.element_size(),
         rule=None if match is None else match.rule,
@@ -331,6 +338,7 @@ def _param_plan(
         fsdp_unit=unit,
         padded=padded,
         aliases=aliases,
+        expert=expert,
     )
 
 
@@ -367,18 +375,6 @@ def _fsdp_plan(modules, params, aliases, mesh: MeshSpec, rules: Rules, options: 
     )
 
 
-def _activation(fqn: str, rules: Rules) -> Activation | None:
-    return next((a for a in rules.activations if matches(a.pattern, fqn)), None)
-
-
-def _lower(axes: tuple[str | None, ...] | None, rules: Rules, fqn: str) -> Spec | None:
-    return None if axes is None else tuple(logical_to_spec(axes, rules.logical, name=fqn)[0])
-
-
-def _tp_dim(spec: Spec | None) -> int | None:
-    return None if spec is None else P(*spec).dim_of("tp")
-
-
 def _check_module_globs(modules: dict[str, nn.Module], rules: Rules) -> None:
     """Globs over modules must match at any mesh, not only at the one where they are used."""
     for i, a in enumerate(rules.activations):
@@ -388,56 +384,3 @@ def _check_module_globs(modules: dict[str, nn.Module], rules: Rules) -> None:
         for g in group:
             if not any(matches(g, f) for f in modules):
                 raise ValueError(f"rules.fsdp_units[{i}] {g!r} matched no module; fix the glob")
-
-
-def _module_plans(
-    modules: dict[str, nn.Module], plans: dict[str, ParamPlan], mesh: MeshSpec, rules: Rules
-) -> tuple[ModulePlan, ...]:
-    out: list[ModulePlan] = []
-    for fqn, module in modules.items():
-        act = _activation(fqn, rules)
-        inputs = None if act is None or act.inputs is None else tuple(_lower(x, rules, fqn) for x in act.inputs)
-        desired = (
-            None
-            if act is None or act.desired_inputs is None
-            else tuple(_lower(x, rules, fqn) for x in act.desired_inputs)
-        )
-        output = None if act is None else _lower(act.output, rules, fqn)
-        own = {
-            n: plans[f"{fqn}.{n}" if fqn else n]
-            for n, _ in module.named_parameters(recurse=False)
-            if (f"{fqn}.{n}" if fqn else n) in plans
-        }
-        sharded = {n: p for n, p in own.items() if p.tp_dim is not None}
-        if sharded:
-            out.append(_parallel_style(fqn, module, own, inputs, output))
-        elif inputs and output and _tp_dim(inputs[0]) is not None and _tp_dim(inputs[0]) == _tp_dim(output):
-            out.append(ModulePlan(fqn=fqn, style="sequence_parallel", inputs=inputs, output=output, local_output=False))
-        elif inputs and desired and [_tp_dim(x) for x in inputs] != [_tp_dim(x) for x in desired]:
-            out.append(
-                ModulePlan(fqn=fqn, style="prepare_input", inputs=inputs, desired_inputs=desired, local_output=False)
-            )
-    return tuple(out)
-
-
-def _parallel_style(fqn: str, module: nn.Module, own: dict[str, ParamPlan], inputs, output) -> ModulePlan:
-    weight = own.get("weight")
-    kinds = {nn.Linear: ("colwise", "rowwise"), nn.Embedding: ("embedding_colwise", "embedding_rowwise")}
-    kind = next((v for k, v in kinds.items() if isinstance(module, k)), None)
-    if kind is None or weight is None or weight.tp_dim is None:
-        where = ", ".join(p.fqn for p in own.values() if p.tp_dim is not None)
-        raise ValueError(
-            f"{where}: tp-sharded parameters of a {type(module).__name__}; shardlab derives TP styles "
-            "for nn.Linear and nn.Embedding weights only: replicate these parameters over tp"
-        )
-    # nn.Linear weight is [out, in]: tp on dim 0 is colwise. nn.Embedding weight is [num, dim]: dim 1 is colwise.
-    colwise = (weight.tp_dim == 0) == isinstance(module, nn.Linear)
-    style = kind[0] if colwise else kind[1]
-    bias = own.get("bias")
-    if bias is not None and (bias.tp_dim == 0) != (style == "colwise"):
-        raise ValueError(
-            f"{fqn}.bias: a {style} Linear needs its bias {'sharded' if style == 'colwise' else 'replicated'} over tp; fix its rule"
-        )
-    # Only a colwise output declared split over tp stays a DTensor (vocab-split logits for loss parallel).
-    local_output = style != "colwise" or _tp_dim(output) is None
-    return ModulePlan(fqn=fqn, style=style, inputs=inputs, output=output, local_output=local_output)

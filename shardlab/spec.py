@@ -15,9 +15,13 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from shardlab import _strided
-from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec
+from shardlab.mesh import ExpertMeshSpec, MeshSpec
 
 Entry = str | tuple[str, ...] | None
+Spec = tuple[Entry, ...]
+"""A PartitionSpec as plain data (how plans store it)."""
+Mesh = MeshSpec | ExpertMeshSpec
+"""The main mesh, or the expert mesh whose axes expert weights name (`MeshSpec.experts`)."""
 
 
 class P(tuple):
@@ -66,19 +70,20 @@ def _normalize(entry: object) -> Entry:
     raise TypeError(f"PartitionSpec entry {entry!r}: expected None, an axis name, or a tuple of axis names")
 
 
-def expand(spec: P, mesh: MeshSpec, *, name: str = "spec") -> P:
+def expand(spec: P, mesh: Mesh, *, name: str = "spec") -> P:
     """Replace flattened views (`dp`, `dp_shard_cp`, `batch`) by their axes; check names and reuse."""
     entries = []
+    views, names = mesh.flat_views, mesh.axis_names
     for d in range(len(spec)):
         axes: list[str] = []
         for a in spec.axes(d):
-            if a in FLAT_VIEWS:
-                axes.extend(FLAT_VIEWS[a])
-            elif a in AXES:
+            if a in views:
+                axes.extend(views[a])
+            elif a in names:
                 axes.append(a)
             else:
                 raise ValueError(
-                    f"{name}: unknown mesh axis {a!r} in {spec!r}; valid axes are {', '.join(AXES + tuple(FLAT_VIEWS))}"
+                    f"{name}: unknown mesh axis {a!r} in {spec!r}; valid axes are {', '.join(names + tuple(views))}"
                 )
         entries.append(tuple(axes))
     out = P(*entries)
@@ -90,7 +95,7 @@ def expand(spec: P, mesh: MeshSpec, *, name: str = "spec") -> P:
 
 
 def check_shape(
-    spec: P, mesh: MeshSpec, shape: Sequence[int], *, name: str = "tensor", skip_dims: tuple[int, ...] = ()
+    spec: P, mesh: Mesh, shape: Sequence[int], *, name: str = "tensor", skip_dims: tuple[int, ...] = ()
 ) -> None:
     """Raise when the spec has more entries than dims, or a dim is not divisible by its axes' sizes."""
     if len(spec) > len(shape):
@@ -106,7 +111,7 @@ def check_shape(
             )
 
 
-def placements(spec: P, mesh: MeshSpec, *, name: str = "spec") -> tuple[Placement, ...]:
+def placements(spec: P, mesh: Mesh, *, name: str = "spec") -> tuple[Placement, ...]:
     """Lower a spec to one placement per mesh axis (`mesh.axis_names` order).
 
     DTensor shards left to right over mesh dims (earlier mesh dims are major). A dim whose axes are
@@ -118,8 +123,8 @@ def placements(spec: P, mesh: MeshSpec, *, name: str = "spec") -> tuple[Placemen
     (_StridedShard(dim=0, sf=2), Replicate(), Shard(dim=0))
     """
     spec = expand(spec, mesh, name=name)
-    order = {a: i for i, a in enumerate(AXES)}
-    out: list[Placement] = [Replicate() for _ in AXES]
+    order = {a: i for i, a in enumerate(mesh.axis_names)}
+    out: list[Placement] = [Replicate() for _ in mesh.axis_names]
     for d in range(len(spec)):
         axes = [a for a in spec.axes(d) if mesh.size(a) > 1]
         for j, a in enumerate(axes):
@@ -128,10 +133,10 @@ def placements(spec: P, mesh: MeshSpec, *, name: str = "spec") -> tuple[Placemen
     return tuple(out)
 
 
-def spec_from_placements(placements_: Sequence[Placement], mesh: MeshSpec, ndim: int) -> P:
+def spec_from_placements(placements_: Sequence[Placement], mesh: Mesh, ndim: int) -> P:
     """Inverse of `placements` (over all mesh axes): which axes split which dim, in which order."""
     by_dim: dict[int, list[str]] = {}
-    for axis, p in zip(AXES, placements_):
+    for axis, p in zip(mesh.axis_names, placements_):
         dim = _strided.shard_dim(p)
         if dim is not None:
             by_dim.setdefault(dim % ndim, []).append(axis)
@@ -152,7 +157,7 @@ def spec_from_placements(placements_: Sequence[Placement], mesh: MeshSpec, ndim:
     return P(*entries)
 
 
-def local_shape(spec: P, mesh: MeshSpec, shape: Sequence[int]) -> tuple[int, ...]:
+def local_shape(spec: P, mesh: Mesh, shape: Sequence[int]) -> tuple[int, ...]:
     """Largest per-rank block shape (ceil division: torch pads the first shards when uneven)."""
     spec = expand(spec, mesh)
     return tuple(
@@ -160,7 +165,7 @@ def local_shape(spec: P, mesh: MeshSpec, shape: Sequence[int]) -> tuple[int, ...
     )
 
 
-def block(spec: P, mesh: MeshSpec, shape: Sequence[int], coordinate: dict[str, int]) -> tuple[slice, ...]:
+def block(spec: P, mesh: Mesh, shape: Sequence[int], coordinate: dict[str, int]) -> tuple[slice, ...]:
     """The block of the global tensor held at a mesh coordinate (JAX `NamedSharding` semantics).
 
     Dim d's block index is the mixed-radix number of the coordinates of its axes, major first;

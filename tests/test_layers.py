@@ -9,7 +9,7 @@ LAYERS = [
     {"pipeline"},
     {"config"},
     {"spec", "rules"},
-    {"context"},
+    {"context", "experts", "styles"},
     {"models.moe", "models.llama", "models.llama_rules", "_plan_text", "plan"},
     {"apply", "debug", "data", "metrics", "launch", "hf"},
     {"schedule"},

@@ -14,8 +14,12 @@ import torch.nn.functional as F
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, TrainConfig
 from shardlab.config import DataConfig, LogConfig
 from shardlab.loop import plan_model, train
+from shardlab.mesh import EXPERT_AXES
 from shardlab.models.llama import Llama, materialize
+from shardlab.models.llama_rules import llama_rules
 from shardlab.models.moe import MoE, balance, update_bias
+from shardlab.plan import Plan, make_plan
+from shardlab.rules import Rule
 
 DIM = 32
 
@@ -110,13 +114,59 @@ def test_parameter_counts_and_plan():
     ("mesh", "moe", "message"),
     [
         (MeshSpec(), dict(n_experts=2, top_k=3), r"^model\.moe\.top_k=3 exceeds model\.moe\.n_experts=2"),
-        (MeshSpec(dp_shard=1, tp=2), dict(), r"^model\.moe with mesh\.tp, mesh\.pp or mesh\.ep > 1"),
+        (MeshSpec(dp_shard=1, tp=2), dict(), r"^model\.moe with mesh\.tp or mesh\.pp > 1"),
+        (MeshSpec(dp_shard=4, ep=4), dict(n_experts=6), r"^model\.moe\.n_experts=6 is not divisible by mesh\.ep=4"),
         (MeshSpec(), dict(capacity_factor=0.0), r"^model\.moe\.capacity_factor=0\.0: must be > 0"),
     ],
 )
 def test_bad_moe_configs_are_one_line(mesh, moe, message):
     with pytest.raises(ValueError, match=message):
         Config(mesh=mesh, model=ModelConfig(moe=MoEConfig(**moe)))
+
+
+def test_bad_expert_parallel_layouts_are_one_line():
+    with pytest.raises(ValueError, match=r"^mesh\.ep=2 but the model has no experts; set model\.moe"):
+        Config(mesh=MeshSpec(dp_shard=2, ep=2))
+    with pytest.raises(ValueError, match=r"^mesh\.ep=4 does not divide dp_shard x cp = 2"):
+        MeshSpec(dp_shard=2, cp=1, ep=4)
+    with pytest.raises(ValueError, match=r"^mesh\.ep=3 does not divide dp_shard x cp = 4"):
+        MeshSpec(ep=3).resolve(4)
+    cfg = Config(mesh=MeshSpec(dp_shard=4, ep=2), model=ModelConfig(n_layers=2, moe=MoEConfig(n_experts=4)))
+    model, _ = plan_model(cfg.resolve(4))
+    rules = llama_rules(cfg.model)
+    no_ep = msgspec.structs.replace(rules, logical=tuple((n, None if n == "experts" else a) for n, a in rules.logical))
+    with pytest.raises(ValueError, match=r"^mesh\.ep=2 but no rule shards a parameter over ep"):
+        make_plan(model, cfg.mesh.resolve(4), no_ep)
+    router_on_ep = msgspec.structs.replace(
+        rules, params=(Rule(pattern="**.router.weight", spec=("ep",)), *rules.params)
+    )
+    with pytest.raises(
+        ValueError, match=r"^model\.layers\.0\.mlp\.router: holds ep-sharded weights but has no `dispatch`"
+    ):
+        make_plan(model, cfg.mesh.resolve(4), router_on_ep)
+
+
+def test_expert_weights_are_planned_on_the_expert_mesh():
+    """ep 2 of FSDP 4: each rank holds 2 of 4 experts, FSDP halves them again over dp_shard_mod_ep (the minor
+    part of dim 0, as FSDP chunks the ep shard); the router stays on the main mesh, replicated over ep."""
+    cfg = Config(mesh=MeshSpec(dp_shard=4, ep=2), model=ModelConfig(n_layers=2, moe=MoEConfig(n_experts=4)))
+    _, plan = plan_model(cfg.resolve(4))
+    gate = plan.param("model.layers.1.mlp.experts.gate_proj")
+    assert gate.expert and gate.spec == (("ep", "dp_shard_mod_ep"), None, None)
+    assert dict(zip(EXPERT_AXES, gate.placements)) == {
+        "pp": "R", "dp_replicate": "R", "dp_shard_mod_ep": "_S(0, 2)", "ep": "S(0)", "tp": "R"
+    }  # fmt: skip
+    assert gate.local_shape == (1, 256, 256) and gate.fsdp_unit == "model.layers.1.mlp.experts"
+    router = plan.param("model.layers.1.mlp.router.weight")
+    assert not router.expert and router.spec == ("dp_shard", None)
+    assert plan.experts.modules == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+    assert plan.experts.fsdp_axes == ("dp_shard_mod_ep",) and plan.experts.gradient_divide_factor == 4
+    assert "Expert parallel over ep=2" in plan.table() and "ep:S(0)" in plan.table()
+    assert Plan.from_json(plan.to_json()) == plan
+    hsdp = Config(mesh=MeshSpec(dp_replicate=2, dp_shard=2, ep=2), model=cfg.model)
+    _, plan = plan_model(hsdp.resolve(4))
+    assert plan.experts.fsdp_axes == ("dp_replicate", "dp_shard_mod_ep")
+    assert plan.param("model.layers.0.mlp.experts.up_proj").local_shape == (2, 256, 256)  # dp_shard_mod_ep is 1
 
 
 def test_a_step_reports_the_routers(tmp_path):

@@ -22,8 +22,9 @@ from shardlab.config import ModelConfig, PlanConfig
 from shardlab.mesh import AXES, MeshSpec
 from shardlab.models.llama import SIZES, Llama
 from shardlab.models.llama_rules import llama_rules
-from shardlab.plan import FsdpPlan, ModulePlan, Plan, make_plan
+from shardlab.plan import FsdpPlan, Plan, make_plan
 from shardlab.rules import Activation, Rule, Rules
+from shardlab.styles import ModulePlan
 
 TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
 TINY_TIED = replace(TINY, tie_embeddings=True)  # Llama 3.2 1B-like: lm_head.weight is the embedding

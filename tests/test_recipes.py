@@ -16,6 +16,7 @@ WORLD = {
     "llama_pp.py": 2,
     "llama_cp.py": 4,
     "moe_fsdp.py": 2,
+    "moe_ep.py": 4,
     "llama_3d.py": 8,
     "llama3_1b.py": 1,
     "llama3_8b.py": 8,

@@ -32,7 +32,7 @@ DENSE_MLP = (
     "model.layers.*.mlp.down_proj.weight",
 )
 MOE_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    ("model.layers.*.mlp.router.weight", ("experts", "embed")),
+    ("model.layers.*.mlp.router.weight", (None, "embed")),  # every rank scores every expert
     ("model.layers.*.mlp.experts.gate_proj", ("experts", "expert_mlp", "embed")),
     ("model.layers.*.mlp.experts.up_proj", ("experts", "expert_mlp", "embed")),
     ("model.layers.*.mlp.experts.down_proj", ("experts", "embed", "expert_mlp")),
@@ -56,7 +56,7 @@ def logical_table(options: PlanConfig) -> LogicalTable:
         ("kv_heads", "tp"),
         ("mlp", "tp"),
         ("embed", None),
-        ("experts", None),
+        ("experts", "ep"),
         ("expert_mlp", None),
         ("batch", ("dp_replicate", "dp_shard")),
         ("seq", None),

@@ -1,7 +1,7 @@
 """Mixture-of-experts feed-forward: a top-k router over SwiGLU experts whose weights are stacked ([E, ...]).
 
-Stacked weights let a PartitionSpec shard the expert dim like any other (`P("ep", None, None)` once expert
-parallelism lands). Each forward leaves its router statistics on the module (`stats`); the step reads them
+Stacked weights let a PartitionSpec shard the expert dim like any other (`P("ep", None, None)`: expert
+parallelism, `shardlab.experts`). Each forward leaves its router statistics on the module (`stats`); the step reads them
 to add the load-balancing loss over each global micro batch, update the auxiliary-loss-free bias from the
 step's loads and log them.
 """
@@ -16,8 +16,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardlab.config import ModelConfig
+from shardlab.experts import Dispatch
 
 
 class RouterStats(NamedTuple):
@@ -33,21 +35,39 @@ class RouterStats(NamedTuple):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts: gate_proj and up_proj [E, ffn, dim], down_proj [E, dim, ffn]."""
+    """E SwiGLU experts: gate_proj and up_proj [E, ffn, dim], down_proj [E, dim, ffn].
+
+    Under expert parallelism the weights are DTensors sharded over ep (each rank holds E / ep experts) and
+    `dispatch` (set by apply, `shardlab.experts`) sends every row to the rank holding its expert and back."""
 
     def __init__(self, n_experts: int, dim: int, ffn_dim: int) -> None:
         super().__init__()
         self.gate_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.up_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        self.dispatch: Dispatch | None = None
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """rows [N, dim] sorted by expert, counts[e] of them for expert e -> [N, dim]."""
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [N, dim] sorted by expert, counts[e] of them for expert e -> [N, dim] in the same order."""
+        if self.dispatch is None:
+            return self.compute(rows, counts.tolist())
+        return self.dispatch(self.compute, rows, counts)
+
+    def compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The experts this rank holds (all, or its ep shard: the local blocks of the DTensors) on rows grouped by
+        local expert, counts[e] for its e-th."""
+        gate, up, down = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
         out = []
         for e, x in enumerate(rows.split(counts)):
             if x.shape[0]:
-                out.append((F.silu(x @ self.gate_proj[e].T) * (x @ self.up_proj[e].T)) @ self.down_proj[e].T)
+                out.append((F.silu(x @ gate[e].T) * (x @ up[e].T)) @ down[e].T)
         return torch.cat(out) if out else rows.new_zeros(0, rows.shape[-1])
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """The block of an expert weight this rank holds (a plain tensor is all of it); gradients flow back into the
+    DTensor's own shard."""
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class MoE(nn.Module):
@@ -92,7 +112,7 @@ class MoE(nn.Module):
         kept = torch.bincount(expert_of[order][keep], minlength=m.n_experts)
         slots = order[keep]
         token = slots // m.top_k
-        out = self.experts(flat[token], kept.tolist()) * weights.flatten()[slots].unsqueeze(-1).to(x.dtype)
+        out = self.experts(flat[token], kept) * weights.flatten()[slots].unsqueeze(-1).to(x.dtype)
         y = torch.zeros_like(flat).index_add(0, token, out)
         if self.shared_expert is not None:
             y = y + self.shared_expert(flat)

@@ -20,7 +20,7 @@ from shardlab.config import (
     TrainConfig,
 )
 from shardlab.loop import build_model, train
-from shardlab.mesh import AXES, FLAT_VIEWS
+from shardlab.mesh import FLAT_VIEWS
 
 STEPS = 10
 TOL = 1e-5
@@ -70,16 +70,17 @@ def placements_match_plan(rank: int, world_size: int, cfg: Config) -> None:
     model, plan, _ = build_model(cfg)
     for fqn, param in model.named_parameters():
         want = plan.param(fqn).placements
+        on = plan.mesh.experts if plan.param(fqn).expert else plan.mesh  # expert weights: over EXPERT_AXES
         if isinstance(param, DTensor):
             by_axis = {}
             for name, placement in zip(param.device_mesh.mesh_dim_names, param.placements):
                 for axis in FLAT_VIEWS.get(name, (name,)):  # FSDP over dp_shard_cp shards over both axes
                     by_axis[axis] = placement
-            got = tuple(str(by_axis[a]) if a in by_axis else "R" for a in AXES)
+            got = tuple(str(by_axis[a]) if a in by_axis else "R" for a in on.axis_names)
         else:
-            got = ("R",) * len(AXES)
+            got = ("R",) * len(on.axis_names)
         # size-1 axes are Replicate in the plan; compare the axes that matter
-        sizes = plan.mesh.axis_sizes
+        sizes = on.axis_sizes
         got = tuple(g if s > 1 else "R" for g, s in zip(got, sizes))
         want = tuple(w if s > 1 else "R" for w, s in zip(want, sizes))
         if got != want:

@@ -1,19 +1,21 @@
-"""The MoE model on data-parallel layouts against one process (issue 5): fp32, same seed and global batch,
-10 steps; loss and gradient norm within tolerance. The balancing loss and the bias update use the router
+"""The MoE model on data- and expert-parallel layouts against one process (issue 5): fp32, same seed and global
+batch, 10 steps; loss and gradient norm within tolerance. The balancing loss and the bias update use the router
 statistics of the global batch, so they are the same in every layout: FSDP 2 (auxiliary loss; bias balancing;
-sigmoid scores with a shared expert) on 2 ranks; HSDP 2 x 2 and CP 2 x FSDP 2 on 4. A capacity limit
-applies to each rank's micro batch (which tokens overflow depends on the layout), so it is tested on one
-process (tests/test_moe.py)."""
+sigmoid scores with a shared expert) on 2 ranks; HSDP 2 x 2, CP 2 x FSDP 2 and expert parallelism (ep 2 and
+ep 4 of FSDP 4, ep 2 of HSDP 2 x 2, ep 4 across CP 2 x FSDP 2) on 4. Checkpoints move across a change of ep
+degree. A capacity limit applies to each rank's micro batch (which tokens overflow depends on the layout), so it
+is tested on one process (tests/test_moe.py)."""
 
 from pathlib import Path
 
 import msgspec
 import pytest
 
+from shardlab.checkpoint import step_dir
 from shardlab.config import Config, MeshSpec, MoEConfig
 
 from ._harness import run_world
-from .layouts import assert_matches, ckpt, curves, layout_curves, tiny
+from .layouts import TOL, assert_matches, ckpt, continue_from, curves, layout_curves, placements_match_plan, tiny
 
 MOE = {
     "aux": MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=64),
@@ -23,20 +25,37 @@ MOE = {
 
 
 def moe(name: str, mesh: MeshSpec = MeshSpec(dp_shard=1)) -> Config:
-    cfg = tiny(mesh)
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, moe=MOE[name]))
+    cfg = tiny()
+    return msgspec.structs.replace(cfg, mesh=mesh, model=msgspec.structs.replace(cfg.model, moe=MOE[name]))
 
 
 LAYOUTS_2 = {f"fsdp2-{name}": moe(name, MeshSpec(dp_shard=2)) for name in MOE}
 LAYOUTS_4 = {
     "hsdp2x2-bias": moe("bias", MeshSpec(dp_replicate=2, dp_shard=2)),
     "cp2_fsdp2-aux": moe("aux", MeshSpec(dp_shard=2, cp=2)),
+    "fsdp4_ep2-aux": moe("aux", MeshSpec(dp_shard=4, ep=2)),
+    "fsdp4_ep4-bias": moe("bias", MeshSpec(dp_shard=4, ep=4)),
+    "hsdp2x2_ep2-sigmoid_shared": moe("sigmoid_shared", MeshSpec(dp_replicate=2, dp_shard=2, ep=2)),
+    "cp2_fsdp2_ep4-aux": moe("aux", MeshSpec(dp_shard=2, cp=2, ep=4)),
 }
+EXPERT_PARALLEL = [name for name, cfg in LAYOUTS_4.items() if cfg.mesh.ep > 1]
 LAYOUTS = {2: LAYOUTS_2, 4: LAYOUTS_4}
 
 
 def run(rank, world_size, tmp=None):
     return layout_curves(LAYOUTS[world_size])
+
+
+def placements(rank, world_size, tmp=None):
+    for name in EXPERT_PARALLEL:
+        placements_match_plan(rank, world_size, LAYOUTS_4[name])
+
+
+def ep_change(rank, world_size, tmp):
+    """ep 2 (bias balancing) saves at step 5; ep 4 continues from it: the losses of steps 6-10."""
+    ep2 = ckpt(moe("bias", MeshSpec(dp_shard=4, ep=2)), Path(tmp) / "ep2", every=5)
+    curves(ep2, until=5)
+    return continue_from(LAYOUTS_4["fsdp4_ep4-bias"], Path(tmp) / "ep4", step_dir(Path(tmp) / "ep2" / "checkpoints", 5))
 
 
 def bias_resume(rank, world_size, tmp):
@@ -52,13 +71,18 @@ def references():
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return run_world(2, [run, bias_resume], timeout_s=300, tmp=str(tmp_path_factory.mktemp("moe")))
+def tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("moe")
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_world(4, [run], timeout_s=300)
+def world2(tmp):
+    return run_world(2, [run, bias_resume], timeout_s=300, tmp=str(tmp))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp):
+    return run_world(4, [run, placements, ep_change], timeout_s=400, tmp=str(tmp))
 
 
 @pytest.mark.world
@@ -72,3 +96,18 @@ def test_moe_matches_single_process(request, references, ranks, layout):
 @pytest.mark.world
 def test_bias_balanced_resume_is_bitwise(world2):
     assert world2.value(bias_resume) == world2.value(run)["fsdp2-bias"]["loss"]
+
+
+@pytest.mark.world
+def test_expert_weights_are_placed_as_planned(world4):
+    world4.raise_for(placements)
+
+
+@pytest.mark.world
+def test_checkpoint_moves_across_ep_degrees(world4, tmp, references):
+    """ep 2 -> ep 4 on 4 ranks, then ep 2's checkpoint -> one process: both continue the reference curve."""
+    want = references["bias"]["loss"][5:]
+    got = world4.value(ep_change)
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= TOL, (got, want)
+    one = continue_from(moe("bias"), tmp / "one", step_dir(tmp / "ep2" / "checkpoints", 5))
+    assert max(abs(a - b) for a, b in zip(one, want, strict=True)) <= TOL, (one, want)
