@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -29,8 +30,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from shardlab._checkpoint import checkpoint as checkpoint_module
 from shardlab.context import all_gather_attention
-from shardlab.experts import all_to_all_dispatch
-from shardlab.mesh import AXES, EXPERT_AXES, FLAT_VIEWS, MeshSpec, expert_mesh, flat_view, mesh_spec_of
+from shardlab.experts import expert_dispatch
+from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec, expert_mesh, flat_view, mesh_spec_of
 from shardlab.pipeline import StagePlan
 from shardlab.plan import Plan
 from shardlab.spec import P, Spec, check_shape, expand, placements
@@ -97,7 +98,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
             mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(f.param_dtype), reduce_dtype=_dtype(f.reduce_dtype)),
             offload_policy=CPUOffloadPolicy() if f.cpu_offload else OffloadPolicy(),
         )
-        if plan.experts is not None:  # before their blocks: a block's unit leaves out what is sharded already
+        if plan.experts is not None and plan.experts.ep > 1:  # before their blocks, which leave them out
             e = plan.experts
             on = expert_mesh(mesh, e.fsdp_axes)
             for fqn in e.modules:
@@ -135,16 +136,21 @@ class StageModule(nn.Module):
 
 
 def _expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
-    """Expert weights become DTensors sharded over ep (and tp) as the plan says, each rank keeping its block of
-    the full weight it holds; their modules dispatch rows to them by all-to-all (shardlab.experts)."""
-    axes = ("ep", "tp") if plan.mesh.tp > 1 else ("ep",)
-    on = expert_mesh(mesh, axes)
-    dispatch = all_to_all_dispatch(expert_mesh(mesh, ("ep",)).get_group())
-    for fqn in plan.experts.modules:
+    """Expert weights become DTensors sharded over ep and/or tp as the plan says, each rank keeping its block of
+    the full weight it holds; their modules dispatch rows to them (shardlab.experts)."""
+    e = plan.experts
+    axes = (("ep",) if e.ep > 1 else ()) + (("tp",) if e.tensor_parallel else ())
+    on = expert_mesh(mesh, axes) if e.ep > 1 else mesh["tp"]
+    dispatch = expert_dispatch(
+        expert_mesh(mesh, ("ep",)).get_group() if e.ep > 1 else None, mesh["tp"] if e.tensor_parallel else None
+    )
+    for fqn in e.modules:
         module = model.get_submodule(fqn)
         for name, param in list(module.named_parameters(recurse=False)):
-            full = placements(P(*plan.param(f"{fqn}.{name}").spec), plan.mesh.experts)
-            mine = [full[EXPERT_AXES.index(a)] for a in axes]
+            p = plan.param(f"{fqn}.{name}")
+            spec_mesh = plan.mesh.experts if p.expert else plan.mesh
+            full = placements(P(*p.spec), spec_mesh)
+            mine = [full[spec_mesh.axis_names.index(a)] for a in axes]
             shard_ = distribute_tensor(param.detach(), on, mine, src_data_rank=None)  # every rank has the full weight
             module.register_parameter(name, nn.Parameter(shard_, requires_grad=param.requires_grad))
         module.dispatch = dispatch
@@ -225,6 +231,14 @@ def _tp_style(m: ModulePlan) -> ParallelStyle:
         return RowwiseParallel(input_layouts=inp or default_in, output_layouts=out, use_local_output=m.local_output)
     if m.style == "sequence_parallel":
         return SequenceParallel(sequence_dim=inp.dim, use_local_output=m.local_output)
+    if m.style == "prepare_input_output":
+        return PrepareModuleInputOutput(
+            input_layouts=tuple(_tp(x) for x in m.inputs),
+            desired_input_layouts=tuple(_tp(x) for x in m.desired_inputs),
+            use_local_input=True,
+            output_layouts=_tp(m.output),
+            desired_output_layouts=_tp(m.desired_output),
+        )
     if m.style == "prepare_input":
         return PrepareModuleInput(
             input_layouts=tuple(_tp(x) for x in m.inputs),

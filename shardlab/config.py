@@ -368,11 +368,15 @@ class Config(Frozen):
                 f"model.moe.n_experts={m.moe.n_experts} is not divisible by mesh.ep={ep}; each ep rank holds "
                 "n_experts / ep experts: pick an ep that divides it"
             )
-        if m.moe is not None and (tp > 1 or self.mesh.pp > 1):
+        if m.moe is not None and self.mesh.pp > 1:
             raise ValueError(
-                "model.moe with mesh.tp or mesh.pp > 1: the MoE model runs on data-parallel and expert-parallel "
-                "layouts (FSDP, HSDP, cp, ep) so far; tensor parallelism and pipelines with experts are not "
-                "implemented yet (issue 5)"
+                "model.moe with mesh.pp > 1: pipelines of MoE layers are not implemented yet (issue 5); the MoE "
+                "model runs with FSDP, HSDP, cp, ep and tp"
+            )
+        if m.moe is not None and m.moe.expert_ffn_dim % tp:
+            raise ValueError(
+                f"model.moe.expert_ffn_dim={m.moe.expert_ffn_dim} is not divisible by mesh.tp={tp}; tp shards each "
+                "expert's hidden dim: pick a tp that divides it"
             )
         cp = self.mesh.cp
         if cp > 1:

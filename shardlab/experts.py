@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from shardlab._base import Frozen
 from shardlab.mesh import MeshSpec
@@ -29,14 +31,17 @@ Dispatch = Callable[[Compute, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class ExpertPlan(Frozen):
-    """Expert parallelism (mesh.ep > 1)."""
+    """Expert parallelism (mesh.ep > 1), tensor parallelism inside the experts (tp over their hidden dim), or both."""
 
     ep: int
+    tensor_parallel: bool
+    """The experts' hidden dim is sharded over tp (gate/up by rows, down by columns)."""
     modules: tuple[str, ...]
-    """The modules holding ep-sharded weights (e.g. each MoE layer's `experts`): their `dispatch` becomes an
-    all-to-all over ep, and each is an FSDP unit of its own over `fsdp_axes`."""
+    """The modules holding the expert weights (the dims the rules name `ep`; e.g. each MoE layer's `experts`):
+    their `dispatch` sends rows by all-to-all over ep and sums partial outputs over tp. With ep > 1 each is an
+    FSDP unit of its own over `fsdp_axes`; with ep = 1 FSDP shards it with its block."""
     fsdp_axes: tuple[str, ...]
-    """FSDP's axes for expert weights: (dp_shard_mod_ep,), with dp_replicate first under HSDP."""
+    """FSDP's axes for expert weights: (dp_shard_mod_ep,), with dp_replicate first under HSDP; () when ep is 1."""
     gradient_divide_factor: int
     """Ranks holding other tokens (dp_replicate x dp_shard x cp): FSDP averages expert gradients over them,
     not over its own smaller mesh."""
@@ -51,15 +56,22 @@ def strip_ep(spec: tuple) -> tuple:
     return tuple(out)
 
 
-def expert_plan(modules: dict[str, nn.Module], expert_params: list[str], mesh: MeshSpec) -> ExpertPlan | None:
-    """The plan's expert parallelism: None when mesh.ep is 1. expert_params: the parameters whose spec uses ep."""
-    if mesh.ep == 1:
+def expert_plan(
+    modules: dict[str, nn.Module], expert_params: dict[str, int | None], mesh: MeshSpec
+) -> ExpertPlan | None:
+    """The plan's expert parallelism. expert_params: the parameters whose rules name ep (fqn -> their tp dim, None
+    when not sharded over tp). None when neither ep nor tp splits the experts."""
+    tensor_parallel = mesh.tp > 1 and any(d is not None for d in expert_params.values())
+    if mesh.ep == 1 and not tensor_parallel:
         return None
     if not expert_params:
         raise ValueError(
             f"mesh.ep={mesh.ep} but no rule shards a parameter over ep; map the expert dim to ep "
             "(logical ('experts', 'ep') or spec ('ep', None, None)), or set mesh.ep=1"
         )
+    if tensor_parallel and None in expert_params.values():
+        fqn = next(f for f, d in expert_params.items() if d is None)
+        raise ValueError(f"{fqn}: some expert weights are sharded over tp and this one is not; shard all or none")
     owners = tuple(dict.fromkeys(f.rpartition(".")[0] for f in expert_params))
     for owner in owners:
         module = modules[owner]
@@ -75,32 +87,54 @@ def expert_plan(modules: dict[str, nn.Module], expert_params: list[str], mesh: M
                 "(shardlab.models.moe.Experts has one); replicate its parameters over ep"
             )
     e = mesh.experts
+    fsdp_axes = ("dp_replicate", "dp_shard_mod_ep") if e.dp_replicate > 1 else ("dp_shard_mod_ep",)
     return ExpertPlan(
         ep=mesh.ep,
+        tensor_parallel=tensor_parallel,
         modules=owners,
-        fsdp_axes=("dp_replicate", "dp_shard_mod_ep") if e.dp_replicate > 1 else ("dp_shard_mod_ep",),
+        fsdp_axes=fsdp_axes if mesh.ep > 1 else (),
         gradient_divide_factor=mesh.size("batch"),
     )
 
 
-def all_to_all_dispatch(group: dist.ProcessGroup) -> Dispatch:
+def expert_dispatch(ep_group: dist.ProcessGroup | None, tp_mesh: DeviceMesh | None) -> Dispatch:
+    """How rows reach the experts: by all-to-all over `ep_group` (None: this rank holds every expert), into
+    experts whose hidden dim is sharded over `tp_mesh` (None: not sharded)."""
+
+    def dispatch(compute: Compute, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        run = compute if tp_mesh is None else _tensor_parallel(compute, tp_mesh)
+        return run(rows, counts.tolist()) if ep_group is None else _all_to_all(run, rows, counts, ep_group)
+
+    return dispatch
+
+
+def _all_to_all(compute: Compute, rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Run each expert where its weights are: rank r of the ep `group` holds experts [r L, (r + 1) L), L = E / ep.
 
     The counts go first (one small all-to-all), then the rows, which each rank regroups by local expert,
     computes and sends back in the order they came."""
+    ep = group.size()
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    by_source = received.view(ep, -1)  # [source rank, local expert]
+    local = by_source.shape[1]
+    sent = counts.view(ep, local).sum(1).tolist()
+    came = by_source.sum(1).tolist()
+    x = funcol.all_to_all_single_autograd(rows, came, sent, group)
+    segment = torch.repeat_interleave(torch.arange(ep * local, device=rows.device), received.to(rows.device))
+    order = torch.argsort((segment % local) * ep + segment // local, stable=True)  # -> by expert, then source
+    y = compute(x[order], by_source.sum(0).tolist())
+    return funcol.all_to_all_single_autograd(y[torch.argsort(order)], sent, came, group)
 
-    def dispatch(compute: Compute, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ep = group.size()
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=group)
-        by_source = received.view(ep, -1)  # [source rank, local expert]
-        local = by_source.shape[1]
-        sent = counts.view(ep, local).sum(1).tolist()
-        came = by_source.sum(1).tolist()
-        x = funcol.all_to_all_single_autograd(rows, came, sent, group)
-        segment = torch.repeat_interleave(torch.arange(ep * local, device=rows.device), received.to(rows.device))
-        order = torch.argsort((segment % local) * ep + segment // local, stable=True)  # -> by expert, then source
-        y = compute(x[order], by_source.sum(0).tolist())
-        return funcol.all_to_all_single_autograd(y[torch.argsort(order)], sent, came, group)
 
-    return dispatch
+def _tensor_parallel(compute: Compute, tp_mesh: DeviceMesh) -> Compute:
+    """Experts whose gate and up projections are split by rows and down by columns over tp: every tp rank holds
+    the same rows and computes a partial sum of their outputs. Megatron's two operators, as DTensor layouts: the
+    rows' gradients are summed over tp (the partial sums of each rank's slice), the outputs are summed forward."""
+
+    def run(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        rows = DTensor.from_local(rows, tp_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        partial = compute(rows, counts)
+        return DTensor.from_local(partial, tp_mesh, [Partial()]).redistribute(tp_mesh, [Replicate()]).to_local()
+
+    return run

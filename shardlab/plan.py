@@ -188,6 +188,7 @@ def make_plan(
     used: set[int] = set()
     uncovered: list[str] = []
     out: list[ParamPlan] = []
+    ep_named: dict[str, int | None] = {}
     for fqn, t in params.items():
         match = resolve(fqn, t.ndim, rules)
         expert = False
@@ -200,6 +201,7 @@ def make_plan(
             if "ep" in P(*spec).used_axes:  # an expert weight: on the expert mesh, or the main one when ep is 1
                 expert = mesh.ep > 1
                 spec = spec if expert else strip_ep(spec)
+                ep_named[fqn] = P(*spec).dim_of("tp")
             on = mesh.experts if expert else mesh
             _check_model_axes(fqn, match.rule, rules, spec, on)
             check_shape(P(*spec), on, t.shape, name=fqn)
@@ -232,7 +234,11 @@ def make_plan(
             "use tp in the rules, set mesh.tp=1, or set plan.allow_unused_axes=True"
         )
     by_name = {name: p for p in out for name in (p.fqn, *p.aliases)}
-    styles = module_plans(modules, {n: p.tp_dim for n, p in by_name.items()}, rules) if mesh.tp > 1 else ()
+    experts = expert_plan(modules, ep_named, mesh)
+    tp_dims = {n: p.tp_dim for n, p in by_name.items()}
+    if experts is not None:  # expert weights are sharded by apply's expert parallelism, not by a ParallelStyle
+        tp_dims = {n: d for n, d in tp_dims.items() if n.rpartition(".")[0] not in experts.modules}
+    styles = module_plans(modules, tp_dims, rules) if mesh.tp > 1 else ()
     blocks = tuple(f for f in modules if any(matches(g, f) for g in rules.blocks))
     pipeline = None
     if mesh.pp > 1:
@@ -248,7 +254,6 @@ def make_plan(
                 "weights (wrong gradients); set plan.reshard_after_forward=False, or use a schedule without zero bubble"
             )
     context = context_plan(modules, mesh, rules)
-    experts = expert_plan(modules, [p.fqn for p in out if p.expert], mesh)
     for option, on in (
         ("activation_checkpoint", options.activation_checkpoint != "none"),
         ("compile", options.compile),

@@ -44,6 +44,9 @@ class Activation(Frozen):
     """Layout the module needs its inputs in (a redistribution is inserted when it differs)."""
     output: tuple[str | None, ...] | None = None
     """Layout of the output."""
+    desired_output: tuple[str | None, ...] | None = None
+    """Layout the next module needs the output in; with it, the module takes and returns plain local tensors
+    (torch's PrepareModuleInputOutput), for modules that compute on local shards (an MoE layer under TP)."""
 
 
 class Rules(Frozen):

@@ -171,7 +171,8 @@ def forward_backward(
             after_forward()
         objective = loss * scale
         extra = extra_loss() if extra_loss is not None else None
-        (objective if extra is None else objective + extra).backward()
+        # two roots: under loss parallel the objective is a DTensor, the routers' balancing loss a plain tensor
+        torch.autograd.backward([objective] if extra is None else [objective, extra])
     return loss.detach()
 
 

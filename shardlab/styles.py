@@ -12,7 +12,10 @@ from shardlab._base import Frozen
 from shardlab.rules import Activation, Rules, logical_to_spec, matches
 from shardlab.spec import P, Spec
 
-Style = Literal["colwise", "rowwise", "embedding_rowwise", "embedding_colwise", "sequence_parallel", "prepare_input"]
+Style = Literal[
+    "colwise", "rowwise", "embedding_rowwise", "embedding_colwise", "sequence_parallel", "prepare_input",
+    "prepare_input_output",
+]  # fmt: skip
 
 
 class ModulePlan(Frozen):
@@ -25,6 +28,8 @@ class ModulePlan(Frozen):
     desired_inputs: tuple[Spec | None, ...] | None = None
     output: Spec | None = None
     """Layout of the output (None = the style's default)."""
+    desired_output: Spec | None = None
+    """Layout the output is redistributed to (prepare_input_output)."""
     local_output: bool = True
     """Hand the next module a plain local tensor (False keeps a DTensor, e.g. vocab-sharded logits)."""
 
@@ -54,12 +59,23 @@ def module_plans(modules: dict[str, nn.Module], tp_dims: dict[str, int | None], 
             else tuple(_lower(x, rules, fqn) for x in act.desired_inputs)
         )
         output = None if act is None else _lower(act.output, rules, fqn)
+        desired_output = None if act is None else _lower(act.desired_output, rules, fqn)
         own = {
             n: tp_dims[f"{fqn}.{n}" if fqn else n]
             for n, _ in module.named_parameters(recurse=False)
             if (f"{fqn}.{n}" if fqn else n) in tp_dims
         }
-        if any(d is not None for d in own.values()):
+        if desired_output is not None and (  # a module computing on plain local tensors: redistribute around it
+            [_tp_dim(x) for x in inputs or ()] != [_tp_dim(x) for x in desired or inputs or ()]
+            or _tp_dim(output) != _tp_dim(desired_output)
+        ):
+            out.append(
+                ModulePlan(
+                    fqn=fqn, style="prepare_input_output", inputs=inputs, desired_inputs=desired or inputs,
+                    output=output, desired_output=desired_output,
+                )
+            )  # fmt: skip
+        elif any(d is not None for d in own.values()):
             out.append(_parallel_style(fqn, module, own, inputs, output))
         elif inputs and output and _tp_dim(inputs[0]) is not None and _tp_dim(inputs[0]) == _tp_dim(output):
             out.append(ModulePlan(fqn=fqn, style="sequence_parallel", inputs=inputs, output=output, local_output=False))

@@ -114,7 +114,12 @@ def test_parameter_counts_and_plan():
     ("mesh", "moe", "message"),
     [
         (MeshSpec(), dict(n_experts=2, top_k=3), r"^model\.moe\.top_k=3 exceeds model\.moe\.n_experts=2"),
-        (MeshSpec(dp_shard=1, tp=2), dict(), r"^model\.moe with mesh\.tp or mesh\.pp > 1"),
+        (MeshSpec(dp_shard=1, pp=2), dict(), r"^model\.moe with mesh\.pp > 1: pipelines of MoE layers"),
+        (
+            MeshSpec(dp_shard=1, tp=4),
+            dict(expert_ffn_dim=6),
+            r"^model\.moe\.expert_ffn_dim=6 is not divisible by mesh\.tp=4",
+        ),
         (MeshSpec(dp_shard=4, ep=4), dict(n_experts=6), r"^model\.moe\.n_experts=6 is not divisible by mesh\.ep=4"),
         (MeshSpec(), dict(capacity_factor=0.0), r"^model\.moe\.capacity_factor=0\.0: must be > 0"),
     ],
@@ -152,7 +157,7 @@ def test_expert_weights_are_planned_on_the_expert_mesh():
     cfg = Config(mesh=MeshSpec(dp_shard=4, ep=2), model=ModelConfig(n_layers=2, moe=MoEConfig(n_experts=4)))
     _, plan = plan_model(cfg.resolve(4))
     gate = plan.param("model.layers.1.mlp.experts.gate_proj")
-    assert gate.expert and gate.spec == (("ep", "dp_shard_mod_ep"), None, None)
+    assert gate.expert and gate.spec == (("ep", "dp_shard_mod_ep"), "tp", None)  # tp is 1 here
     assert dict(zip(EXPERT_AXES, gate.placements)) == {
         "pp": "R", "dp_replicate": "R", "dp_shard_mod_ep": "_S(0, 2)", "ep": "S(0)", "tp": "R"
     }  # fmt: skip
@@ -167,6 +172,27 @@ def test_expert_weights_are_planned_on_the_expert_mesh():
     _, plan = plan_model(hsdp.resolve(4))
     assert plan.experts.fsdp_axes == ("dp_replicate", "dp_shard_mod_ep")
     assert plan.param("model.layers.0.mlp.experts.up_proj").local_shape == (2, 256, 256)  # dp_shard_mod_ep is 1
+
+
+def test_tensor_parallel_experts_are_planned_for_local_compute():
+    """ep 2 x tp 2: expert weights split over ep (experts) and tp (hidden dim), no ParallelStyle of their own; the
+    MoE layer gets and returns whole local tensors (sequence parallel's residual is gathered around it)."""
+    model = ModelConfig(n_layers=2, moe=MoEConfig(n_experts=4, shared_expert=True))
+    cfg = Config(mesh=MeshSpec(dp_shard=2, tp=2, ep=2), model=model)
+    _, plan = plan_model(cfg.resolve(4))
+    up, down = (plan.param(f"model.layers.0.mlp.experts.{w}") for w in ("up_proj", "down_proj"))
+    assert up.spec == ("ep", "tp", None) and down.spec == ("ep", None, "tp")
+    assert dict(zip(EXPERT_AXES, down.placements)) == {
+        "pp": "R", "dp_replicate": "R", "dp_shard_mod_ep": "R", "ep": "S(0)", "tp": "S(2)"
+    }  # fmt: skip
+    assert plan.experts.tensor_parallel and plan.experts.ep == 2
+    assert not any(m.fqn.endswith(".experts") for m in plan.modules)
+    moe = plan.module("model.layers.0.mlp")
+    assert moe.style == "prepare_input_output" and moe.inputs[0][1] == "tp" and moe.desired_output[1] == "tp"
+    assert plan.module("model.layers.0.mlp.shared_expert.down_proj").style == "rowwise"
+    _, tp_only = plan_model(msgspec.structs.replace(cfg, mesh=MeshSpec(dp_shard=2, tp=2)).resolve(4))
+    assert not tp_only.param("model.layers.0.mlp.experts.up_proj").expert
+    assert tp_only.experts.ep == 1 and tp_only.experts.fsdp_axes == ()  # FSDP shards them with their block
 
 
 def test_a_step_reports_the_routers(tmp_path):

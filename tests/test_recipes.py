@@ -17,6 +17,7 @@ WORLD = {
     "llama_cp.py": 4,
     "moe_fsdp.py": 2,
     "moe_ep.py": 4,
+    "moe_ep_tp.py": 4,
     "llama_3d.py": 8,
     "llama3_1b.py": 1,
     "llama3_8b.py": 8,

@@ -57,7 +57,7 @@ def logical_table(options: PlanConfig) -> LogicalTable:
         ("mlp", "tp"),
         ("embed", None),
         ("experts", "ep"),
-        ("expert_mlp", None),
+        ("expert_mlp", "tp"),
         ("batch", ("dp_replicate", "dp_shard")),
         ("seq", None),
         ("residual_seq", "tp" if options.sequence_parallel else None),
@@ -95,8 +95,14 @@ def llama_rules(model: ModelConfig, options: PlanConfig = PlanConfig()) -> Rules
         (("model.layers.*",),) if tied else (("model.embed_tokens",), ("model.layers.*",), ("model.norm", "lm_head"))
     )
     activations = ACTIVATIONS
-    if model.moe is not None:
-        activations = tuple(a for a in ACTIVATIONS if a.pattern != "model.layers.*.mlp.down_proj")
+    if model.moe is not None:  # the MoE layer takes and returns whole local tensors (its experts sum over tp)
+        activations = tuple(
+            a for a in ACTIVATIONS if a.pattern not in ("model.layers.*.mlp", "model.layers.*.mlp.down_proj")
+        )
+        activations += (
+            Activation(pattern="model.layers.*.mlp", inputs=(RESIDUAL,), desired_inputs=(FULL,), output=FULL,
+                       desired_output=RESIDUAL),
+        )  # fmt: skip
     return Rules(
         params=params,
         logical=logical_table(options),

@@ -1,9 +1,9 @@
 """The MoE model on data- and expert-parallel layouts against one process (issue 5): fp32, same seed and global
 batch, 10 steps; loss and gradient norm within tolerance. The balancing loss and the bias update use the router
 statistics of the global batch, so they are the same in every layout: FSDP 2 (auxiliary loss; bias balancing;
-sigmoid scores with a shared expert) on 2 ranks; HSDP 2 x 2, CP 2 x FSDP 2 and expert parallelism (ep 2 and
-ep 4 of FSDP 4, ep 2 of HSDP 2 x 2, ep 4 across CP 2 x FSDP 2) on 4. Checkpoints move across a change of ep
-degree. A capacity limit applies to each rank's micro batch (which tokens overflow depends on the layout), so it
+sigmoid scores with a shared expert) on 2 ranks; on 4, expert parallelism (ep 2 and ep 4 of FSDP 4, ep 2 of
+HSDP 2 x 2, ep 4 across CP 2 x FSDP 2), and TP inside the experts: ep 2 x tp 2 (+SP, loss parallel) and
+FSDP 2 x TP 2 with a shared expert. Checkpoints move across a change of ep degree. A capacity limit applies to each rank's micro batch (which tokens overflow depends on the layout), so it
 is tested on one process (tests/test_moe.py)."""
 
 from pathlib import Path
@@ -24,21 +24,21 @@ MOE = {
 }  # fmt: skip
 
 
-def moe(name: str, mesh: MeshSpec = MeshSpec(dp_shard=1)) -> Config:
+def moe(name: str, mesh: MeshSpec = MeshSpec(dp_shard=1), sequence_parallel: bool = True) -> Config:
     cfg = tiny()
-    return msgspec.structs.replace(cfg, mesh=mesh, model=msgspec.structs.replace(cfg.model, moe=MOE[name]))
+    plan = msgspec.structs.replace(cfg.plan, sequence_parallel=sequence_parallel, loss_parallel=sequence_parallel)
+    return msgspec.structs.replace(cfg, mesh=mesh, plan=plan, model=msgspec.structs.replace(cfg.model, moe=MOE[name]))
 
 
 LAYOUTS_2 = {f"fsdp2-{name}": moe(name, MeshSpec(dp_shard=2)) for name in MOE}
 LAYOUTS_4 = {
-    "hsdp2x2-bias": moe("bias", MeshSpec(dp_replicate=2, dp_shard=2)),
-    "cp2_fsdp2-aux": moe("aux", MeshSpec(dp_shard=2, cp=2)),
+    "hsdp2x2_ep2-bias": moe("bias", MeshSpec(dp_replicate=2, dp_shard=2, ep=2)),
+    "cp2_fsdp2_ep4-aux": moe("aux", MeshSpec(dp_shard=2, cp=2, ep=4)),
     "fsdp4_ep2-aux": moe("aux", MeshSpec(dp_shard=4, ep=2)),
     "fsdp4_ep4-bias": moe("bias", MeshSpec(dp_shard=4, ep=4)),
-    "hsdp2x2_ep2-sigmoid_shared": moe("sigmoid_shared", MeshSpec(dp_replicate=2, dp_shard=2, ep=2)),
-    "cp2_fsdp2_ep4-aux": moe("aux", MeshSpec(dp_shard=2, cp=2, ep=4)),
+    "fsdp2_tp2_ep2-aux": moe("aux", MeshSpec(dp_shard=2, tp=2, ep=2)),  # + SP and loss parallel
+    "fsdp2_tp2-sigmoid_shared": moe("sigmoid_shared", MeshSpec(dp_shard=2, tp=2), sequence_parallel=False),
 }
-EXPERT_PARALLEL = [name for name, cfg in LAYOUTS_4.items() if cfg.mesh.ep > 1]
 LAYOUTS = {2: LAYOUTS_2, 4: LAYOUTS_4}
 
 
@@ -47,8 +47,8 @@ def run(rank, world_size, tmp=None):
 
 
 def placements(rank, world_size, tmp=None):
-    for name in EXPERT_PARALLEL:
-        placements_match_plan(rank, world_size, LAYOUTS_4[name])
+    for cfg in LAYOUTS_4.values():
+        placements_match_plan(rank, world_size, cfg)
 
 
 def ep_change(rank, world_size, tmp):
