@@ -3,7 +3,7 @@
 Config -> MeshSpec -> make_plan (rules, logical axes, PartitionSpecs) -> apply -> step.
 """
 
-from shardlab.apply import apply, constrain, shard
+from shardlab.apply import apply, constrain, shard, shard_map
 from shardlab.checkpoint import load, save
 from shardlab.config import (
     CheckpointConfig,
@@ -60,6 +60,7 @@ __all__ = [
     "placements",
     "save",
     "shard",
+    "shard_map",
     "to_hf",
     "train",
     "visualize",

@@ -4,19 +4,22 @@ this rank's pipeline stages (the other stages' modules become nn.Identity) -> TP
 -> context-parallel attention (`shardlab.context`) -> expert parallelism (`shardlab.experts`)
 -> activation checkpointing -> compile -> FSDP/HSDP (`fully_shard` per unit, then the root: the model, or each
 StageModule when a rank runs several stages). The pipeline
-schedule itself runs in the step (shardlab.schedule). Also the JAX-like helpers `shard` (device_put with a spec) and
-`constrain` (with_sharding_constraint for activations).
+schedule itself runs in the step (shardlab.schedule). Also the JAX-like helpers `shard` (device_put with a spec),
+`constrain` (with_sharding_constraint for activations) and `shard_map` (code on local blocks, over local_map).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import local_map
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -256,10 +259,17 @@ def _retie(model: nn.Module, plan: Plan) -> None:
             setattr(model.get_submodule(owner), name, model.get_parameter(p.fqn))
 
 
-def _placements_on(mesh: DeviceMesh, spec: P, shape: tuple[int, ...]) -> list[Placement]:
+def _placements_on(mesh: DeviceMesh, spec: P, shape: tuple[int, ...] | None = None) -> list[Placement]:
+    """A spec's placements on `mesh` (from make_mesh, or a slice of it); with a shape, its dims must divide."""
     spec_mesh = mesh_spec_of(mesh)
-    check_shape(expand(spec, spec_mesh), spec_mesh, shape)
+    if shape is not None:
+        check_shape(expand(spec, spec_mesh), spec_mesh, shape)
     full = placements(spec, spec_mesh)
+    unused = [
+        a for a in P(*expand(spec, spec_mesh)).used_axes if spec_mesh.size(a) > 1 and a not in mesh.mesh_dim_names
+    ]
+    if unused:
+        raise ValueError(f"{spec!r} names {unused[0]!r}, which is not a dim of this mesh {mesh.mesh_dim_names}")
     return [full[AXES.index(n)] for n in mesh.mesh_dim_names]
 
 
@@ -273,3 +283,43 @@ def constrain(x: torch.Tensor, spec: P) -> torch.Tensor:
     if not isinstance(x, DTensor):
         return x
     return x.redistribute(x.device_mesh, _placements_on(x.device_mesh, P(*spec), tuple(x.shape)))
+
+
+def shard_map(
+    fn: Callable[..., Any],
+    mesh: DeviceMesh,
+    in_specs: tuple[P | None, ...],
+    out_specs: P | tuple[P | None, ...] | None,
+) -> Callable[..., Any]:
+    """`jax.shard_map(fn, mesh, in_specs, out_specs)` over torch's `local_map`: `fn` runs on this rank's blocks.
+
+    A DTensor argument is redistributed to its spec (None: kept as it is) and `fn` gets its local block; any
+    other argument is passed as is (a plain tensor is taken to be this rank's block already). Tensor outputs
+    become DTensors on `mesh` with `out_specs` (one P, or a tuple with one per output; None: replicated, or a
+    value that is not a tensor). Collectives inside `fn` take `mesh[axis].get_group()`; `mesh` is one from
+    make_mesh or a slice of it. Gradients follow local_map: each block's gradient lands in its DTensor's shard, with
+    the input's placements, so a replicated input whose ranks compute different things needs `fn` to sum its
+    gradient itself (JAX inserts that psum; torch does not).
+    """
+
+    def lower(spec: P | None) -> list[Placement] | None:  # local_map: a list per value, a tuple of them per output
+        return None if spec is None else _placements_on(mesh, P(*spec))
+
+    single = out_specs is None or isinstance(out_specs, P)
+    out_placements = lower(out_specs) if single else tuple(lower(s) for s in out_specs)
+
+    def run(*args: Any) -> Any:
+        if len(args) != len(in_specs):
+            raise ValueError(
+                f"shard_map: {len(args)} arguments but {len(in_specs)} in_specs; give one spec per argument"
+            )
+        in_placements = tuple(
+            (a.placements if s is None else lower(s)) if isinstance(a, DTensor) else None
+            for a, s in zip(args, in_specs)
+        )
+        mapped = local_map(
+            fn, out_placements=out_placements, in_placements=in_placements, device_mesh=mesh, redistribute_inputs=True
+        )
+        return mapped(*args)
+
+    return run

@@ -57,11 +57,11 @@ class Experts(nn.Module):
         """The experts this rank holds (all, or its ep shard: the local blocks of the DTensors) on rows grouped by
         local expert, counts[e] for its e-th."""
         gate, up, down = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
-        out = []
-        for e, x in enumerate(rows.split(counts)):
-            if x.shape[0]:
-                out.append((F.silu(x @ gate[e].T) * (x @ up[e].T)) @ down[e].T)
-        return torch.cat(out) if out else rows.new_zeros(0, rows.shape[-1])
+        # Every expert runs, idle ones on zero rows: their weights get zero gradients, not none (under expert
+        # parallelism a rank whose experts got no tokens must still join FSDP's reduce-scatter).
+        return torch.cat(
+            [(F.silu(x @ gate[e].T) * (x @ up[e].T)) @ down[e].T for e, x in enumerate(rows.split(counts))]
+        )
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:

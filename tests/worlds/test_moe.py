@@ -6,13 +6,19 @@ HSDP 2 x 2, ep 4 across CP 2 x FSDP 2), and TP inside the experts: ep 2 x tp 2 (
 FSDP 2 x TP 2 with a shared expert. Checkpoints move across a change of ep degree. A capacity limit applies to each rank's micro batch (which tokens overflow depends on the layout), so it
 is tested on one process (tests/test_moe.py)."""
 
+import math
 from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 
 from shardlab.checkpoint import step_dir
 from shardlab.config import Config, MeshSpec, MoEConfig
+from shardlab.data import make_loader
+from shardlab.loop import build_model
+from shardlab.models.moe import moe_layers
+from shardlab.step import init_state, make_step
 
 from ._harness import run_world
 from .layouts import TOL, assert_matches, ckpt, continue_from, curves, layout_curves, placements_match_plan, tiny
@@ -58,6 +64,24 @@ def ep_change(rank, world_size, tmp):
     return continue_from(LAYOUTS_4["fsdp4_ep4-bias"], Path(tmp) / "ep4", step_dir(Path(tmp) / "ep2" / "checkpoints", 5))
 
 
+def idle_experts(rank, world_size, tmp=None):
+    """ep 2 with every token routed to expert 0 (a large bias on it, zero router weights): rank 1's experts get no
+    rows. The step still finishes on both ranks and gives rank 1's experts zero gradients, not none (FSDP's
+    reduce-scatter needs every rank's gradients)."""
+    cfg = moe("bias", MeshSpec(dp_shard=2, ep=2))
+    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, moe=msgspec.structs.replace(MOE["bias"], top_k=1)))
+    model, plan, mesh = build_model(cfg)
+    with torch.no_grad():
+        for layer in moe_layers(model):
+            layer.router.weight.to_local().zero_()
+            layer.expert_bias.copy_(torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    step, state = make_step(cfg, plan, mesh), init_state(model, cfg.optim)
+    batch = next(iter(make_loader(cfg.data, seq_len=64, global_batch=8, vocab_size=512, dp_rank=rank, dp_size=2)))
+    _, metrics = step(state, batch)
+    assert metrics["moe_tokens_per_expert"][1:] == [0, 0, 0], metrics["moe_tokens_per_expert"]
+    return metrics["grad_norm"]
+
+
 def bias_resume(rank, world_size, tmp):
     """FSDP 2 with bias balancing stopped after step 5 (saving it), then resumed: the losses of all 10 steps.
     The expert biases are state (buffers) and come back from the checkpoint."""
@@ -77,7 +101,7 @@ def tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def world2(tmp):
-    return run_world(2, [run, bias_resume], timeout_s=300, tmp=str(tmp))
+    return run_world(2, [run, bias_resume, idle_experts], timeout_s=300, tmp=str(tmp))
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +135,8 @@ def test_checkpoint_moves_across_ep_degrees(world4, tmp, references):
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= TOL, (got, want)
     one = continue_from(moe("bias"), tmp / "one", step_dir(tmp / "ep2" / "checkpoints", 5))
     assert max(abs(a - b) for a, b in zip(one, want, strict=True)) <= TOL, (one, want)
+
+
+@pytest.mark.world
+def test_experts_without_rows_still_step(world2):
+    assert math.isfinite(world2.value(idle_experts))
