@@ -102,9 +102,6 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
         dev = device(device_name or "h100")
         print(estimate_table(estimate(cfg, plan, recipe.rules(cfg), dev), cfg, dev))
         return 0
-    from shardlab.apply import check_supported
-
-    check_supported(cfg.mesh)
     _check_data(cfg)
     if world > 1 and not launched:
         print(f"shardlab: launching {world} ranks ({cfg.mesh.describe()}) through torch.distributed.run", flush=True)

@@ -98,12 +98,15 @@ def table(plan: Plan, collapse: bool = True) -> str:
         ]
     if plan.experts is not None:
         e = plan.experts
-        out += [
-            "",
-            f"Expert parallel over ep={e.ep} (of dp_shard x cp): all-to-all dispatch in {len(e.modules)} modules "
-            f"({', '.join(sorted({_layer_glob(m) for m in e.modules}))}); FSDP over {' x '.join(e.fsdp_axes)}, "
-            f"gradients divided by {e.gradient_divide_factor}",
-        ]
+        where = f"{len(e.modules)} modules ({', '.join(sorted({_layer_glob(m) for m in e.modules}))})"
+        tp = f"; their hidden dims split over tp={plan.mesh.tp}" if e.tensor_parallel else ""
+        text = (
+            f"Expert parallel over ep={e.ep} (of dp_shard x cp): all-to-all dispatch in {where}{tp}; FSDP over "
+            f"{' x '.join(e.fsdp_axes)}, gradients divided by {e.gradient_divide_factor}"
+            if e.ep > 1
+            else f"Tensor parallel inside experts over tp={plan.mesh.tp}: {where}, partial outputs summed over tp"
+        )
+        out += ["", text]
     extras = [
         f"loss_parallel={plan.loss_parallel}",
         f"activation_checkpoint={plan.activation_checkpoint}",

@@ -34,20 +34,11 @@ from torch.distributed.tensor.placement_types import Placement
 from shardlab._checkpoint import checkpoint as checkpoint_module
 from shardlab.context import all_gather_attention
 from shardlab.experts import expert_dispatch
-from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec, expert_mesh, flat_view, mesh_spec_of
+from shardlab.mesh import AXES, FLAT_VIEWS, expert_mesh, flat_view, mesh_spec_of
 from shardlab.pipeline import StagePlan
 from shardlab.plan import Plan
 from shardlab.spec import P, Spec, check_shape, expand, placements
 from shardlab.styles import ModulePlan
-
-NOT_YET: dict[str, str] = {}
-
-
-def check_supported(mesh: MeshSpec) -> None:
-    """Raise for layouts the planner accepts but apply cannot run yet (called before launching)."""
-    for axis, why in NOT_YET.items():
-        if mesh.size(axis) > 1:
-            raise ValueError(f"mesh.{axis}={mesh.size(axis)}: {why}; set mesh.{axis}=1")
 
 
 def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Module:
@@ -55,7 +46,6 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
 
     A plan without TP or FSDP (one process in fp32) needs no mesh: only checkpointing and compile apply.
     """
-    check_supported(plan.mesh)
     if mesh is None:
         if plan.mesh.world_size > 1 or plan.fsdp is not None:
             raise ValueError(
@@ -108,7 +98,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
                 experts = fully_shard(model.get_submodule(fqn), **(kwargs | {"mesh": on}))
                 experts.set_gradient_divide_factor(float(e.gradient_divide_factor))
                 # Sum, then divide: gloo has no PREMUL_SUM. Not over one shard: torch 2.13 would divide twice.
-                experts.set_force_sum_reduction_for_comms(on.size(on.ndim - 1) > 1)
+                experts.set_force_sum_reduction_for_comms(plan.mesh.experts.dp_shard_mod_ep > 1)
         for unit in f.units:
             modules = [model.get_submodule(m) for m in unit]
             modules = [m for m in modules if next(m.parameters(), None) is not None]  # other stages' are Identity
@@ -260,17 +250,13 @@ def _retie(model: nn.Module, plan: Plan) -> None:
 
 
 def _placements_on(mesh: DeviceMesh, spec: P, shape: tuple[int, ...] | None = None) -> list[Placement]:
-    """A spec's placements on `mesh` (from make_mesh, or a slice of it); with a shape, its dims must divide."""
+    """A spec's placements on `mesh` (from make_mesh, a slice of it, or an expert weight's mesh); with a shape, its
+    dims must divide."""
     spec_mesh = mesh_spec_of(mesh)
     if shape is not None:
         check_shape(expand(spec, spec_mesh), spec_mesh, shape)
     full = placements(spec, spec_mesh)
-    unused = [
-        a for a in P(*expand(spec, spec_mesh)).used_axes if spec_mesh.size(a) > 1 and a not in mesh.mesh_dim_names
-    ]
-    if unused:
-        raise ValueError(f"{spec!r} names {unused[0]!r}, which is not a dim of this mesh {mesh.mesh_dim_names}")
-    return [full[AXES.index(n)] for n in mesh.mesh_dim_names]
+    return [full[spec_mesh.axis_names.index(n)] for n in mesh.mesh_dim_names]
 
 
 def shard(tensor: torch.Tensor, mesh: DeviceMesh, spec: P) -> DTensor:
@@ -293,8 +279,9 @@ def shard_map(
 ) -> Callable[..., Any]:
     """`jax.shard_map(fn, mesh, in_specs, out_specs)` over torch's `local_map`: `fn` runs on this rank's blocks.
 
-    A DTensor argument is redistributed to its spec (None: kept as it is) and `fn` gets its local block; any
-    other argument is passed as is (a plain tensor is taken to be this rank's block already). Tensor outputs
+    A DTensor argument is redistributed to its spec (None: kept as it is) and `fn` gets its local block; a plain
+    tensor with a spec is taken to be this rank's block of a tensor with that spec; anything else (a spec of None)
+    is passed as is. Arguments are positional, one spec each. Tensor outputs
     become DTensors on `mesh` with `out_specs` (one P, or a tuple with one per output; None: replicated, or a
     value that is not a tensor). Collectives inside `fn` take `mesh[axis].get_group()`; `mesh` is one from
     make_mesh or a slice of it. Gradients follow local_map: each block's gradient lands in its DTensor's shard, with
@@ -313,6 +300,11 @@ def shard_map(
             raise ValueError(
                 f"shard_map: {len(args)} arguments but {len(in_specs)} in_specs; give one spec per argument"
             )
+        args = tuple(  # a plain tensor with a spec is this rank's block of a global tensor with that spec
+            DTensor.from_local(a, mesh, lower(s)) if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+            and s is not None else a
+            for a, s in zip(args, in_specs)
+        )  # fmt: skip
         in_placements = tuple(
             (a.placements if s is None else lower(s)) if isinstance(a, DTensor) else None
             for a, s in zip(args, in_specs)

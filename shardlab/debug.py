@@ -19,6 +19,11 @@ def visualize(x: DTensor) -> str:
     """Draw the blocks of a DTensor and the ranks that hold each (replicas share a cell)."""
     mesh = x.device_mesh
     spec_mesh = mesh_spec_of(mesh)
+    if not isinstance(spec_mesh, MeshSpec):
+        raise ValueError(
+            "visualize: this DTensor lives on the expert mesh (an expert weight); drawing it is not supported yet, "
+            "plan.table() shows its placements"
+        )
     names = tuple(mesh.mesh_dim_names)
     by_axis = dict(zip(names, x.placements))
     full = tuple(by_axis.get(a, Replicate()) for a in AXES)

@@ -5,7 +5,7 @@ runs at train time. `ep` borrows its ranks from dp_shard x cp (`MeshSpec.experts
 tokens, so an expert's gradient already sums over the tokens of its ep group, and FSDP shards the experts over
 the remaining dp_shard_mod_ep ranks with a divide factor of every rank holding other tokens.
 
-Tokens are routed where they live; `all_to_all_dispatch` sends each expert's rows to the rank holding it and
+Tokens are routed where they live; `expert_dispatch` sends each expert's rows to the rank holding it and
 the results back with torch's autograd-aware uneven all-to-all, so the backward runs the same exchange in
 reverse. Routing statistics (the balancing loss, the bias update) are unchanged: they count tokens at home.
 """
@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from shardlab._base import Frozen
 from shardlab.mesh import MeshSpec
+from shardlab.spec import P, Spec
 
 Compute = Callable[[torch.Tensor, list[int]], torch.Tensor]
 """The experts a rank holds: rows grouped by its local expert, counts per local expert -> their outputs."""
@@ -42,12 +43,12 @@ class ExpertPlan(Frozen):
     FSDP unit of its own over `fsdp_axes`; with ep = 1 FSDP shards it with its block."""
     fsdp_axes: tuple[str, ...]
     """FSDP's axes for expert weights: (dp_shard_mod_ep,), with dp_replicate first under HSDP; () when ep is 1."""
-    gradient_divide_factor: int
-    """Ranks holding other tokens (dp_replicate x dp_shard x cp): FSDP averages expert gradients over them,
-    not over its own smaller mesh."""
+    gradient_divide_factor: int | None
+    """With ep > 1, the ranks holding other tokens (dp_replicate x dp_shard x cp): FSDP averages expert gradients
+    over them, not over its own smaller mesh. None when ep is 1 (FSDP's own mean is right)."""
 
 
-def strip_ep(spec: tuple) -> tuple:
+def strip_ep(spec: Spec) -> Spec:
     """A spec without the ep axis (mesh.ep == 1: the expert weights are planned on the main mesh)."""
     out = []
     for entry in spec:
@@ -56,36 +57,51 @@ def strip_ep(spec: tuple) -> tuple:
     return tuple(out)
 
 
-def expert_plan(
-    modules: dict[str, nn.Module], expert_params: dict[str, int | None], mesh: MeshSpec
-) -> ExpertPlan | None:
-    """The plan's expert parallelism. expert_params: the parameters whose rules name ep (fqn -> their tp dim, None
-    when not sharded over tp). None when neither ep nor tp splits the experts."""
-    tensor_parallel = mesh.tp > 1 and any(d is not None for d in expert_params.values())
+def module_of(fqn: str) -> str:
+    """The module holding parameter `fqn` (what expert parallelism and its FSDP unit act on)."""
+    return fqn.rpartition(".")[0]
+
+
+def expert_plan(modules: dict[str, nn.Module], expert_specs: dict[str, Spec], mesh: MeshSpec) -> ExpertPlan | None:
+    """The plan's expert parallelism. expert_specs: the specs of the parameters whose rules name ep (fqn -> spec).
+    None when neither ep nor tp splits the experts."""
+    tp_dims = {f: P(*s).dim_of("tp") for f, s in expert_specs.items()}
+    tensor_parallel = mesh.tp > 1 and any(d is not None for d in tp_dims.values())
     if mesh.ep == 1 and not tensor_parallel:
         return None
-    if not expert_params:
+    if not expert_specs:
         raise ValueError(
             f"mesh.ep={mesh.ep} but no rule shards a parameter over ep; map the expert dim to ep "
             "(logical ('experts', 'ep') or spec ('ep', None, None)), or set mesh.ep=1"
         )
-    if tensor_parallel and None in expert_params.values():
-        fqn = next(f for f, d in expert_params.items() if d is None)
-        raise ValueError(f"{fqn}: some expert weights are sharded over tp and this one is not; shard all or none")
-    owners = tuple(dict.fromkeys(f.rpartition(".")[0] for f in expert_params))
+    owners = tuple(dict.fromkeys(module_of(f) for f in expert_specs))
     for owner in owners:
         module = modules[owner]
-        others = [n for n, _ in module.named_parameters() if f"{owner}.{n}" not in expert_params]
+        others = [n for n, _ in module.named_parameters() if f"{owner}.{n}" not in expert_specs]
         if others:
             raise ValueError(
-                f"{owner}.{others[0]}: {owner} holds ep-sharded weights, so all of its parameters must be sharded "
-                "over ep (its module is FSDP's unit on the expert mesh); shard it over ep or move it to another module"
+                f"{owner}.{others[0]}: {owner} holds expert weights (rules name ep on them), so each of its parameters "
+                "needs its expert dim over ep too; shard it over ep or move it to another module"
             )
-        if not hasattr(module, "dispatch"):
+        if not hasattr(module, "dispatch") or not hasattr(module, "hidden_dims"):
             raise ValueError(
-                f"{owner}: holds ep-sharded weights but has no `dispatch` to send tokens to them "
-                "(shardlab.models.moe.Experts has one); replicate its parameters over ep"
+                f"{owner}: holds ep-sharded weights but has no `dispatch` and `hidden_dims` to run them "
+                "(shardlab.models.moe.Experts has both); replicate its parameters over ep"
             )
+    for fqn, spec in expert_specs.items():
+        p, hidden = P(*spec), modules[module_of(fqn)].hidden_dims.get(fqn.rpartition(".")[2])
+        if (
+            p.axes(0) != ("ep",)
+            or any("ep" in p.axes(d) for d in range(1, len(p)))
+            or tp_dims[fqn] not in (None, hidden)
+        ):
+            raise ValueError(
+                f"{fqn}: {p!r} shards it where its dispatch cannot compute; an expert weight splits its expert dim "
+                f"(0) over ep alone and only its hidden dim ({hidden}) over tp: fix the rule"
+            )
+    if tensor_parallel and None in tp_dims.values():
+        fqn = next(f for f, d in tp_dims.items() if d is None)
+        raise ValueError(f"{fqn}: some expert weights are sharded over tp and this one is not; shard all or none")
     e = mesh.experts
     fsdp_axes = ("dp_replicate", "dp_shard_mod_ep") if e.dp_replicate > 1 else ("dp_shard_mod_ep",)
     return ExpertPlan(
@@ -93,7 +109,7 @@ def expert_plan(
         tensor_parallel=tensor_parallel,
         modules=owners,
         fsdp_axes=fsdp_axes if mesh.ep > 1 else (),
-        gradient_divide_factor=mesh.size("batch"),
+        gradient_divide_factor=mesh.size("batch") if mesh.ep > 1 else None,
     )
 
 

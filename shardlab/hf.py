@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from shardlab.config import ModelConfig
-from shardlab.mesh import AXES, mesh_spec_of
+from shardlab.mesh import mesh_spec_of
 from shardlab.models.llama import Llama, from_hf_config, materialize, to_hf_config
 from shardlab.spec import P, block, spec_from_placements
 
@@ -220,9 +220,10 @@ def _local_block(param: torch.Tensor) -> tuple[torch.Tensor | None, tuple[slice,
     names = tuple(mesh.mesh_dim_names or ())
     spec_mesh = mesh_spec_of(mesh)
     by_axis = dict(zip(names, param.placements))
-    full = [by_axis.get(a, Replicate()) if spec_mesh.size(a) > 1 else Replicate() for a in AXES]
+    axes = spec_mesh.axis_names
+    full = [by_axis.get(a, Replicate()) if spec_mesh.size(a) > 1 else Replicate() for a in axes]
     spec = spec_from_placements(full, spec_mesh, param.ndim)
-    coord = {a: 0 for a in AXES} | dict(zip(names, coordinate))
+    coord = {a: 0 for a in axes} | dict(zip(names, coordinate))
     slices = _nested_block(spec, spec_mesh, tuple(param.shape), coord)
     local = param.to_local()
     if tuple(s.stop - s.start for s in slices) != tuple(local.shape):

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardlab import checkpoint
 from shardlab._base import to_json
-from shardlab.apply import apply, check_supported, keep_own_stages
+from shardlab.apply import apply, keep_own_stages
 from shardlab.config import Config
 from shardlab.data import make_loader
 from shardlab.hf import load_hf_weights, read_hf_config
@@ -59,7 +59,6 @@ def build_model(
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = cfg.validated().resolve(world)
-    check_supported(cfg.mesh)
     device = resolve_device(cfg.train.device) if device is None else torch.device(device)
     if cfg.train.init == "sharded" and cfg.mesh.pp > 1:
         raise ValueError(

@@ -34,13 +34,13 @@ class MeshSpec(Frozen):
     """Sizes of the named mesh axes. Exactly one axis may be -1: "the rest of the world"."""
 
     pp: Size = 1
-    """Pipeline-parallel stages (not yet supported by apply)."""
+    """Pipeline-parallel stages: each pp rank runs its own blocks of the model."""
     dp_replicate: Size = 1
     """Data-parallel replicas (HSDP's replicate axis): parameters are replicated across it."""
     dp_shard: Size = -1
     """Data-parallel shards (FSDP): parameters, grads and optimizer state are sharded across it."""
     cp: Size = 1
-    """Context parallel: the sequence is sharded across it (not yet supported by apply)."""
+    """Context parallel: every sequence is sharded across it (FSDP shards over dp_shard x cp)."""
     tp: Size = 1
     """Tensor parallel (with sequence parallel for norms when plan.sequence_parallel)."""
     ep: Annotated[int, msgspec.Meta(ge=1)] = 1
@@ -197,17 +197,24 @@ class ExpertMeshSpec(Frozen):
         return getattr(self, axis)
 
 
-def mesh_spec_of(mesh) -> MeshSpec:
-    """The MeshSpec of a DeviceMesh from `make_mesh` or a slice of it (absent axes have size 1)."""
+def mesh_spec_of(mesh) -> MeshSpec | ExpertMeshSpec:
+    """The MeshSpec of a DeviceMesh from `make_mesh` or a slice of it (absent axes have size 1); the ExpertMeshSpec
+    of a mesh over expert axes (an expert weight's). Only the whole mesh carries `ep`: a slice has no ep of its own."""
     names = tuple(mesh.mesh_dim_names or ())
+    sizes = {n: mesh.size(i) for i, n in enumerate(names)}
+    if {"ep", "dp_shard_mod_ep"} & set(names):
+        unknown = [n for n in names if n not in EXPERT_AXES]
+        if unknown:
+            raise ValueError(f"mesh dims {unknown} are not expert mesh axes ({', '.join(EXPERT_AXES)})")
+        return ExpertMeshSpec(**{a: sizes.get(a, 1) for a in EXPERT_AXES})
     unknown = [n for n in names if n not in AXES]
     if unknown:
         raise ValueError(
             f"mesh dims {unknown} are not shardlab axes ({', '.join(AXES)}); use a mesh from make_mesh or a slice of it"
         )
     experts = getattr(mesh._get_root_mesh(), "_shardlab_experts", None)
-    ep = experts["ep"].size() if experts is not None else 1
-    return MeshSpec(**{a: (mesh.size(names.index(a)) if a in names else 1) for a in AXES}, ep=ep)
+    ep = experts["ep"].size() if experts is not None and names == AXES else 1
+    return MeshSpec(**{a: sizes.get(a, 1) for a in AXES}, ep=ep)
 
 
 def make_mesh(spec: MeshSpec, device_type: str = "cpu"):

@@ -19,14 +19,14 @@ from shardlab import _plan_text
 from shardlab._base import Frozen, to_json
 from shardlab.config import PlanConfig
 from shardlab.context import ContextPlan, context_plan
-from shardlab.experts import ExpertPlan, expert_plan, strip_ep
+from shardlab.experts import ExpertPlan, expert_plan, module_of, strip_ep
 from shardlab.mesh import MeshSpec
 from shardlab.pipeline import ZERO_BUBBLE, PipelinePlan, pipeline_plan
 from shardlab.rules import Rules, matches, resolve
 from shardlab.spec import P, Spec, check_shape, expand, local_shape, placements
 from shardlab.styles import ModulePlan, module_plans
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 DATA_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "dp", "dp_shard_cp", "batch", "dp_shard_mod_ep")
 """Axes rules may not put in a parameter spec: FSDP (and later PP/CP) owns them."""
 
@@ -112,7 +112,7 @@ class Plan(Frozen):
     context: ContextPlan | None = None
     """Context parallelism; None when mesh.cp is 1."""
     experts: ExpertPlan | None = None
-    """Expert parallelism; None when mesh.ep is 1."""
+    """Expert parallelism and TP inside the experts; None when neither splits them."""
 
     def param(self, fqn: str) -> ParamPlan:
         for p in self.params:
@@ -188,7 +188,7 @@ def make_plan(
     used: set[int] = set()
     uncovered: list[str] = []
     out: list[ParamPlan] = []
-    ep_named: dict[str, int | None] = {}
+    ep_named: dict[str, Spec] = {}
     for fqn, t in params.items():
         match = resolve(fqn, t.ndim, rules)
         expert = False
@@ -199,13 +199,13 @@ def make_plan(
             used.add(match.rule)
             spec = match.spec
             if "ep" in P(*spec).used_axes:  # an expert weight: on the expert mesh, or the main one when ep is 1
+                ep_named[fqn] = spec
                 expert = mesh.ep > 1
                 spec = spec if expert else strip_ep(spec)
-                ep_named[fqn] = P(*spec).dim_of("tp")
             on = mesh.experts if expert else mesh
             _check_model_axes(fqn, match.rule, rules, spec, on)
             check_shape(P(*spec), on, t.shape, name=fqn)
-        unit = fqn.rpartition(".")[0] if expert and fsdp is not None else unit_of.get(fqn)
+        unit = module_of(fqn) if expert and fsdp is not None else unit_of.get(fqn)
         out.append(_param_plan(fqn, t, spec, match, mesh, unit, aliases.get(fqn, ()), expert))
     if uncovered and not options.allow_uncovered:
         more = f" (and {len(uncovered) - 1} more)" if len(uncovered) > 1 else ""
@@ -237,7 +237,7 @@ def make_plan(
     experts = expert_plan(modules, ep_named, mesh)
     tp_dims = {n: p.tp_dim for n, p in by_name.items()}
     if experts is not None:  # expert weights are sharded by apply's expert parallelism, not by a ParallelStyle
-        tp_dims = {n: d for n, d in tp_dims.items() if n.rpartition(".")[0] not in experts.modules}
+        tp_dims = {n: d for n, d in tp_dims.items() if module_of(n) not in experts.modules}
     styles = module_plans(modules, tp_dims, rules) if mesh.tp > 1 else ()
     blocks = tuple(f for f in modules if any(matches(g, f) for g in rules.blocks))
     pipeline = None

@@ -37,7 +37,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from shardlab._base import Frozen
 from shardlab._fake import fake_tensors, fake_world, forget_dtensor_dispatch, in_backward, inferring_dtensor_shapes
-from shardlab.apply import apply, check_supported, stage_modules
+from shardlab.apply import apply, stage_modules
 from shardlab.config import Config
 from shardlab.context import cp_positions
 from shardlab.mesh import AXES, FLAT_VIEWS, flat_view, make_mesh
@@ -339,7 +339,6 @@ def probe(
     With pipeline stages: one pipeline micro batch through the stages of pp rank `pp_rank` (this process is its
     first rank), which hold `blocks` blocks in cfg's plan (default: an even share).
     """
-    check_supported(cfg.mesh)
     if cfg.model.moe is not None:
         raise ValueError(
             "estimate: MoE models are not estimated yet: their routing depends on the data, which fake tensors lack"

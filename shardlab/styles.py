@@ -65,6 +65,11 @@ def module_plans(modules: dict[str, nn.Module], tp_dims: dict[str, int | None], 
             for n, _ in module.named_parameters(recurse=False)
             if (f"{fqn}.{n}" if fqn else n) in tp_dims
         }
+        if desired_output is not None and (output is None or not inputs or any(d is not None for d in own.values())):
+            raise ValueError(
+                f"rules.activations: {fqn} declares desired_output, which needs its inputs and output declared too "
+                "and a module without tp-sharded weights of its own (its code runs on local tensors)"
+            )
         if desired_output is not None and (  # a module computing on plain local tensors: redistribute around it
             [_tp_dim(x) for x in inputs or ()] != [_tp_dim(x) for x in desired or inputs or ()]
             or _tp_dim(output) != _tp_dim(desired_output)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardlab.__main__ import main
+from shardlab.plan import PLAN_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model.dim", "64", "--model.n-layers", "2", "--model.n-heads", "4", "--model.n-kv-heads", "2",
@@ -140,7 +141,7 @@ def test_one_rank_run_writes_its_run_dir(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["steps"] == 3
-    assert json.loads((tmp_path / "run" / "plan.json").read_text())["version"] == 1
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["version"] == PLAN_VERSION
 
 
 @pytest.mark.slow

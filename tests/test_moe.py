@@ -19,7 +19,7 @@ from shardlab.models.llama import Llama, materialize
 from shardlab.models.llama_rules import llama_rules
 from shardlab.models.moe import MoE, balance, update_bias
 from shardlab.plan import Plan, make_plan
-from shardlab.rules import Rule
+from shardlab.rules import Activation, Rule
 
 DIM = 32
 
@@ -193,6 +193,58 @@ def test_tensor_parallel_experts_are_planned_for_local_compute():
     _, tp_only = plan_model(msgspec.structs.replace(cfg, mesh=MeshSpec(dp_shard=2, tp=2)).resolve(4))
     assert not tp_only.param("model.layers.0.mlp.experts.up_proj").expert
     assert tp_only.experts.ep == 1 and tp_only.experts.fsdp_axes == ()  # FSDP shards them with their block
+
+
+def _experts_with(spec_of: dict[str, tuple], mesh: MeshSpec):
+    """make_plan of a 2-layer MoE with the experts' rules replaced by `spec_of` (weight name -> spec)."""
+    cfg = Config(mesh=mesh, model=ModelConfig(n_layers=2, moe=MoEConfig(n_experts=4, expert_ffn_dim=64)))
+    model, _ = plan_model(cfg.resolve(4))
+    rules = llama_rules(cfg.model)
+    first = tuple(Rule(pattern=f"**.experts.{n}", spec=spec) for n, spec in spec_of.items())
+    return make_plan(model, cfg.mesh.resolve(4), msgspec.structs.replace(rules, params=(*first, *rules.params)))
+
+
+@pytest.mark.parametrize(
+    "spec_of",
+    [
+        {"gate_proj": (None, "ep", None), "up_proj": (None, "ep", None), "down_proj": (None, None, "ep")},
+        {"gate_proj": (("ep", "tp"), None, None), "up_proj": ("ep", "tp"), "down_proj": ("ep", None, "tp")},
+        {"gate_proj": ("ep", None, "tp"), "up_proj": ("ep", "tp"), "down_proj": ("ep", None, "tp")},
+    ],
+    ids=["ep_on_hidden_dim", "ep_and_tp_on_experts", "tp_on_embed_dim"],
+)
+def test_expert_layouts_dispatch_cannot_run_are_refused(spec_of):
+    """The dispatch runs rank r's experts r L .. (r + 1) L - 1 and sums tp's partial hidden units: any other split
+    would compute silently wrong results or fail inside torch."""
+    with pytest.raises(
+        ValueError,
+        match=r"^model\.layers\.0\.mlp\.experts\.gate_proj: .* over ep alone and only its hidden dim \(1\) over tp",
+    ):
+        _experts_with(spec_of, MeshSpec(dp_shard=2, tp=2, ep=2))
+
+
+def test_tp_inside_experts_without_ep_is_described_as_such():
+    plan = _experts_with({}, MeshSpec(dp_shard=2, tp=2))
+    assert plan.experts.ep == 1 and plan.experts.gradient_divide_factor is None
+    assert "Tensor parallel inside experts over tp=2" in plan.table() and "all-to-all" not in plan.table()
+    with pytest.raises(
+        ValueError, match=r"^model\.layers\.0\.mlp\.experts\.down_proj: some expert weights are sharded over tp"
+    ):
+        _experts_with({"down_proj": ("ep", None, None)}, MeshSpec(dp_shard=2, tp=2))
+
+
+def test_desired_output_needs_declared_layouts():
+    cfg = Config(mesh=MeshSpec(dp_shard=2, tp=2), model=ModelConfig(n_layers=2, moe=MoEConfig(n_experts=4)))
+    model, _ = plan_model(cfg.resolve(4))
+    rules = llama_rules(cfg.model)
+    bad = Activation(
+        pattern="model.layers.*.mlp",
+        inputs=(("batch", "residual_seq", "embed"),),
+        desired_output=("batch", "residual_seq", "embed"),
+    )
+    acts = tuple(a for a in rules.activations if a.pattern != "model.layers.*.mlp") + (bad,)
+    with pytest.raises(ValueError, match=r"^rules\.activations: model\.layers\.0\.mlp declares desired_output"):
+        make_plan(model, cfg.mesh.resolve(4), msgspec.structs.replace(rules, activations=acts))
 
 
 def test_a_step_reports_the_routers(tmp_path):

@@ -22,7 +22,7 @@ from shardlab.config import ModelConfig, PlanConfig
 from shardlab.mesh import AXES, MeshSpec
 from shardlab.models.llama import SIZES, Llama
 from shardlab.models.llama_rules import llama_rules
-from shardlab.plan import FsdpPlan, Plan, make_plan
+from shardlab.plan import PLAN_VERSION, FsdpPlan, Plan, make_plan
 from shardlab.rules import Activation, Rule, Rules
 from shardlab.styles import ModulePlan
 
@@ -167,7 +167,7 @@ def test_every_parameter_is_in_the_layout_table(mesh_id: str) -> None:
     plan = llama_plan(TINY, mesh)
     assert sorted(p.fqn for p in plan.params) == sorted(f for name in table for f in _fqns(name))
     assert sum(math.prod(p.shape) for p in plan.params) == TINY.n_params
-    assert plan.mesh == mesh and plan.version == 1
+    assert plan.mesh == mesh and plan.version == PLAN_VERSION
 
 
 @pytest.mark.parametrize(
@@ -442,9 +442,9 @@ def test_plan_json_round_trip_with_uncovered_and_logical_fallbacks() -> None:
 
 
 def test_plan_from_json_wrong_version() -> None:
-    data = llama_plan(TINY, MeshSpec(dp_shard=2)).to_json().replace(b'"version": 1,', b'"version": 2,', 1)
+    data = llama_plan(TINY, MeshSpec(dp_shard=2)).to_json().replace(b'"version": 2,', b'"version": 1,', 1)
     with pytest.raises(
-        ValueError, match=r"^plan: version 2 is not supported \(this shardlab reads 1\); re-run make_plan$"
+        ValueError, match=r"^plan: version 1 is not supported \(this shardlab reads 2\); re-run make_plan$"
     ):
         Plan.from_json(data)
 

@@ -9,7 +9,7 @@ step's loads and log them.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import ModelConfig
-from shardlab.experts import Dispatch
+
+if TYPE_CHECKING:
+    from shardlab.experts import Dispatch
 
 
 class RouterStats(NamedTuple):
@@ -39,6 +41,9 @@ class Experts(nn.Module):
 
     Under expert parallelism the weights are DTensors sharded over ep (each rank holds E / ep experts) and
     `dispatch` (set by apply, `shardlab.experts`) sends every row to the rank holding its expert and back."""
+
+    hidden_dims: ClassVar[dict[str, int]] = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
+    """Each weight's hidden dim: the one tensor parallelism may split (the rules' `expert_mlp`)."""
 
     def __init__(self, n_experts: int, dim: int, ffn_dim: int) -> None:
         super().__init__()

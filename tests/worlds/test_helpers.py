@@ -66,6 +66,8 @@ def shard_map_runs_on_blocks(rank, world_size):
     both = shard_map(lambda a, n: (a + n, n * 2), mesh, (P("tp", None), None), (P("tp", None), None))
     a, twice = both(shard(torch.zeros(4, 2), mesh, P("tp", None)), 3)
     assert torch.equal(a.full_tensor(), torch.full((4, 2), 3.0)) and twice == 6
+    blocks = shard_map(torch.neg, mesh, (experts,), experts)(torch.ones(2, 5, 6))  # plain: this rank's block
+    assert blocks.shape == (4, 5, 6) and torch.equal(blocks.to_local(), -torch.ones(2, 5, 6))
     with pytest.raises(ValueError, match="2 arguments but 1 in_specs"):
         shard_map(torch.neg, mesh, (P(),), P())(xs, xs)
 

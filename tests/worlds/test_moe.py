@@ -1,10 +1,11 @@
 """The MoE model on data- and expert-parallel layouts against one process (issue 5): fp32, same seed and global
 batch, 10 steps; loss and gradient norm within tolerance. The balancing loss and the bias update use the router
 statistics of the global batch, so they are the same in every layout: FSDP 2 (auxiliary loss; bias balancing;
-sigmoid scores with a shared expert) on 2 ranks; on 4, expert parallelism (ep 2 and ep 4 of FSDP 4, ep 2 of
-HSDP 2 x 2, ep 4 across CP 2 x FSDP 2), and TP inside the experts: ep 2 x tp 2 (+SP, loss parallel) and
-FSDP 2 x TP 2 with a shared expert. Checkpoints move across a change of ep degree. A capacity limit applies to each rank's micro batch (which tokens overflow depends on the layout), so it
-is tested on one process (tests/test_moe.py)."""
+sigmoid scores with a shared expert) on 2 ranks; on 4, HSDP 2 x 2, CP 2 x FSDP 2, expert parallelism (ep 2 and
+ep 4 of FSDP 4, ep 2 of HSDP 2 x 2, ep 4 across CP 2 x FSDP 2) and TP inside the experts (ep 2 x tp 2 with SP
+and loss parallel; FSDP 2 x TP 2 with a shared expert). Checkpoints move across a change of ep degree. A
+capacity limit applies to each rank's micro batch (which tokens overflow depends on the layout), so it is
+tested on one process (tests/test_moe.py)."""
 
 import math
 from pathlib import Path
@@ -13,12 +14,14 @@ import msgspec
 import pytest
 import torch
 
+from shardlab import P, shard, visualize
 from shardlab.checkpoint import step_dir
 from shardlab.config import Config, MeshSpec, MoEConfig
 from shardlab.data import make_loader
 from shardlab.loop import build_model
+from shardlab.mesh import mesh_spec_of
 from shardlab.models.moe import moe_layers
-from shardlab.step import init_state, make_step
+from shardlab.step import forward_backward, init_state, make_step
 
 from ._harness import run_world
 from .layouts import TOL, assert_matches, ckpt, continue_from, curves, layout_curves, placements_match_plan, tiny
@@ -38,6 +41,8 @@ def moe(name: str, mesh: MeshSpec = MeshSpec(dp_shard=1), sequence_parallel: boo
 
 LAYOUTS_2 = {f"fsdp2-{name}": moe(name, MeshSpec(dp_shard=2)) for name in MOE}
 LAYOUTS_4 = {
+    "hsdp2x2-bias": moe("bias", MeshSpec(dp_replicate=2, dp_shard=2)),
+    "cp2_fsdp2-aux": moe("aux", MeshSpec(dp_shard=2, cp=2)),
     "hsdp2x2_ep2-bias": moe("bias", MeshSpec(dp_replicate=2, dp_shard=2, ep=2)),
     "cp2_fsdp2_ep4-aux": moe("aux", MeshSpec(dp_shard=2, cp=2, ep=4)),
     "fsdp4_ep2-aux": moe("aux", MeshSpec(dp_shard=4, ep=2)),
@@ -53,8 +58,17 @@ def run(rank, world_size, tmp=None):
 
 
 def placements(rank, world_size, tmp=None):
+    """Every layout's DTensors are placed as planned; with ep, the helpers still work on slices of the mesh and
+    refuse clearly what they cannot do."""
     for cfg in LAYOUTS_4.values():
         placements_match_plan(rank, world_size, cfg)
+    model, _, mesh = build_model(LAYOUTS_4["fsdp2_tp2_ep2-aux"])
+    assert mesh_spec_of(mesh).ep == 2 and mesh_spec_of(mesh["tp"]) == MeshSpec(dp_shard=1, tp=2)
+    assert shard(torch.zeros(4, 2), mesh["tp"], P("tp", None)).to_local().shape == (2, 2)
+    expert = moe_layers(model)[0].experts.gate_proj
+    assert mesh_spec_of(expert.device_mesh).ep == 2
+    with pytest.raises(ValueError, match="expert mesh"):
+        visualize(expert)
 
 
 def ep_change(rank, world_size, tmp):
@@ -65,19 +79,29 @@ def ep_change(rank, world_size, tmp):
 
 
 def idle_experts(rank, world_size, tmp=None):
-    """ep 2 with every token routed to expert 0 (a large bias on it, zero router weights): rank 1's experts get no
-    rows. The step still finishes on both ranks and gives rank 1's experts zero gradients, not none (FSDP's
-    reduce-scatter needs every rank's gradients)."""
-    cfg = moe("bias", MeshSpec(dp_shard=2, ep=2))
-    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, moe=msgspec.structs.replace(MOE["bias"], top_k=1)))
+    """ep 2 of FSDP 4 with every token routed to expert 0 (a large bias on it, zero router weights): the ep rank
+    holding experts 2 and 3 gets no rows, and expert 1 none either. Every rank still runs its experts' backward:
+    their gradients are zeros, not none (FSDP reduce-scatters them over dp_shard_mod_ep, the norm all-reduces
+    over ep), and the step finishes."""
+    cfg = moe("bias", MeshSpec(dp_shard=4, ep=2))
+    cfg = msgspec.structs.replace(
+        cfg, model=msgspec.structs.replace(cfg.model, moe=msgspec.structs.replace(MOE["bias"], top_k=1))
+    )
     model, plan, mesh = build_model(cfg)
     with torch.no_grad():
         for layer in moe_layers(model):
             layer.router.weight.to_local().zero_()
             layer.expert_bias.copy_(torch.tensor([1.0, 0.0, 0.0, 0.0]))
-    step, state = make_step(cfg, plan, mesh), init_state(model, cfg.optim)
-    batch = next(iter(make_loader(cfg.data, seq_len=64, global_batch=8, vocab_size=512, dp_rank=rank, dp_size=2)))
-    _, metrics = step(state, batch)
+    loader = make_loader(cfg.data, seq_len=64, global_batch=8, vocab_size=512, dp_rank=rank, dp_size=4)
+    batch = next(iter(loader))
+    forward_backward(model, batch.inputs, batch.labels, 1.0, plan.loss_parallel)
+    for layer in moe_layers(model):  # this rank's FSDP shard: expert 0 on rank 0, 2 on 1, 1 on 2, 3 on 3
+        grad = layer.experts.gate_proj.grad
+        assert grad is not None, rank
+        assert (grad.to_local().abs().sum() > 0) == (rank == 0), (rank, grad.to_local().abs().sum())
+        layer.stats = None
+    model.zero_grad(set_to_none=True)
+    _, metrics = make_step(cfg, plan, mesh)(init_state(model, cfg.optim), batch)
     assert metrics["moe_tokens_per_expert"][1:] == [0, 0, 0], metrics["moe_tokens_per_expert"]
     return metrics["grad_norm"]
 
@@ -101,12 +125,12 @@ def tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def world2(tmp):
-    return run_world(2, [run, bias_resume, idle_experts], timeout_s=300, tmp=str(tmp))
+    return run_world(2, [run, bias_resume], timeout_s=300, tmp=str(tmp))
 
 
 @pytest.fixture(scope="module")
 def world4(tmp):
-    return run_world(4, [run, placements, ep_change], timeout_s=400, tmp=str(tmp))
+    return run_world(4, [run, placements, ep_change, idle_experts], timeout_s=400, tmp=str(tmp))
 
 
 @pytest.mark.world
@@ -138,5 +162,5 @@ def test_checkpoint_moves_across_ep_degrees(world4, tmp, references):
 
 
 @pytest.mark.world
-def test_experts_without_rows_still_step(world2):
-    assert math.isfinite(world2.value(idle_experts))
+def test_experts_without_rows_still_step(world4):
+    assert math.isfinite(world4.value(idle_experts))
