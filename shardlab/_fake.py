@@ -4,7 +4,6 @@
 made under `fake_tensors()` have shapes, dtypes and devices but no data. Together they run the real
 `apply` and a real forward/backward of any size on a laptop. `forget_dtensor_dispatch` lets a dispatch mode
 see every local op of a DTensor op, and `inferring_dtensor_shapes` tells it which ops only infer shapes;
-`in_backward` whether autograd's engine is running (a pipeline interleaves micro batches' forwards and backwards).
 """
 
 from __future__ import annotations
@@ -52,8 +51,3 @@ def inferring_dtensor_shapes() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def in_backward() -> bool:
-    """Whether this thread is running an autograd backward (FSDP asks torch the same way)."""
-    return torch._C._current_graph_task_id() != -1

@@ -65,8 +65,10 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
         for fqn in plan.context.modules:
             if kept is None or _in_stages(fqn, kept):
                 model.get_submodule(fqn).attend = attend
-    if plan.experts is not None:
-        _expert_parallel(model, plan, mesh)
+    experts = ()
+    if plan.experts is not None:  # this rank's stages' experts
+        experts = tuple(f for f in plan.experts.modules if kept is None or _in_stages(f, kept))
+        _expert_parallel(model, plan, mesh, experts)
     # Block indices count over the whole model, so selective checkpointing picks the same blocks in every layout.
     blocks = [(i, model.get_submodule(f)) for i, f in enumerate(plan.blocks) if kept is None or _in_stages(f, kept)]
     for i, block in blocks:
@@ -94,11 +96,11 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
         if plan.experts is not None and plan.experts.ep > 1:  # before their blocks, which leave them out
             e = plan.experts
             on = expert_mesh(mesh, e.fsdp_axes)
-            for fqn in e.modules:
-                experts = fully_shard(model.get_submodule(fqn), **(kwargs | {"mesh": on}))
-                experts.set_gradient_divide_factor(float(e.gradient_divide_factor))
+            for fqn in experts:
+                unit = fully_shard(model.get_submodule(fqn), **(kwargs | {"mesh": on}))
+                unit.set_gradient_divide_factor(float(e.gradient_divide_factor))
                 # Sum, then divide: gloo has no PREMUL_SUM. Not over one shard: torch 2.13 would divide twice.
-                experts.set_force_sum_reduction_for_comms(plan.mesh.experts.dp_shard_mod_ep > 1)
+                unit.set_force_sum_reduction_for_comms(plan.mesh.experts.dp_shard_mod_ep > 1)
         for unit in f.units:
             modules = [model.get_submodule(m) for m in unit]
             modules = [m for m in modules if next(m.parameters(), None) is not None]  # other stages' are Identity
@@ -128,7 +130,7 @@ class StageModule(nn.Module):
         return x
 
 
-def _expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
+def _expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, modules: tuple[str, ...]) -> None:
     """Expert weights become DTensors sharded over ep and/or tp as the plan says, each rank keeping its block of
     the full weight it holds; their modules dispatch rows to them (shardlab.experts)."""
     e = plan.experts
@@ -137,7 +139,7 @@ def _expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
     dispatch = expert_dispatch(
         expert_mesh(mesh, ("ep",)).get_group() if e.ep > 1 else None, mesh["tp"] if e.tensor_parallel else None
     )
-    for fqn in e.modules:
+    for fqn in modules:
         module = model.get_submodule(fqn)
         for name, param in list(module.named_parameters(recurse=False)):
             p = plan.param(f"{fqn}.{name}")

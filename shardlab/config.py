@@ -368,10 +368,10 @@ class Config(Frozen):
                 f"model.moe.n_experts={m.moe.n_experts} is not divisible by mesh.ep={ep}; each ep rank holds "
                 "n_experts / ep experts: pick an ep that divides it"
             )
-        if m.moe is not None and self.mesh.pp > 1:
+        if m.moe is not None and self.mesh.pp > 1 and m.moe.balance == "aux_loss":
             raise ValueError(
-                "model.moe with mesh.pp > 1: pipelines of MoE layers are not implemented yet (issue 5); the MoE "
-                "model runs with FSDP, HSDP, cp, ep and tp"
+                "model.moe.balance='aux_loss' with mesh.pp > 1: a pipeline schedule backpropagates only the last "
+                "stage's loss, so the balancing loss of earlier stages would be lost; use balance='bias' or 'none'"
             )
         if m.moe is not None and m.moe.expert_ffn_dim % tp:
             raise ValueError(

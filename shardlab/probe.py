@@ -36,7 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from shardlab._base import Frozen
-from shardlab._fake import fake_tensors, fake_world, forget_dtensor_dispatch, in_backward, inferring_dtensor_shapes
+from shardlab._checkpoint import in_backward
+from shardlab._fake import fake_tensors, fake_world, forget_dtensor_dispatch, inferring_dtensor_shapes
 from shardlab.apply import apply, stage_modules
 from shardlab.config import Config
 from shardlab.context import cp_positions

@@ -105,7 +105,10 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         model, opt = state.model, state.optim
-        routers = Routers(moe_layers(model), group, grad_accum) if moe is not None else None
+        routers = None
+        if moe is not None:
+            micro = pipeline.pipeline.microbatches if pipeline is not None else grad_accum
+            routers = Routers(moe_layers(model), group, micro, stage_group)
         lr = lr_at(state.step)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -124,6 +127,8 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         if pipeline is not None:  # the schedule splits the batch into the plan's micro batches
             loss_sum += pipeline(model, inputs, labels, scale)
+            if routers is not None:
+                routers.after_pipeline()
         else:
             for x, y in zip(inputs.chunk(grad_accum), labels.chunk(grad_accum)):
                 loss = forward_backward(

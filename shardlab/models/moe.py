@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardlab._checkpoint import in_backward
 from shardlab.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -93,7 +94,9 @@ class MoE(nn.Module):
         self.shared_expert = shared_expert
         if m.balance == "bias":
             self.register_buffer("expert_bias", torch.zeros(m.n_experts))
-        self.stats: RouterStats | None = None
+        self.stats: list[RouterStats] = []
+        """The routing of each forward since the statistics were last read (a recomputation in the backward, under
+        activation checkpointing, repeats a forward and is not recorded)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -123,7 +126,8 @@ class MoE(nn.Module):
             y = y + self.shared_expert(flat)
         normalised = scores if m.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         dropped = int(order.numel() - slots.numel())
-        self.stats = RouterStats(counts.detach(), normalised.sum(0), flat.shape[0], dropped)
+        if not in_backward():
+            self.stats.append(RouterStats(counts.detach(), normalised.sum(0), flat.shape[0], dropped))
         return y.view(b, s, d)
 
 
@@ -142,13 +146,17 @@ class Balance(NamedTuple):
 
 
 def balance(layers: list[MoE], group: dist.ProcessGroup | None) -> Balance:
-    """Reduce the layers' last router statistics over `group` (None: one process) into the Switch balancing loss.
+    """Reduce the layers' router statistics of one forward over `group` (None: one process) into the Switch
+    balancing loss.
 
     The score sums go through an autograd-aware all-reduce: each rank's router gets the gradient of the global
     loss, as one process holding the whole batch would (FSDP then averages what the ranks computed)."""
-    stats = [layer.stats for layer in layers]
-    if any(s is None for s in stats):
-        raise ValueError("moe.balance: a MoE layer has not run a forward since its statistics were read")
+    if any(len(layer.stats) != 1 for layer in layers):
+        n = next(len(layer.stats) for layer in layers if len(layer.stats) != 1)
+        raise ValueError(
+            f"moe.balance: a MoE layer ran {n} forwards since its statistics were read; read them after each"
+        )
+    stats = [layer.stats[0] for layer in layers]
     counts = torch.stack([s.counts for s in stats]).to(torch.float64)
     score_sum = torch.stack([s.score_sum for s in stats])
     tokens = torch.tensor(
@@ -159,7 +167,7 @@ def balance(layers: list[MoE], group: dist.ProcessGroup | None) -> Balance:
         dist.all_reduce(tokens, group=group)
         score_sum = funcol.all_reduce(score_sum, "sum", group)  # differentiable: backward sums the gradients
     for layer in layers:
-        layer.stats = None
+        layer.stats = []
     n_tokens, dropped = tokens.tolist()
     k = layers[0].cfg.top_k
     share = counts / (n_tokens * k)
@@ -180,11 +188,17 @@ def update_bias(layers: list[MoE], counts: torch.Tensor) -> None:
 
 class Routers:
     """One step's router bookkeeping for the step: the balancing loss of each global micro batch,
-    the step's loads for the bias update and the metrics."""
+    the step's loads for the bias update and the metrics. With pipelines (`stage_group`, the pp group) each rank
+    holds some layers; `after_pipeline` reads what the schedule's forwards recorded and the metrics sum over stages."""
 
-    def __init__(self, layers: list[MoE], group: dist.ProcessGroup | None, micro_batches: int) -> None:
-        self.layers, self.group, self.micro_batches = layers, group, micro_batches
-        self.cfg = layers[0].cfg
+    def __init__(
+        self,
+        layers: list[MoE],
+        group: dist.ProcessGroup | None,
+        micro_batches: int,
+        stage_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.layers, self.group, self.micro_batches, self.stage_group = layers, group, micro_batches, stage_group
         self.counts: torch.Tensor | None = None
         self.aux, self.dropped = 0.0, 0
 
@@ -194,21 +208,41 @@ class Routers:
         self.counts = b.counts if self.counts is None else self.counts + b.counts
         self.aux += b.aux_loss.item() / self.micro_batches
         self.dropped += b.dropped
-        if self.cfg.balance != "aux_loss":
+        if self.layers[0].cfg.balance != "aux_loss":
             return None
-        return b.aux_loss * (self.cfg.aux_loss_coef / self.micro_batches)
+        return b.aux_loss * (self.layers[0].cfg.aux_loss_coef / self.micro_batches)
+
+    def after_pipeline(self) -> None:
+        """After a pipeline schedule ran every micro batch: their statistics, one micro batch at a time (the last
+        `micro_batches` forwards of each layer: torch's first step also runs one to infer the stages' shapes)."""
+        m = self.micro_batches
+        histories = [layer.stats[-m:] for layer in self.layers]
+        if any(len(h) != m for h in histories):
+            raise ValueError(f"moe: a MoE layer ran fewer than the pipeline's {m} micro batches this step")
+        for i in range(m):
+            for layer, history in zip(self.layers, histories):
+                layer.stats = [history[i]]
+            self.loss()
 
     def update_bias(self) -> None:
-        if self.cfg.balance == "bias" and self.counts is not None:
+        if self.counts is not None:
             update_bias(self.layers, self.counts)
 
     def metrics(self) -> dict[str, float | list[int]]:
         """moe_aux_loss (summed over layers, whether or not it is trained on), dropped token slots, the busiest
-        expert's load over the mean (worst layer), and tokens per expert summed over layers."""
+        expert's load over the mean (worst layer), and tokens per expert summed over layers (and stages)."""
         counts = self.counts.to(torch.float64)
+        tokens = counts.sum(0)
+        sums = torch.tensor([self.aux, float(self.dropped)], dtype=torch.float64, device=counts.device)
+        max_load = (counts.max(-1).values / counts.mean(-1)).max().reshape(1)
+        if self.stage_group is not None:
+            dist.all_reduce(tokens, group=self.stage_group)
+            dist.all_reduce(sums, group=self.stage_group)
+            dist.all_reduce(max_load, op=dist.ReduceOp.MAX, group=self.stage_group)
+        aux, dropped = sums.tolist()
         return {
-            "moe_aux_loss": self.aux,
-            "moe_dropped": float(self.dropped),
-            "moe_max_load": (counts.max(-1).values / counts.mean(-1)).max().item(),
-            "moe_tokens_per_expert": self.counts.sum(0).tolist(),
+            "moe_aux_loss": aux,
+            "moe_dropped": dropped,
+            "moe_max_load": max_load.item(),
+            "moe_tokens_per_expert": [round(t) for t in tokens.tolist()],
         }

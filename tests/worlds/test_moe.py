@@ -3,7 +3,8 @@ batch, 10 steps; loss and gradient norm within tolerance. The balancing loss and
 statistics of the global batch, so they are the same in every layout: FSDP 2 (auxiliary loss; bias balancing;
 sigmoid scores with a shared expert) on 2 ranks; on 4, HSDP 2 x 2, CP 2 x FSDP 2, expert parallelism (ep 2 and
 ep 4 of FSDP 4, ep 2 of HSDP 2 x 2, ep 4 across CP 2 x FSDP 2) and TP inside the experts (ep 2 x tp 2 with SP
-and loss parallel; FSDP 2 x TP 2 with a shared expert). Checkpoints move across a change of ep degree. A
+and loss parallel; FSDP 2 x TP 2 with a shared expert) and pipelines (pp 2 x FSDP 2; pp 2 x ep 2 with full
+activation checkpointing). Checkpoints move across a change of ep degree. A
 capacity limit applies to each rank's micro batch (which tokens overflow depends on the layout), so it is
 tested on one process (tests/test_moe.py)."""
 
@@ -18,7 +19,7 @@ from shardlab import P, shard, visualize
 from shardlab.checkpoint import step_dir
 from shardlab.config import Config, MeshSpec, MoEConfig
 from shardlab.data import make_loader
-from shardlab.loop import build_model
+from shardlab.loop import build_model, train
 from shardlab.mesh import mesh_spec_of
 from shardlab.models.moe import moe_layers
 from shardlab.step import forward_backward, init_state, make_step
@@ -33,9 +34,11 @@ MOE = {
 }  # fmt: skip
 
 
-def moe(name: str, mesh: MeshSpec = MeshSpec(dp_shard=1), sequence_parallel: bool = True) -> Config:
+def moe(name: str, mesh: MeshSpec = MeshSpec(dp_shard=1), sequence_parallel: bool = True, **options) -> Config:
     cfg = tiny()
-    plan = msgspec.structs.replace(cfg.plan, sequence_parallel=sequence_parallel, loss_parallel=sequence_parallel)
+    plan = msgspec.structs.replace(
+        cfg.plan, sequence_parallel=sequence_parallel, loss_parallel=sequence_parallel, **options
+    )
     return msgspec.structs.replace(cfg, mesh=mesh, plan=plan, model=msgspec.structs.replace(cfg.model, moe=MOE[name]))
 
 
@@ -49,12 +52,24 @@ LAYOUTS_4 = {
     "fsdp4_ep4-bias": moe("bias", MeshSpec(dp_shard=4, ep=4)),
     "fsdp2_tp2_ep2-aux": moe("aux", MeshSpec(dp_shard=2, tp=2, ep=2)),  # + SP and loss parallel
     "fsdp2_tp2-sigmoid_shared": moe("sigmoid_shared", MeshSpec(dp_shard=2, tp=2), sequence_parallel=False),
+    "pp2_fsdp2-bias": moe("bias", MeshSpec(pp=2, dp_shard=2), pp_microbatches=4),
+    "pp2_ep2_ac_full-bias": moe(
+        "bias", MeshSpec(pp=2, dp_shard=2, ep=2), pp_microbatches=4, activation_checkpoint="full"
+    ),
 }
 LAYOUTS = {2: LAYOUTS_2, 4: LAYOUTS_4}
 
 
 def run(rank, world_size, tmp=None):
     return layout_curves(LAYOUTS[world_size])
+
+
+def pipeline_routers(rank, world_size, tmp=None):
+    """Tokens per expert and the busiest expert's load of every step with pp 2 x ep 2: each stage counts its own
+    layers, the metrics sum over stages (the balancing loss's value depends on how the batch is split into micro
+    batches, so it is not compared)."""
+    history = train(LAYOUTS_4["pp2_ep2_ac_full-bias"], write=False)
+    return [(m["moe_tokens_per_expert"], m["moe_max_load"]) for m in history]
 
 
 def placements(rank, world_size, tmp=None):
@@ -99,7 +114,7 @@ def idle_experts(rank, world_size, tmp=None):
         grad = layer.experts.gate_proj.grad
         assert grad is not None, rank
         assert (grad.to_local().abs().sum() > 0) == (rank == 0), (rank, grad.to_local().abs().sum())
-        layer.stats = None
+        layer.stats = []
     model.zero_grad(set_to_none=True)
     _, metrics = make_step(cfg, plan, mesh)(init_state(model, cfg.optim), batch)
     assert metrics["moe_tokens_per_expert"][1:] == [0, 0, 0], metrics["moe_tokens_per_expert"]
@@ -130,7 +145,7 @@ def world2(tmp):
 
 @pytest.fixture(scope="module")
 def world4(tmp):
-    return run_world(4, [run, placements, ep_change, idle_experts], timeout_s=400, tmp=str(tmp))
+    return run_world(4, [run, placements, ep_change, idle_experts, pipeline_routers], timeout_s=500, tmp=str(tmp))
 
 
 @pytest.mark.world
@@ -164,3 +179,11 @@ def test_checkpoint_moves_across_ep_degrees(world4, tmp, references):
 @pytest.mark.world
 def test_experts_without_rows_still_step(world4):
     assert math.isfinite(world4.value(idle_experts))
+
+
+@pytest.mark.world
+def test_pipelined_routers_count_every_stage(world4):
+    want = [(m["moe_tokens_per_expert"], m["moe_max_load"]) for m in train(moe("bias"), write=False)]
+    got = world4.value(pipeline_routers)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert max(abs(a[1] - b[1]) for a, b in zip(got, want)) < 1e-9
