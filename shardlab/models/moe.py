@@ -94,9 +94,9 @@ class MoE(nn.Module):
         self.shared_expert = shared_expert
         if m.balance == "bias":
             self.register_buffer("expert_bias", torch.zeros(m.n_experts))
-        self.stats: list[RouterStats] = []
-        """The routing of each forward since the statistics were last read (a recomputation in the backward, under
-        activation checkpointing, repeats a forward and is not recorded)."""
+        self.stats: RouterStats | None = None
+        """The last forward's routing, until the step reads it (a recomputation in the backward, under activation
+        checkpointing, repeats a forward and is not recorded)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -127,7 +127,7 @@ class MoE(nn.Module):
         normalised = scores if m.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         dropped = int(order.numel() - slots.numel())
         if not in_backward():
-            self.stats.append(RouterStats(counts.detach(), normalised.sum(0), flat.shape[0], dropped))
+            self.stats = RouterStats(counts.detach(), normalised.sum(0), flat.shape[0], dropped)
         return y.view(b, s, d)
 
 
@@ -151,12 +151,9 @@ def balance(layers: list[MoE], group: dist.ProcessGroup | None) -> Balance:
 
     The score sums go through an autograd-aware all-reduce: each rank's router gets the gradient of the global
     loss, as one process holding the whole batch would (FSDP then averages what the ranks computed)."""
-    if any(len(layer.stats) != 1 for layer in layers):
-        n = next(len(layer.stats) for layer in layers if len(layer.stats) != 1)
-        raise ValueError(
-            f"moe.balance: a MoE layer ran {n} forwards since its statistics were read; read them after each"
-        )
-    stats = [layer.stats[0] for layer in layers]
+    stats = [layer.stats for layer in layers]
+    if any(s is None for s in stats):
+        raise ValueError("moe.balance: a MoE layer has not run a forward since its statistics were read")
     counts = torch.stack([s.counts for s in stats]).to(torch.float64)
     score_sum = torch.stack([s.score_sum for s in stats])
     tokens = torch.tensor(
@@ -167,7 +164,7 @@ def balance(layers: list[MoE], group: dist.ProcessGroup | None) -> Balance:
         dist.all_reduce(tokens, group=group)
         score_sum = funcol.all_reduce(score_sum, "sum", group)  # differentiable: backward sums the gradients
     for layer in layers:
-        layer.stats = []
+        layer.stats = None
     n_tokens, dropped = tokens.tolist()
     k = layers[0].cfg.top_k
     share = counts / (n_tokens * k)
@@ -189,7 +186,8 @@ def update_bias(layers: list[MoE], counts: torch.Tensor) -> None:
 class Routers:
     """One step's router bookkeeping for the step: the balancing loss of each global micro batch,
     the step's loads for the bias update and the metrics. With pipelines (`stage_group`, the pp group) each rank
-    holds some layers; `after_pipeline` reads what the schedule's forwards recorded and the metrics sum over stages."""
+    holds some layers, whose every forward the schedule runs is kept (forward hooks, removed by `after_pipeline`)
+    and read after it; the metrics sum over stages."""
 
     def __init__(
         self,
@@ -201,6 +199,12 @@ class Routers:
         self.layers, self.group, self.micro_batches, self.stage_group = layers, group, micro_batches, stage_group
         self.counts: torch.Tensor | None = None
         self.aux, self.dropped = 0.0, 0
+        self._history: list[list[RouterStats]] = [[] for _ in layers]
+        self._hooks = [
+            layer.register_forward_hook(_keeper(history))
+            for layer, history in zip(layers, self._history)
+            if stage_group is not None
+        ]
 
     def loss(self) -> torch.Tensor | None:
         """After a micro batch's forward: what to add to its objective (aux_loss balance), else None."""
@@ -215,13 +219,14 @@ class Routers:
     def after_pipeline(self) -> None:
         """After a pipeline schedule ran every micro batch: their statistics, one micro batch at a time (the last
         `micro_batches` forwards of each layer: torch's first step also runs one to infer the stages' shapes)."""
+        for hook in self._hooks:
+            hook.remove()
         m = self.micro_batches
-        histories = [layer.stats[-m:] for layer in self.layers]
-        if any(len(h) != m for h in histories):
+        if any(len(h) < m for h in self._history):
             raise ValueError(f"moe: a MoE layer ran fewer than the pipeline's {m} micro batches this step")
         for i in range(m):
-            for layer, history in zip(self.layers, histories):
-                layer.stats = [history[i]]
+            for layer, history in zip(self.layers, self._history):
+                layer.stats = history[len(history) - m + i]
             self.loss()
 
     def update_bias(self) -> None:
@@ -246,3 +251,13 @@ class Routers:
             "moe_max_load": max_load.item(),
             "moe_tokens_per_expert": [round(t) for t in tokens.tolist()],
         }
+
+
+def _keeper(history: list[RouterStats]):
+    """A forward hook that keeps each (non-recomputed) forward's statistics of its MoE layer."""
+
+    def keep(layer: MoE, args: object, output: object) -> None:
+        if not in_backward():
+            history.append(layer.stats)
+
+    return keep

@@ -114,7 +114,7 @@ def idle_experts(rank, world_size, tmp=None):
         grad = layer.experts.gate_proj.grad
         assert grad is not None, rank
         assert (grad.to_local().abs().sum() > 0) == (rank == 0), (rank, grad.to_local().abs().sum())
-        layer.stats = []
+        layer.stats = None
     model.zero_grad(set_to_none=True)
     _, metrics = make_step(cfg, plan, mesh)(init_state(model, cfg.optim), batch)
     assert metrics["moe_tokens_per_expert"][1:] == [0, 0, 0], metrics["moe_tokens_per_expert"]
