@@ -2,7 +2,7 @@
 
 Unlike `checkpoint_wrapper`, it keeps fully qualified names unchanged, so the plan's names, FSDP units
 and checkpoints see the same model. `in_backward` tells a forward that runs inside autograd's backward (a
-recomputation, or a pipeline's interleaved micro batches) from one that does not.
+recomputation of checkpointed activations) from one that does not.
 """
 
 from __future__ import annotations

@@ -285,7 +285,8 @@ def shard_map(
     tensor with a spec is taken to be this rank's block of a tensor with that spec; anything else (a spec of None)
     is passed as is. Arguments are positional, one spec each. Tensor outputs
     become DTensors on `mesh` with `out_specs` (one P, or a tuple with one per output; None: replicated, or a
-    value that is not a tensor). Collectives inside `fn` take `mesh[axis].get_group()`; `mesh` is one from
+    value that is not a tensor; with no DTensor among the arguments, local_map returns `fn`'s outputs as they are).
+    Collectives inside `fn` take `mesh[axis].get_group()`; `mesh` is one from
     make_mesh or a slice of it. Gradients follow local_map: each block's gradient lands in its DTensor's shard, with
     the input's placements, so a replicated input whose ranks compute different things needs `fn` to sum its
     gradient itself (JAX inserts that psum; torch does not).

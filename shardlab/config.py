@@ -373,6 +373,11 @@ class Config(Frozen):
                 "model.moe.balance='aux_loss' with mesh.pp > 1: a pipeline schedule backpropagates only the last "
                 "stage's loss, so the balancing loss of earlier stages would be lost; use balance='bias' or 'none'"
             )
+        if m.moe is not None and self.mesh.pp > 1 and self.plan.pp_balance == "flops":
+            raise ValueError(
+                "plan.pp_balance='flops' with model.moe: FLOPs are counted on the meta device, where tokens cannot be "
+                "routed; use pp_balance='blocks' or 'params', or plan.pp_split"
+            )
         if m.moe is not None and m.moe.expert_ffn_dim % tp:
             raise ValueError(
                 f"model.moe.expert_ffn_dim={m.moe.expert_ffn_dim} is not divisible by mesh.tp={tp}; tp shards each "

@@ -108,7 +108,9 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
         routers = None
         if moe is not None:
             micro = pipeline.pipeline.microbatches if pipeline is not None else grad_accum
-            routers = Routers(moe_layers(model), group, micro, stage_group)
+            routers = Routers(
+                moe_layers(model), group, micro, stage_group, n_experts=moe.n_experts, device=model_device(model)
+            )
         lr = lr_at(state.step)
         for g in opt.param_groups:
             g["lr"] = lr

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, TrainConfig
-from shardlab.config import DataConfig, LogConfig
+from shardlab.config import DataConfig, LogConfig, PlanConfig
 from shardlab.loop import plan_model, train
 from shardlab.mesh import EXPERT_AXES
 from shardlab.models.llama import Llama, materialize
 from shardlab.models.llama_rules import llama_rules
-from shardlab.models.moe import MoE, balance, update_bias
+from shardlab.models.moe import MoE, Routers, balance, update_bias
 from shardlab.plan import Plan, make_plan
 from shardlab.rules import Activation, Rule
 
@@ -127,6 +127,23 @@ def test_parameter_counts_and_plan():
 def test_bad_moe_configs_are_one_line(mesh, moe, message):
     with pytest.raises(ValueError, match=message):
         Config(mesh=mesh, model=ModelConfig(moe=MoEConfig(**moe)))
+
+
+def test_pipelined_moe_configs_are_checked():
+    bias = MoEConfig(balance="bias")
+    with pytest.raises(ValueError, match=r"^plan\.pp_balance='flops' with model\.moe: FLOPs are counted on the meta"):
+        Config(mesh=MeshSpec(dp_shard=1, pp=2), model=ModelConfig(moe=bias), plan=PlanConfig(pp_balance="flops"))
+    Config(mesh=MeshSpec(dp_shard=1, pp=2), model=ModelConfig(moe=bias))  # bias balancing runs in pipelines
+
+
+def test_routers_of_a_stage_without_moe_layers_report_zeros():
+    """A pipeline stage holding no MoE layer still joins the metrics' reductions over stages, with zeros."""
+    routers = Routers([], None, 2, n_experts=4, device=torch.device("cpu"))
+    assert routers.loss() is None
+    routers.update_bias()
+    assert routers.metrics() == {
+        "moe_aux_loss": 0.0, "moe_dropped": 0.0, "moe_max_load": 0.0, "moe_tokens_per_expert": [0, 0, 0, 0]
+    }  # fmt: skip
 
 
 def test_bad_expert_parallel_layouts_are_one_line():

@@ -195,9 +195,12 @@ class Routers:
         group: dist.ProcessGroup | None,
         micro_batches: int,
         stage_group: dist.ProcessGroup | None = None,
+        *,
+        n_experts: int,
+        device: torch.device,
     ) -> None:
         self.layers, self.group, self.micro_batches, self.stage_group = layers, group, micro_batches, stage_group
-        self.counts: torch.Tensor | None = None
+        self.counts = torch.zeros(len(layers), n_experts, dtype=torch.long, device=device)
         self.aux, self.dropped = 0.0, 0
         self._history: list[list[RouterStats]] = [[] for _ in layers]
         self._hooks = [
@@ -208,8 +211,10 @@ class Routers:
 
     def loss(self) -> torch.Tensor | None:
         """After a micro batch's forward: what to add to its objective (aux_loss balance), else None."""
+        if not self.layers:  # a pipeline stage without MoE layers (so are the other ranks of its `group`)
+            return None
         b = balance(self.layers, self.group)
-        self.counts = b.counts if self.counts is None else self.counts + b.counts
+        self.counts = self.counts + b.counts.to(self.counts.device)
         self.aux += b.aux_loss.item() / self.micro_batches
         self.dropped += b.dropped
         if self.layers[0].cfg.balance != "aux_loss":
@@ -230,8 +235,7 @@ class Routers:
             self.loss()
 
     def update_bias(self) -> None:
-        if self.counts is not None:
-            update_bias(self.layers, self.counts)
+        update_bias(self.layers, self.counts)
 
     def metrics(self) -> dict[str, float | list[int]]:
         """moe_aux_loss (summed over layers, whether or not it is trained on), dropped token slots, the busiest
@@ -239,7 +243,8 @@ class Routers:
         counts = self.counts.to(torch.float64)
         tokens = counts.sum(0)
         sums = torch.tensor([self.aux, float(self.dropped)], dtype=torch.float64, device=counts.device)
-        max_load = (counts.max(-1).values / counts.mean(-1)).max().reshape(1)
+        load = counts.max(-1).values / counts.mean(-1)
+        max_load = (load.max() if len(load) else torch.zeros((), dtype=torch.float64, device=counts.device)).reshape(1)
         if self.stage_group is not None:
             dist.all_reduce(tokens, group=self.stage_group)
             dist.all_reduce(sums, group=self.stage_group)

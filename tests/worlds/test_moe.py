@@ -25,7 +25,7 @@ from shardlab.models.moe import moe_layers
 from shardlab.step import forward_backward, init_state, make_step
 
 from ._harness import run_world
-from .layouts import TOL, assert_matches, ckpt, continue_from, curves, layout_curves, placements_match_plan, tiny
+from .layouts import TOL, assert_matches, ckpt, continue_from, curves, placements_match_plan, tiny
 
 MOE = {
     "aux": MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=64),
@@ -61,15 +61,15 @@ LAYOUTS = {2: LAYOUTS_2, 4: LAYOUTS_4}
 
 
 def run(rank, world_size, tmp=None):
-    return layout_curves(LAYOUTS[world_size])
+    """Every layout's loss and gradient norm per step, and its routers' tokens per expert and busiest load."""
+    out = {}
+    for name, cfg in LAYOUTS[world_size].items():
+        history = train(cfg, write=False)
+        out[name] = {key: [m[metric] for m in history] for key, metric in ROUTED.items()}
+    return out
 
 
-def pipeline_routers(rank, world_size, tmp=None):
-    """Tokens per expert and the busiest expert's load of every step with pp 2 x ep 2: each stage counts its own
-    layers, the metrics sum over stages (the balancing loss's value depends on how the batch is split into micro
-    batches, so it is not compared)."""
-    history = train(LAYOUTS_4["pp2_ep2_ac_full-bias"], write=False)
-    return [(m["moe_tokens_per_expert"], m["moe_max_load"]) for m in history]
+ROUTED = {"loss": "loss", "grad_norm": "grad_norm", "tokens": "moe_tokens_per_expert", "max_load": "moe_max_load"}
 
 
 def placements(rank, world_size, tmp=None):
@@ -145,7 +145,7 @@ def world2(tmp):
 
 @pytest.fixture(scope="module")
 def world4(tmp):
-    return run_world(4, [run, placements, ep_change, idle_experts, pipeline_routers], timeout_s=500, tmp=str(tmp))
+    return run_world(4, [run, placements, ep_change, idle_experts], timeout_s=500, tmp=str(tmp))
 
 
 @pytest.mark.world
@@ -183,7 +183,10 @@ def test_experts_without_rows_still_step(world4):
 
 @pytest.mark.world
 def test_pipelined_routers_count_every_stage(world4):
-    want = [(m["moe_tokens_per_expert"], m["moe_max_load"]) for m in train(moe("bias"), write=False)]
-    got = world4.value(pipeline_routers)
-    assert [t for t, _ in got] == [t for t, _ in want]
-    assert max(abs(a[1] - b[1]) for a, b in zip(got, want)) < 1e-9
+    """pp 2 x ep 2: each stage counts its own layers and the metrics sum over stages, so tokens per expert and the
+    busiest expert's load equal one process's every step (the balancing loss's value depends on how the batch is
+    split into micro batches, so it is not compared)."""
+    want = train(moe("bias"), write=False)
+    got = world4.value(run)["pp2_ep2_ac_full-bias"]
+    assert got["tokens"] == [m["moe_tokens_per_expert"] for m in want]
+    assert max(abs(a - m["moe_max_load"]) for a, m in zip(got["max_load"], want)) < 1e-9
