@@ -97,13 +97,13 @@ class ModelConfig(Frozen):
     """Rows of the embedding and of the output projection."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
-    rope_theta: float = 500_000.0
+    rope_theta: Annotated[float, msgspec.Meta(gt=0)] = 500_000.0
     """RoPE base frequency."""
     rope_scaling: RopeScaling | None = RopeScaling()
     """Llama-3.1 frequency scaling; None for plain RoPE."""
     tie_embeddings: bool = False
     """Share the embedding matrix with the output projection (Llama 3.2 1B/3B)."""
-    init_std: float = 0.02
+    init_std: Annotated[float, msgspec.Meta(gt=0)] = 0.02
     """Std of the truncated-normal init of the projections."""
     moe: MoEConfig | None = None
     """Mixture of experts in place of the MLPs; None for the dense Llama."""
@@ -118,10 +118,6 @@ class ModelConfig(Frozen):
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
                 "grouped-query attention needs n_kv_heads dividing n_heads"
             )
-        if self.rope_theta <= 0:
-            raise ValueError(f"model.rope_theta={self.rope_theta}: must be > 0")
-        if self.init_std <= 0:
-            raise ValueError(f"model.init_std={self.init_std}: must be > 0")
         if (self.dim // self.n_heads) % 2:
             raise ValueError(f"model: head_dim={self.dim // self.n_heads} is odd; RoPE needs an even head_dim")
 
@@ -350,6 +346,7 @@ class Config(Frozen):
                 ("n_kv_heads", m.n_kv_heads),
                 ("ffn_dim", m.ffn_dim),
                 ("vocab_size", m.vocab_size),
+                *((("moe.expert_ffn_dim", m.moe.expert_ffn_dim),) if m.moe is not None else ()),
             ):
                 if value % tp:
                     raise ValueError(
@@ -360,13 +357,11 @@ class Config(Frozen):
                     f"train.seq_len={self.train.seq_len} is not divisible by mesh.tp={tp}; sequence parallel shards the "
                     "sequence over tp: change seq_len, or set plan.sequence_parallel=False"
                 )
-        ep = self.mesh.ep
-        if ep > 1 and m.moe is None:
-            raise ValueError(f"mesh.ep={ep} but the model has no experts; set model.moe, or mesh.ep=1")
-        if ep > 1 and m.moe.n_experts % ep:
+        ep, experts = self.mesh.ep, m.moe.n_experts if m.moe is not None else 0
+        if ep > 1 and (not experts or experts % ep):
             raise ValueError(
-                f"model.moe.n_experts={m.moe.n_experts} is not divisible by mesh.ep={ep}; each ep rank holds "
-                "n_experts / ep experts: pick an ep that divides it"
+                f"mesh.ep={ep} needs model.moe with n_experts divisible by it (each ep rank holds n_experts / ep of "
+                f"them), not {experts}; set model.moe, or pick an ep that divides n_experts"
             )
         if m.moe is not None and self.mesh.pp > 1 and m.moe.balance == "aux_loss":
             raise ValueError(
@@ -377,11 +372,6 @@ class Config(Frozen):
             raise ValueError(
                 "plan.pp_balance='flops' with model.moe: FLOPs are counted on the meta device, where tokens cannot be "
                 "routed; use pp_balance='blocks' or 'params', or plan.pp_split"
-            )
-        if m.moe is not None and m.moe.expert_ffn_dim % tp:
-            raise ValueError(
-                f"model.moe.expert_ffn_dim={m.moe.expert_ffn_dim} is not divisible by mesh.tp={tp}; tp shards each "
-                "expert's hidden dim: pick a tp that divides it"
             )
         cp = self.mesh.cp
         if cp > 1:
