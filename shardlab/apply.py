@@ -142,10 +142,7 @@ def _expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, modules: tu
     for fqn in modules:
         module = model.get_submodule(fqn)
         for name, param in list(module.named_parameters(recurse=False)):
-            p = plan.param(f"{fqn}.{name}")
-            spec_mesh = plan.mesh.experts if p.expert else plan.mesh
-            full = placements(P(*p.spec), spec_mesh)
-            mine = [full[spec_mesh.axis_names.index(a)] for a in axes]
+            mine = _placements_on(on, P(*plan.param(f"{fqn}.{name}").spec))  # FSDP's axes have size 1 on `on`
             shard_ = distribute_tensor(param.detach(), on, mine, src_data_rank=None)  # every rank has the full weight
             module.register_parameter(name, nn.Parameter(shard_, requires_grad=param.requires_grad))
         module.dispatch = dispatch
