@@ -212,7 +212,7 @@ def mesh_spec_of(mesh) -> MeshSpec | ExpertMeshSpec:
         raise ValueError(
             f"mesh dims {unknown} are not shardlab axes ({', '.join(AXES)}); use a mesh from make_mesh or a slice of it"
         )
-    experts = getattr(mesh._get_root_mesh(), "_shardlab_experts", None)
+    experts = _experts_of(mesh)
     ep = experts["ep"].size() if experts is not None and names == AXES else 1
     return MeshSpec(**{a: sizes.get(a, 1) for a in AXES}, ep=ep)
 
@@ -249,7 +249,7 @@ def expert_mesh(mesh, axes: tuple[str, ...]):
     ("dp_replicate", "dp_shard_mod_ep") is FSDP's mesh for them."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    experts = getattr(mesh._get_root_mesh(), "_shardlab_experts", None)
+    experts = _experts_of(mesh)
     if experts is None:
         raise ValueError("expert_mesh: this mesh has no expert axes; build it with make_mesh(spec) with spec.ep > 1")
     parts = [experts[a] if a in experts.mesh_dim_names else mesh[a] for a in axes]
@@ -258,6 +258,11 @@ def expert_mesh(mesh, axes: tuple[str, ...]):
     if all(a in experts.mesh_dim_names for a in axes):
         return experts[axes]
     return DeviceMesh._concatenate(parts)  # ep x tp: slices of two meshes over the same root
+
+
+def _experts_of(mesh):
+    """The expert mesh `make_mesh` kept on `mesh`'s root (None without ep)."""
+    return getattr(mesh._get_root_mesh(), "_shardlab_experts", None)
 
 
 def flat_view(mesh, name: str):
