@@ -46,6 +46,7 @@ def main() -> None:
         vocab_size=cfg.model.vocab_size,
         dp_rank=cfg.mesh.group_index(RANK, ("dp",)),
         dp_size=cfg.mesh.size("dp"),
+        micro_batches=cfg.micro_batches,
     )
     for batch in loader:
         state, metrics = step(state, batch)

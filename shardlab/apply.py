@@ -123,10 +123,12 @@ class StageModule(nn.Module):
         super().__init__()
         names = (*stage.blocks, *stage.others) if last else (*stage.others, *stage.blocks)
         self.parts = nn.ModuleList(model.get_submodule(n) for n in names)
+        self.is_block = tuple(n in stage.blocks for n in names)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for part in self.parts:
-            x = part(x)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: the tokens' places in their sequences, for the blocks (a context-parallel rank's chunks)."""
+        for part, is_block in zip(self.parts, self.is_block):
+            x = part(x, positions=positions) if is_block and positions is not None else part(x)
         return x
 
 
@@ -171,15 +173,23 @@ def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
 
 
 def keep_own_stages(model: nn.Module, plan: Plan, pp_rank: int) -> tuple[StagePlan, ...]:
-    """Replace every block and module of the other ranks' pipeline stages by nn.Identity, so this rank holds,
+    """Replace every block and module of the other ranks' pipeline stages by OtherStage, so this rank holds,
     builds and checkpoints only its own stages; parameter names stay those of the whole model. On the meta
     device, before materialising, the other stages are never allocated. Returns this rank's stages."""
     own = plan.pipeline.stages_of(pp_rank)
     for s in plan.pipeline.stages:
         if s.pp_rank != pp_rank:
             for fqn in (*s.blocks, *s.others):
-                model.set_submodule(fqn, nn.Identity())
+                model.set_submodule(fqn, OtherStage())
     return own
+
+
+class OtherStage(nn.Identity):
+    """What stands in for another pipeline stage's module: passes its input on, whatever keywords come with it
+    (a block's `positions`)."""
+
+    def forward(self, x: torch.Tensor, **_: object) -> torch.Tensor:
+        return x
 
 
 def _in_stages(fqn: str, stages: tuple[StagePlan, ...]) -> bool:

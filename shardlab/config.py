@@ -57,7 +57,8 @@ class MoEConfig(Frozen):
     """Add a dense SwiGLU of width model.ffn_dim that every token goes through (Qwen-MoE, DeepSeek)."""
     balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
     """aux_loss: add aux_loss_coef x E x sum_e(tokens share_e x mean score_e) over each global micro batch (the
-    micro batch of every data-parallel rank together; Switch);
+    micro batch of every data-parallel rank together, the same tokens in every layout with as many micro batches;
+    Switch);
     bias: the auxiliary-loss-free scheme, a per-expert bias on the selection scores nudged each step towards
     even loads (DeepSeek-V3); none."""
     aux_loss_coef: float = 0.01
@@ -363,11 +364,6 @@ class Config(Frozen):
                 f"mesh.ep={ep} needs model.moe with n_experts divisible by it (each ep rank holds n_experts / ep of "
                 f"them), not {experts}; set model.moe, or pick an ep that divides n_experts"
             )
-        if m.moe is not None and self.mesh.pp > 1 and m.moe.balance == "aux_loss":
-            raise ValueError(
-                "model.moe.balance='aux_loss' with mesh.pp > 1: a pipeline schedule backpropagates only the last "
-                "stage's loss, so the balancing loss of earlier stages would be lost; use balance='bias' or 'none'"
-            )
         if m.moe is not None and self.mesh.pp > 1 and self.plan.pp_balance == "flops":
             raise ValueError(
                 "plan.pp_balance='flops' with model.moe: FLOPs are counted on the meta device, where tokens cannot be "
@@ -384,11 +380,6 @@ class Config(Frozen):
                 raise ValueError(
                     f"train.seq_len / mesh.cp = {self.train.seq_len // cp} tokens per cp rank are not divisible by "
                     f"mesh.tp={tp} for sequence parallelism; change seq_len, or set plan.sequence_parallel=False"
-                )
-            if self.mesh.pp > 1:
-                raise ValueError(
-                    f"mesh.cp={cp} with mesh.pp={self.mesh.pp}: context parallelism inside pipeline stages is not "
-                    "supported yet; use one of them"
                 )
             if self.checkpoint.init_from_hf is not None:
                 raise ValueError(
@@ -421,7 +412,7 @@ class Config(Frozen):
                     f"train.micro_batch with mesh.pp={self.mesh.pp}: the pipeline splits each batch into "
                     "plan.pp_microbatches; leave train.micro_batch unset"
                 )
-            m = self.plan.pp_microbatches or self.mesh.pp * self.plan.pp_stages_per_rank
+            m = self.micro_batches
             if per_rank % m:
                 raise ValueError(
                     f"plan.pp_microbatches={m} does not divide the {per_rank} sequences each data-parallel rank gets per "
@@ -432,6 +423,16 @@ class Config(Frozen):
                 f"train.micro_batch={t.micro_batch} does not divide the {per_rank} sequences each data-parallel rank gets "
                 f"per step (global_batch {t.global_batch} / dp {dp}); pick a micro_batch dividing {per_rank}"
             )
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro batches per step on every rank: the pipeline's (plan.pp_microbatches, default one per stage), else
+        train.grad_accum. The loader makes micro batch i the same sequences in every layout with this count."""
+        if self.mesh.pp > 1:
+            return self.plan.pp_microbatches or self.mesh.pp * self.plan.pp_stages_per_rank
+        if not self.mesh.is_resolved:
+            raise ValueError("Config.micro_batches: the mesh has a -1 axis; call cfg.resolve(world_size) first")
+        return self.train.grad_accum(self.mesh.size("dp"))
 
     def resolve(self, world_size: int) -> Config:
         """Fill the mesh for `world_size` and run the checks that need it."""

@@ -1,8 +1,10 @@
 """Data: DataConfig -> documents -> one looping token stream -> this rank's rows of each global batch.
 
 Sequence i is stream[i*S : i*S + S + 1] (inputs = its first S tokens, labels = its last S). Step k's
-global batch is sequences [k*G, (k+1)*G), and data-parallel rank r of D takes rows [r*G/D, (r+1)*G/D).
-So the global batch does not depend on the layout, and resuming after a change of D is exact.
+global batch is sequences [k*G, (k+1)*G), so it does not depend on the layout, and resuming after a change of D
+is exact. With M micro batches per step, micro batch j is sequences k*G + [j*G/M, (j+1)*G/M), and data-parallel
+rank r of D takes the r-th D-th of each: the ranks' j-th micro batches together are the same sequences in every
+layout with M micro batches (an MoE balancing loss over each global micro batch depends on which they are).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class TokenLoader:
         global_batch: int,
         dp_rank: int,
         dp_size: int,
+        micro_batches: int = 1,
         source: str,
         fingerprint: str,
     ) -> None:
@@ -74,13 +77,17 @@ class TokenLoader:
         self.rows = global_batch // dp_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.micro_batches = micro_batches
         self.source = source
         self.fingerprint = fingerprint
         self.step = 0
 
     def batch(self, step: int) -> Batch:
-        first = step * self.global_batch + self.dp_rank * self.rows
-        seqs = torch.from_numpy(np.stack([self._sequence(first + j) for j in range(self.rows)]))
+        m = self.micro_batches
+        per_micro, rows = self.global_batch // m, self.rows // m  # a global micro batch, this rank's part of it
+        first = step * self.global_batch + self.dp_rank * rows
+        ids = [first + j * per_micro + i for j in range(m) for i in range(rows)]
+        seqs = torch.from_numpy(np.stack([self._sequence(i) for i in ids]))
         return Batch(inputs=seqs[:, :-1].contiguous(), labels=seqs[:, 1:].contiguous())
 
     def __iter__(self) -> TokenLoader:
@@ -126,13 +133,26 @@ class TokenLoader:
 
 
 def make_loader(
-    data: DataConfig, *, seq_len: int, global_batch: int, vocab_size: int, dp_rank: int, dp_size: int
+    data: DataConfig,
+    *,
+    seq_len: int,
+    global_batch: int,
+    vocab_size: int,
+    dp_rank: int,
+    dp_size: int,
+    micro_batches: int = 1,
 ) -> TokenLoader:
-    """The loader for data-parallel rank `dp_rank` of `dp_size`, positioned at step 0."""
+    """The loader for data-parallel rank `dp_rank` of `dp_size`, positioned at step 0. micro_batches: per step on
+    each rank (`Config.micro_batches`); it decides which rows a rank gets, not which rows a step has."""
     if global_batch % dp_size:
         raise ValueError(
             f"train.global_batch={global_batch} is not divisible by the data-parallel size {dp_size}; "
             "pick a global_batch that is a multiple of it"
+        )
+    if (global_batch // dp_size) % micro_batches:
+        raise ValueError(
+            f"make_loader: micro_batches={micro_batches} does not divide the {global_batch // dp_size} rows each of "
+            f"{dp_size} data-parallel ranks gets; pass Config.micro_batches of a resolved config"
         )
     if not 0 <= dp_rank < dp_size:
         raise ValueError(
@@ -166,6 +186,7 @@ def make_loader(
         global_batch=global_batch,
         dp_rank=dp_rank,
         dp_size=dp_size,
+        micro_batches=micro_batches,
         source=data.source,
         fingerprint=digest.hexdigest(),
     )

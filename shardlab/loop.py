@@ -114,7 +114,7 @@ def train(
     state: TrainState = init_state(model, cfg.optim)
     loader = make_loader(
         cfg.data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size,
-        dp_rank=dp_rank, dp_size=dp,
+        dp_rank=dp_rank, dp_size=dp, micro_batches=cfg.micro_batches,
     )  # fmt: skip
     run_dir = Path(cfg.run_dir)
     checkpoints = run_dir / "checkpoints"

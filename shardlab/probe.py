@@ -253,7 +253,7 @@ def _probe_layers(cfg: Config, rules: Rules | None, mesh: DeviceMesh, n_layers: 
     plan = make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan, flops)
     apply(model, plan, mesh)
     dp = cfg.mesh.size("dp")
-    micro = plan.pipeline.microbatches if plan.pipeline is not None else cfg.train.grad_accum(dp)
+    micro = cfg.micro_batches
     rows = cfg.train.global_batch // dp // micro
     recorder = _Recorder(_axis_names(mesh))
     with fake_tensors():
@@ -272,16 +272,17 @@ def _probe_layers(cfg: Config, rules: Rules | None, mesh: DeviceMesh, n_layers: 
             if plan.pipeline is None:
                 forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward, positions)
             else:
-                _stages_forward_backward(model, plan, mesh, cfg, tokens, after_forward, recorder)
+                _stages_forward_backward(model, plan, mesh, cfg, tokens, after_forward, recorder, positions)
     return recorder
 
 
 def stage_boundary(cfg: Config, plan: Plan, rows: int) -> tuple[tuple[int, int, int], torch.dtype]:
     """Shape and dtype of what one pipeline stage hands the next for a micro batch of `rows` sequences: the
-    residual stream (sequence-sharded over tp under SP), in the parameters' compute dtype."""
+    residual stream of the rank's tokens (its cp chunks, sequence-sharded over tp under SP), in the parameters'
+    compute dtype."""
     sp = cfg.mesh.tp if cfg.plan.sequence_parallel else 1
     dtype = getattr(torch, plan.fsdp.param_dtype) if plan.fsdp is not None else torch.float32
-    return (rows, cfg.train.seq_len // sp, cfg.model.dim), dtype
+    return (rows, cfg.train.seq_len // cfg.mesh.cp // sp, cfg.model.dim), dtype
 
 
 def _stages_forward_backward(
@@ -292,6 +293,7 @@ def _stages_forward_backward(
     tokens: torch.Tensor,
     after_forward: Callable[[], None],
     recorder: _Recorder,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """One micro batch through each of this rank's pipeline stages, as torch's PipelineStage runs them: the first
     stage takes the tokens, the others a residual-stream tensor from the previous stage (sequence-sharded under
@@ -304,7 +306,7 @@ def _stages_forward_backward(
         for module, stage in zip(stage_modules(model), stages, strict=True):
             recorder.stage = stage.index
             x = tokens if stage.index == 0 else torch.zeros(hidden, dtype=dtype, requires_grad=True)
-            y = module(x)
+            y = module(x) if positions is None else module(x, positions=positions)
             if stage.index == last:
                 y = F.cross_entropy(y.flatten(0, 1).float(), tokens.flatten(), reduction="sum")
             outputs.append((stage.index, y))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.microbatch import _Replicate  # every micro batch gets the whole kwarg
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -52,6 +53,7 @@ class PipelineRun:
         self.is_last = any(s.index == self.n_stages - 1 for s in self.stages)
         self.ignore_index = ignore_index
         self.vocab_parallel = plan.loss_parallel
+        self.context_parallel = plan.context is not None
         self.scale = 1.0
         self._summed: list[torch.Tensor] = []
         self._model: nn.Module | None = None
@@ -86,24 +88,41 @@ class PipelineRun:
                 for module, s in zip(modules, self.stages, strict=True)
             ]
             single = issubclass(cls, PipelineScheduleSingle)
+            # under cp every stage gets this rank's positions, the same for each micro batch
+            kwargs_spec = {"positions": _Replicate()} if self.context_parallel else None
             self._schedule = cls(
-                stages[0] if single else stages, n_microbatches=m, loss_fn=self._loss, scale_grads=False
+                stages[0] if single else stages,
+                n_microbatches=m,
+                loss_fn=self._loss,
+                scale_grads=False,
+                kwargs_chunk_spec=kwargs_spec,
             )
             self._model = model
         return self._schedule
 
-    def __call__(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
-        """Forward and backward of the whole batch; the summed (unscaled) loss on the last stage, else 0."""
+    def __call__(
+        self,
+        model: nn.Module,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        scale: float,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Forward and backward of the whole batch; the summed (unscaled) loss on the last stage, else 0.
+        positions: where this rank's tokens sit in their sequences (context parallelism), given to every stage."""
+        if (positions is not None) != self.context_parallel:
+            raise ValueError("PipelineRun: positions are given under context parallelism (plan.context), and only then")
         device = inputs.device
         schedule = self._schedule_for(model, device)
         self.scale, self._summed = scale, []
         args = (inputs,) if self.is_first else ()
+        kwargs = {"positions": positions} if positions is not None else {}
         if self.is_last:
             with loss_parallel() if self.vocab_parallel else contextlib.nullcontext():  # the loss and its backward
-                schedule.step(*args, target=labels)
+                schedule.step(*args, target=labels, **kwargs)
             # The first step also computes one loss while torch infers the stages' shapes: count the last m calls.
             return torch.stack(self._summed[-self.pipeline.microbatches :]).to(torch.float64).sum()
-        schedule.step(*args)
+        schedule.step(*args, **kwargs)
         return torch.zeros((), dtype=torch.float64, device=device)
 
 

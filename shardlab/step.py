@@ -89,9 +89,8 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
     """
     cfg = cfg.resolve(plan.mesh.world_size)
     plan.check_mesh(cfg.mesh)
-    dp = plan.mesh.size("dp")
     holders = plan.mesh.size("batch")  # ranks holding different tokens: FSDP averages over them
-    grad_accum = cfg.train.grad_accum(dp)
+    micro_batches = cfg.micro_batches
     positions = None
     if plan.context is not None:
         positions = cp_positions(cfg.train.seq_len, plan.mesh.cp, mesh["cp"].get_local_rank())
@@ -107,9 +106,13 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
         model, opt = state.model, state.optim
         routers = None
         if moe is not None:
-            micro = pipeline.pipeline.microbatches if pipeline is not None else grad_accum
             routers = Routers(
-                moe_layers(model), group, micro, stage_group, n_experts=moe.n_experts, device=model_device(model)
+                moe_layers(model),
+                group,
+                micro_batches,
+                stage_group,
+                n_experts=moe.n_experts,
+                device=model_device(model),
             )
         lr = lr_at(state.step)
         for g in opt.param_groups:
@@ -120,19 +123,17 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
         if positions is not None:  # this cp rank's chunks of every sequence
             at = positions.to(device)
             inputs, labels = inputs[:, at], labels[:, at]
-        if inputs.shape[0] % grad_accum:
-            raise ValueError(
-                f"step: {inputs.shape[0]} rows per rank do not split into grad_accum={grad_accum} micro batches"
-            )
+        if inputs.shape[0] % micro_batches:
+            raise ValueError(f"step: {inputs.shape[0]} rows per rank do not split into {micro_batches} micro batches")
         tokens = _all_reduce((labels != IGNORE_INDEX).sum().to(torch.float64), group)
         scale = holders / tokens.item()  # a float: a DTensor loss cannot be multiplied by a plain tensor
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         if pipeline is not None:  # the schedule splits the batch into the plan's micro batches
-            loss_sum += pipeline(model, inputs, labels, scale)
+            loss_sum += pipeline(model, inputs, labels, scale, positions=at)
             if routers is not None:
                 routers.after_pipeline()
         else:
-            for x, y in zip(inputs.chunk(grad_accum), labels.chunk(grad_accum)):
+            for x, y in zip(inputs.chunk(micro_batches), labels.chunk(micro_batches)):
                 loss = forward_backward(
                     model, x, y, scale, plan.loss_parallel, positions=at, extra_loss=routers and routers.loss
                 )

@@ -59,7 +59,6 @@ def test_plan_records_context_parallel_attention():
             TrainConfig(seq_len=36),
             r"^train\.seq_len / mesh\.cp = 18 tokens per cp rank are not divisible by mesh\.tp=4",
         ),
-        (MeshSpec(pp=2, cp=2), TrainConfig(), r"^mesh\.cp=2 with mesh\.pp=2: context parallelism inside pipeline"),
     ],
 )
 def test_bad_context_parallel_configs_are_one_line(mesh, train, message):

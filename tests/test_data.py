@@ -56,6 +56,22 @@ def test_global_batch_is_independent_of_dp(corpus: DataConfig, source: str):
             assert torch.equal(a, b), f"step {k} differs at dp_size={dp_size}"
 
 
+@pytest.mark.parametrize(("dp_size", "micro_batches"), [(1, 4), (2, 2), (2, 4), (4, 2), (8, 1)])
+def test_micro_batch_j_is_the_same_sequences_in_every_layout(dp_size: int, micro_batches: int):
+    """The ranks' j-th micro batches together are sequences [j G/M, (j+1) G/M) of the step, whatever dp is."""
+    data = DataConfig(source="synthetic")
+    step = global_batches(data, 1, steps=1, first_step=3)[0]
+    ranks = [
+        make_loader(data, seq_len=SEQ, global_batch=G, vocab_size=300, dp_rank=r, dp_size=dp_size,
+                    micro_batches=micro_batches).batch(3).inputs
+        for r in range(dp_size)
+    ]  # fmt: skip
+    for j, want in enumerate(step.chunk(micro_batches)):
+        assert torch.equal(torch.cat([rows.chunk(micro_batches)[j] for rows in ranks]), want), j
+    with pytest.raises(ValueError, match=r"^make_loader: micro_batches=3 does not divide the 4 rows each of 2"):
+        make_loader(data, seq_len=SEQ, global_batch=G, vocab_size=300, dp_rank=0, dp_size=2, micro_batches=3)
+
+
 def test_batches_are_deterministic_and_distinct(corpus: DataConfig):
     a, b = loader(corpus), loader(corpus)
     first = [next(a).inputs for _ in range(6)]

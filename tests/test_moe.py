@@ -114,7 +114,6 @@ def test_parameter_counts_and_plan():
     ("mesh", "moe", "message"),
     [
         (MeshSpec(), dict(n_experts=2, top_k=3), r"^model\.moe\.top_k=3 exceeds model\.moe\.n_experts=2"),
-        (MeshSpec(dp_shard=1, pp=2), dict(), r"^model\.moe\.balance='aux_loss' with mesh\.pp > 1: a pipeline schedule"),
         (
             MeshSpec(dp_shard=1, tp=4),
             dict(expert_ffn_dim=6),
@@ -137,7 +136,8 @@ def test_pipelined_moe_configs_are_checked():
     bias = MoEConfig(balance="bias")
     with pytest.raises(ValueError, match=r"^plan\.pp_balance='flops' with model\.moe: FLOPs are counted on the meta"):
         Config(mesh=MeshSpec(dp_shard=1, pp=2), model=ModelConfig(moe=bias), plan=PlanConfig(pp_balance="flops"))
-    Config(mesh=MeshSpec(dp_shard=1, pp=2), model=ModelConfig(moe=bias))  # bias balancing runs in pipelines
+    for how in ("bias", "aux_loss", "none"):  # every balance runs in pipelines
+        Config(mesh=MeshSpec(dp_shard=1, pp=2), model=ModelConfig(moe=MoEConfig(balance=how)))
 
 
 def test_routers_of_a_stage_without_moe_layers_report_zeros():

@@ -104,7 +104,7 @@ def test_step_rejects_rows_that_do_not_split_into_micro_batches():
     cfg = msgspec.structs.replace(tiny(micro_batch=2))
     model, plan, mesh = build_model(cfg)
     step = make_step(cfg, plan, mesh)
-    with pytest.raises(ValueError, match="3 rows per rank do not split into grad_accum=2"):
+    with pytest.raises(ValueError, match="3 rows per rank do not split into 2 micro batches"):
         step(init_state(model, cfg.optim), Batch(batch().inputs[:3], batch().labels[:3]))
 
 

@@ -143,6 +143,8 @@ class Balance(NamedTuple):
     counts: torch.Tensor
     """[layers, E] token slots per expert."""
     dropped: int
+    tokens: int
+    """Tokens of the global micro batch."""
 
 
 def balance(layers: list[MoE], group: dist.ProcessGroup | None) -> Balance:
@@ -170,7 +172,7 @@ def balance(layers: list[MoE], group: dist.ProcessGroup | None) -> Balance:
     share = counts / (n_tokens * k)
     mean_score = score_sum / n_tokens
     aux = (layers[0].cfg.n_experts * (share.to(mean_score.dtype) * mean_score).sum(-1)).sum()
-    return Balance(aux_loss=aux, counts=counts.round().to(torch.long), dropped=int(dropped))
+    return Balance(aux_loss=aux, counts=counts.round().to(torch.long), dropped=int(dropped), tokens=round(n_tokens))
 
 
 @torch.no_grad()
@@ -185,9 +187,13 @@ def update_bias(layers: list[MoE], counts: torch.Tensor) -> None:
 
 class Routers:
     """One step's router bookkeeping for the step: the balancing loss of each global micro batch,
-    the step's loads for the bias update and the metrics. With pipelines (`stage_group`, the pp group) each rank
-    holds some layers, whose every forward the schedule runs is kept (forward hooks, removed by `after_pipeline`)
-    and read after it; the metrics sum over stages."""
+    the step's loads for the bias update and the metrics.
+
+    Without pipelines the step calls `loss` after each micro batch's forward and backpropagates it with the
+    objective. A pipeline schedule backpropagates each stage from its output, so there (`stage_group`, the pp
+    group) a forward hook on each MoE layer reduces its statistics as it runs and ties the balancing loss's
+    gradient to the layer's output (`_with_balancing_grad`); `after_pipeline` reads them. The metrics sum over
+    stages."""
 
     def __init__(
         self,
@@ -202,9 +208,9 @@ class Routers:
         self.layers, self.group, self.micro_batches, self.stage_group = layers, group, micro_batches, stage_group
         self.counts = torch.zeros(len(layers), n_experts, dtype=torch.long, device=device)
         self.aux, self.dropped = 0.0, 0
-        self._history: list[list[RouterStats]] = [[] for _ in layers]
+        self._history: list[list[Balance]] = [[] for _ in layers]
         self._hooks = [
-            layer.register_forward_hook(_keeper(history))
+            layer.register_forward_hook(self._reduce_in_forward(history), prepend=True)
             for layer, history in zip(layers, self._history)
             if stage_group is not None
         ]
@@ -214,25 +220,51 @@ class Routers:
         if not self.layers:  # a pipeline stage without MoE layers (so are the other ranks of its `group`)
             return None
         b = balance(self.layers, self.group)
-        self.counts = self.counts + b.counts.to(self.counts.device)
-        self.aux += b.aux_loss.item() / self.micro_batches
-        self.dropped += b.dropped
+        self._count(b)
         if self.layers[0].cfg.balance != "aux_loss":
             return None
         return b.aux_loss * (self.layers[0].cfg.aux_loss_coef / self.micro_batches)
 
+    def _count(self, b: Balance) -> None:
+        self.counts = self.counts + b.counts.to(self.counts.device)
+        self.aux += b.aux_loss.item() / self.micro_batches
+        self.dropped += b.dropped
+
+    def _reduce_in_forward(self, history: list[Balance]):
+        """A forward hook for one MoE layer inside a pipeline stage: reduce its statistics over `group` now (every
+        rank of the group runs the same schedule) and keep them; under aux_loss, give its output the loss's
+        gradient. A recomputation in the backward (activation checkpointing) is skipped: its forward was counted."""
+        cfg = self.layers[0].cfg
+        holders = dist.get_world_size(self.group) if self.group is not None else 1
+
+        def reduce(layer: MoE, args: object, output: torch.Tensor) -> torch.Tensor | None:
+            if in_backward():
+                return None
+            score_sum = layer.stats.score_sum if layer.stats is not None else None
+            with torch.no_grad():
+                b = balance([layer], self.group)
+            history.append(b)
+            if cfg.balance != "aux_loss" or score_sum is None:
+                return None
+            # d aux / d (global score sum) = E x share_e / tokens; the loss is the global micro batch's, so each of
+            # the `holders` ranks backpropagates all of it into its own score sum (FSDP then averages them).
+            share = b.counts[0].to(score_sum.dtype) / (b.tokens * cfg.top_k)
+            weight = share * (cfg.n_experts / b.tokens * holders * cfg.aux_loss_coef / self.micro_batches)
+            return _with_balancing_grad(output, score_sum, weight)
+
+        return reduce
+
     def after_pipeline(self) -> None:
-        """After a pipeline schedule ran every micro batch: their statistics, one micro batch at a time (the last
-        `micro_batches` forwards of each layer: torch's first step also runs one to infer the stages' shapes)."""
+        """After a pipeline schedule ran every micro batch: count their statistics (the last `micro_batches`
+        forwards of each layer: torch's first step also runs one to infer the stages' shapes)."""
         for hook in self._hooks:
             hook.remove()
         m = self.micro_batches
         if any(len(h) < m for h in self._history):
             raise ValueError(f"moe: a MoE layer ran fewer than the pipeline's {m} micro batches this step")
-        for i in range(m):
-            for layer, history in zip(self.layers, self._history):
-                layer.stats = history[len(history) - m + i]
-            self.loss()
+        for history in self._history:
+            for b in history[-m:]:
+                self._count(b)
 
     def update_bias(self) -> None:
         update_bias(self.layers, self.counts)
@@ -258,11 +290,20 @@ class Routers:
         }
 
 
-def _keeper(history: list[RouterStats]):
-    """A forward hook that keeps each (non-recomputed) forward's statistics of its MoE layer."""
+class _WithBalancingGrad(torch.autograd.Function):
+    """Identity on a layer's output whose backward also sends `weight` (a constant) into `score_sum`: a linear loss
+    term, weight . score_sum, backpropagated with the output. It keeps nothing for the backward but `weight`, so a
+    checkpointed block's recomputation, which skips it, still lines up."""
 
-    def keep(layer: MoE, args: object, output: object) -> None:
-        if not in_backward():
-            history.append(layer.stats)
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, score_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.weight = weight
+        return output.view_as(output)
 
-    return keep
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, ctx.weight, None
+
+
+def _with_balancing_grad(output: torch.Tensor, score_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _WithBalancingGrad.apply(output, score_sum, weight)

@@ -1,6 +1,6 @@
 """Context parallelism against one process (issue 5): fp32, same seed and global batch, 10 steps; loss and
 gradient norm of every step within tolerance. cp 2 on 2 ranks; cp 2 x FSDP 2, cp 2 x TP 2 (+SP, loss
-parallel) and HSDP (2 replicas) x cp 2 on 4. Placements are the plan's; a cp 2 checkpoint continues on one
+parallel), HSDP (2 replicas) x cp 2 and pp 2 x cp 2 (cp inside pipeline stages) on 4. Placements are the plan's; a cp 2 checkpoint continues on one
 process. Each cp rank holds sequence chunks r and 2 cp - 1 - r; attention all-gathers K and V."""
 
 from pathlib import Path
@@ -18,6 +18,7 @@ LAYOUTS_4 = {
     "cp2_fsdp2": tiny(MeshSpec(dp_shard=2, cp=2)),
     "cp2_tp2_sp": tiny(MeshSpec(dp_shard=1, cp=2, tp=2)),
     "hsdp2_cp2": tiny(MeshSpec(dp_replicate=2, dp_shard=1, cp=2)),
+    "pp2_cp2-1f1b": tiny(MeshSpec(pp=2, dp_shard=1, cp=2)),  # every stage gets the rank's positions
 }
 LAYOUTS = {2: LAYOUTS_2, 4: LAYOUTS_4}
 

@@ -3,8 +3,9 @@ batch, 10 steps; loss and gradient norm within tolerance. The balancing loss and
 statistics of the global batch, so they are the same in every layout: FSDP 2 (auxiliary loss; bias balancing;
 sigmoid scores with a shared expert) on 2 ranks; on 4, HSDP 2 x 2, CP 2 x FSDP 2, expert parallelism (ep 2 and
 ep 4 of FSDP 4, ep 2 of HSDP 2 x 2, ep 4 across CP 2 x FSDP 2) and TP inside the experts (ep 2 x tp 2 with SP
-and loss parallel; FSDP 2 x TP 2 with a shared expert) and pipelines (pp 2 x FSDP 2; pp 2 x ep 2 with full
-activation checkpointing). Checkpoints move across a change of ep degree. A
+and loss parallel; FSDP 2 x TP 2 with a shared expert) and pipelines (pp 2 x FSDP 2 with bias balancing; the
+balancing loss on pp 2 x ep 2 with full activation checkpointing and on DualPipeV with CP 2 in its stages, against
+one process accumulating the same 4 micro batches). Checkpoints move across a change of ep degree. A
 capacity limit applies to each rank's micro batch (which tokens overflow depends on the layout), so it is
 tested on one process (tests/test_moe.py)."""
 
@@ -25,7 +26,16 @@ from shardlab.models.moe import moe_layers
 from shardlab.step import forward_backward, init_state, make_step
 
 from ._harness import run_world
-from .layouts import TOL, assert_matches, ckpt, continue_from, curves, placements_match_plan, tiny
+from .layouts import (
+    TOL,
+    assert_matches,
+    ckpt,
+    continue_from,
+    curves,
+    placements_match_plan,
+    tiny,
+    with_micro_batch,
+)
 
 MOE = {
     "aux": MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=64),
@@ -42,6 +52,19 @@ def moe(name: str, mesh: MeshSpec = MeshSpec(dp_shard=1), sequence_parallel: boo
     return msgspec.structs.replace(cfg, mesh=mesh, plan=plan, model=msgspec.structs.replace(cfg.model, moe=MOE[name]))
 
 
+def reference(name: str) -> Config:
+    """One process: MOE[name]; "deep_": 4 layers; "_mb4": in 4 micro batches (the balancing loss is per global
+    micro batch, so a pipeline of 4 micro batches matches one process accumulating 4)."""
+    cfg = moe(name.removeprefix("deep_").removesuffix("_mb4"))
+    if name.startswith("deep_"):
+        cfg = deep(cfg)
+    return with_micro_batch(cfg, cfg.train.global_batch // 4) if name.endswith("_mb4") else cfg
+
+
+def deep(cfg: Config) -> Config:
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, n_layers=4))
+
+
 LAYOUTS_2 = {f"fsdp2-{name}": moe(name, MeshSpec(dp_shard=2)) for name in MOE}
 LAYOUTS_4 = {
     "hsdp2x2-bias": moe("bias", MeshSpec(dp_replicate=2, dp_shard=2)),
@@ -53,8 +76,18 @@ LAYOUTS_4 = {
     "fsdp2_tp2_ep2-aux": moe("aux", MeshSpec(dp_shard=2, tp=2, ep=2)),  # + SP and loss parallel
     "fsdp2_tp2-sigmoid_shared": moe("sigmoid_shared", MeshSpec(dp_shard=2, tp=2), sequence_parallel=False),
     "pp2_fsdp2-bias": moe("bias", MeshSpec(pp=2, dp_shard=2), pp_microbatches=4),
-    "pp2_ep2_ac_full-bias": moe(
-        "bias", MeshSpec(pp=2, dp_shard=2, ep=2), pp_microbatches=4, activation_checkpoint="full"
+    "pp2x2_cp2_dualpipev-deep_aux_mb4": deep(  # zero bubble: FSDP keeps the weights for the weight gradients
+        moe(
+            "aux",
+            MeshSpec(pp=2, dp_shard=1, cp=2),
+            pp_microbatches=4,
+            pp_schedule="dualpipev",
+            pp_stages_per_rank=2,
+            reshard_after_forward=False,
+        )
+    ),
+    "pp2_ep2_ac_full-aux_mb4": moe(
+        "aux", MeshSpec(pp=2, dp_shard=2, ep=2), pp_microbatches=4, activation_checkpoint="full"
     ),
 }
 LAYOUTS = {2: LAYOUTS_2, 4: LAYOUTS_4}
@@ -130,7 +163,7 @@ def bias_resume(rank, world_size, tmp):
 
 @pytest.fixture(scope="module")
 def references():
-    return {name: curves(moe(name)) for name in MOE}
+    return {name: curves(reference(name)) for name in (*MOE, "aux_mb4", "deep_aux_mb4")}
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +219,7 @@ def test_pipelined_routers_count_every_stage(world4):
     """pp 2 x ep 2: each stage counts its own layers and the metrics sum over stages, so tokens per expert and the
     busiest expert's load equal one process's every step (the balancing loss's value depends on how the batch is
     split into micro batches, so it is not compared)."""
-    want = train(moe("bias"), write=False)
-    got = world4.value(run)["pp2_ep2_ac_full-bias"]
+    want = train(reference("aux_mb4"), write=False)
+    got = world4.value(run)["pp2_ep2_ac_full-aux_mb4"]
     assert got["tokens"] == [m["moe_tokens_per_expert"] for m in want]
     assert max(abs(a - m["moe_max_load"]) for a, m in zip(got["max_load"], want)) < 1e-9

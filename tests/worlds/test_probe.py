@@ -5,7 +5,8 @@ bytes and mesh axes added): every collective of rank 0 (count and bytes per axis
 the probe's, and CommDebugMode's own count must agree. Activations: the resident memory the real forward
 adds (malloc returns every block of 64 KiB or more to the OS at once, so RSS follows live tensors) and the
 bytes of the storages the real forward left alive must each be within 10% of the probe's activation bytes.
-Pipelined layouts (pp 2 x FSDP 2 with 1F1B and interleaved 1F1B, pp 2 x TP 2 + SP with GPipe): the estimate's
+Pipelined layouts (pp 2 x FSDP 2 with 1F1B and interleaved 1F1B, pp 2 x TP 2 + SP with GPipe, pp 2 x CP 2 with
+1F1B): the estimate's
 collectives per step and sends between stages equal what rank 0 runs in a real step of torch's schedule, and
 its parameter, gradient and AdamW bytes are what the worst rank holds; FSDP's unsharded parameters and
 gradients, which the schedule keeps until the step's end, are within 10% of what a 1F1B stage still holds then.
@@ -105,6 +106,7 @@ PIPELINES = {  # (mesh, plan options, blocks): 8 blocks where FSDP's buffers mus
     "pp_fsdp_1f1b": (MeshSpec(pp=2, dp_shard=2), dict(), 8),
     "pp_fsdp_interleaved": (MeshSpec(pp=2, dp_shard=2), dict(pp_schedule="interleaved_1f1b", pp_stages_per_rank=2), 4),
     "pp_tp_sp_gpipe": (MeshSpec(pp=2, dp_shard=1, tp=2), dict(pp_schedule="gpipe", pp_microbatches=4), 4),
+    "pp_cp_1f1b": (MeshSpec(pp=2, dp_shard=1, cp=2), dict(), 4),
 }
 
 
@@ -127,8 +129,12 @@ def real_pipeline(name: str) -> dict:
     tokens = torch.randint(
         0, cfg.model.vocab_size, (rows, cfg.train.seq_len), generator=torch.Generator().manual_seed(0)
     )
+    positions = None
+    if plan.context is not None:  # this cp rank's chunks of every sequence, as the step takes them
+        positions = cp_positions(cfg.train.seq_len, cfg.mesh.cp, mesh["cp"].get_local_rank())
+        tokens = tokens[:, positions]
     run = PipelineRun(plan, mesh, IGNORE_INDEX)
-    run(model, tokens, tokens, 1.0)
+    run(model, tokens, tokens, 1.0, positions)
     sends = []
     real_batch_p2p = schedules._batch_p2p
 
@@ -147,7 +153,7 @@ def real_pipeline(name: str) -> dict:
     schedules._batch_p2p, PipelineStage.perform_reduce_grad = batch_p2p, reduce
     try:
         with recorder:
-            run(model, tokens, tokens, 1.0)
+            run(model, tokens, tokens, 1.0, positions)
     finally:
         schedules._batch_p2p, PipelineStage.perform_reduce_grad = real_batch_p2p, real_reduce
     match_param_layouts(model)  # as the step does before the optimizer
@@ -184,7 +190,11 @@ def pp_tp_sp_gpipe(rank, world_size):
     return real_pipeline("pp_tp_sp_gpipe")
 
 
-CHECKS = [fsdp_tp_sp, hsdp, fsdp_tp_full_ac, fsdp_cp, pp_fsdp_1f1b, pp_fsdp_interleaved, pp_tp_sp_gpipe]
+def pp_cp_1f1b(rank, world_size):
+    return real_pipeline("pp_cp_1f1b")
+
+
+CHECKS = [fsdp_tp_sp, hsdp, fsdp_tp_full_ac, fsdp_cp, pp_fsdp_1f1b, pp_fsdp_interleaved, pp_tp_sp_gpipe, pp_cp_1f1b]
 
 
 @pytest.fixture(scope="module")
