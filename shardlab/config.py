@@ -381,11 +381,6 @@ class Config(Frozen):
                     f"train.seq_len / mesh.cp = {self.train.seq_len // cp} tokens per cp rank are not divisible by "
                     f"mesh.tp={tp} for sequence parallelism; change seq_len, or set plan.sequence_parallel=False"
                 )
-            if self.checkpoint.init_from_hf is not None:
-                raise ValueError(
-                    f"checkpoint.init_from_hf with mesh.cp={cp}: reading Hugging Face weights into FSDP's dp_shard x cp "
-                    "shards is not supported yet; start from a one-process run's checkpoint, or set mesh.cp=1"
-                )
         if self.mesh.is_resolved:
             self._check_batch(self.mesh.size("dp"))
         if self.plan.cpu_offload:

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from shardlab.config import ModelConfig
-from shardlab.mesh import mesh_spec_of
+from shardlab.mesh import AXES, MeshSpec, mesh_spec_of
 from shardlab.models.llama import Llama, from_hf_config, materialize, to_hf_config
 from shardlab.spec import P, block, spec_from_placements
 
@@ -218,7 +218,11 @@ def _local_block(param: torch.Tensor) -> tuple[torch.Tensor | None, tuple[slice,
     if coordinate is None:
         return None, ()
     names = tuple(mesh.mesh_dim_names or ())
-    spec_mesh = mesh_spec_of(mesh)
+    if "dp_shard_cp" in names:  # FSDP over dp_shard x cp chunks the flattened view in one go, as one axis would
+        names = tuple("dp_shard" if n == "dp_shard_cp" else n for n in names)
+        spec_mesh = MeshSpec(**{a: 1 for a in AXES} | {n: mesh.size(i) for i, n in enumerate(names)})
+    else:
+        spec_mesh = mesh_spec_of(mesh)
     by_axis = dict(zip(names, param.placements))
     axes = spec_mesh.axis_names
     full = [by_axis.get(a, Replicate()) if spec_mesh.size(a) > 1 else Replicate() for a in axes]

@@ -1,8 +1,9 @@
 """HF safetensors in and out of a sharded model (4 gloo ranks, fp32): each rank reads only its blocks of a
-transformers checkpoint into FSDP 2 x TP 2 (strided shards) and FSDP 4 models, whose logits then equal
-transformers'; and `to_hf` from those models writes checkpoints transformers loads with the same logits.
-The vocabulary (130) is not divisible by 4, so FSDP pads dim 0 of the embedding and the head: rows
-0:33, 33:65, 65:98, 98:130 under FSDP 2 x TP 2 and 0:33, 33:66, 66:99, 99:130 under FSDP 4."""
+transformers checkpoint into FSDP 2 x TP 2 (strided shards), FSDP 4 and FSDP 2 x CP 2 (FSDP over the flattened
+dp_shard x cp) models, whose logits then equal transformers'; and `to_hf` from those models writes checkpoints
+transformers loads with the same logits. The vocabulary (130) is not divisible by 4, so FSDP pads dim 0 of the
+embedding and the head: rows 0:33, 33:65, 65:98, 98:130 under FSDP 2 x TP 2 and 0:33, 33:66, 66:99, 99:130
+under FSDP 4 and FSDP 2 x CP 2."""
 
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import Config, DataConfig, LogConfig, MeshSpec, TrainConfig
+from shardlab.context import cp_positions
 from shardlab.hf import load_hf_weights, read_hf_config, to_hf
 from shardlab.loop import build_model
 
@@ -24,6 +26,7 @@ LAYOUTS = {
     "fsdp2_tp2": ("untied", MeshSpec(dp_shard=2, tp=2)),
     "fsdp2_tp2_tied": ("tied", MeshSpec(dp_shard=2, tp=2)),
     "fsdp4": ("untied", MeshSpec(dp_shard=4)),
+    "fsdp2_cp2": ("untied", MeshSpec(dp_shard=2, cp=2)),  # FSDP over the flattened dp_shard x cp
 }
 
 
@@ -62,16 +65,21 @@ def tiny(hf_dir: Path, mesh: MeshSpec) -> Config:
 def load_and_export(name: str, hf_dir: Path, out_dir: Path, want: dict[str, torch.Tensor]) -> dict:
     """Every rank: build the sharded model, load the HF checkpoint, compare logits, export with to_hf."""
     kind, mesh = LAYOUTS[name]
-    model, _, _ = build_model(tiny(hf_dir / kind, mesh), device="cpu")
+    model, plan, device_mesh = build_model(tiny(hf_dir / kind, mesh), device="cpu")
     embed = model.model.embed_tokens.weight
     assert isinstance(embed, DTensor), type(embed)
     load_hf_weights(model, hf_dir / kind)
+    at = slice(None)
     with torch.no_grad():
-        got = model(TOKENS)
+        if plan.context is not None:  # each cp rank runs its chunks of the sequence
+            at = cp_positions(TOKENS.shape[1], mesh.cp, device_mesh["cp"].get_local_rank())
+            got = model(TOKENS[:, at], positions=at)
+        else:
+            got = model(TOKENS)
     got = got.full_tensor() if isinstance(got, DTensor) else got
     to_hf(model, out_dir / name)
     return {
-        "diff": (got - want[kind]).abs().max().item(),
+        "diff": (got - want[kind][:, at]).abs().max().item(),
         "placements": str(embed.placements),
         "local_rows": embed.to_local().shape[0],
         "tied": model.lm_head.weight is model.model.embed_tokens.weight,
@@ -87,12 +95,16 @@ def fsdp2_tp2_tied(rank, world_size, **kw):
 
 
 def fsdp4(rank, world_size, **kw):
-    out = load_and_export("fsdp4", **kw)
-    dist.barrier()
+    return load_and_export("fsdp4", **kw)
+
+
+def fsdp2_cp2(rank, world_size, **kw):
+    out = load_and_export("fsdp2_cp2", **kw)
+    dist.barrier()  # the last check: every rank's export is written before the tests read them
     return out
 
 
-CHECKS = [fsdp2_tp2, fsdp2_tp2_tied, fsdp4]
+CHECKS = [fsdp2_tp2, fsdp2_tp2_tied, fsdp4, fsdp2_cp2]
 
 
 @pytest.fixture(scope="module")
