@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoints (config.json + safetensors) <-> shardlab models, plain or sharded.
+"""Hugging Face Llama and Mixtral checkpoints (config.json + safetensors) <-> shardlab models, plain or sharded.
 
 `load_hf_weights(model, dir)` reads into an existing model, each rank only the block of each tensor its
 DTensor placements give it; `to_hf(model, dir)` gathers one parameter at a time and rank 0 writes.
@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from shardlab.config import ModelConfig
+from shardlab.hf_names import expert_names, hf_name
 from shardlab.mesh import AXES, MeshSpec, mesh_spec_of
 from shardlab.models.llama import Llama, from_hf_config, materialize, to_hf_config
 from shardlab.spec import P, block, spec_from_placements
@@ -43,8 +44,11 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
         d = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{file}: not readable JSON ({e}); re-download or re-export the checkpoint") from None
-    if d.get("model_type", "llama") != "llama":
-        raise ValueError(f"{file}: model_type={d['model_type']!r}; only Llama checkpoints (model_type 'llama') load")
+    if d.get("model_type", "llama") not in ("llama", "mixtral"):
+        raise ValueError(
+            f"{file}: model_type={d['model_type']!r}; only Llama and Mixtral checkpoints (model_type 'llama', "
+            "'mixtral') load"
+        )
     try:
         return from_hf_config(d)
     except ValueError as e:
@@ -76,18 +80,23 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
     Parameters may be plain tensors or DTensors (TP, FSDP, HSDP, FSDP x TP); each rank reads only its own
     block of each tensor. Everything is checked before anything is copied (names, shapes, dtypes, files),
     so a bad checkpoint leaves the model as it was. A tied parameter is read once, from whichever of its
-    names the checkpoint has (HF omits `lm_head.weight` when tied).
+    names the checkpoint has (HF omits `lm_head.weight` when tied). A stacked expert weight reads the experts
+    of its block, each from its own tensor (`shardlab.hf_names`).
     """
     root = _dir(path)
     stored = _stored_tensors(root)
     _reshard(model)
     matched = _match(root, stored, _param_names(model))
-    jobs = [(names, *_local_block(param)) for names, param in matched]
-    _check_tied_copies(stored, jobs)
+    jobs = [(names, stacked, *_local_block(param)) for names, stacked, param in matched]
+    _check_tied_copies(stored, [(names, local, slices) for names, stacked, local, slices in jobs if not stacked])
     by_file: dict[Path, list[tuple[str, torch.Tensor, tuple[slice, ...]]]] = {}
-    for names, local, slices in jobs:
-        if local is not None:
-            by_file.setdefault(stored[names[0]].file, []).append((names[0], local, slices))
+    for names, stacked, local, slices in jobs:
+        if local is None:
+            continue
+        experts = range(slices[0].start, slices[0].stop) if stacked else ()
+        reads = [(names[e], local[e - slices[0].start], slices[1:]) for e in experts] or [(names[0], local, slices)]
+        for name, into, block_ in reads:
+            by_file.setdefault(stored[name].file, []).append((name, into, block_))
     with torch.no_grad():
         for file, items in by_file.items():
             with safe_open(file, framework="pt") as f:
@@ -159,10 +168,17 @@ def _param_names(model: nn.Module) -> list[tuple[tuple[str, ...], torch.Tensor]]
 
 def _match(
     root: Path, stored: dict[str, _Stored], params: list[tuple[tuple[str, ...], torch.Tensor]]
-) -> list[tuple[tuple[str, ...], torch.Tensor]]:
-    """(names in the checkpoint, parameter) for every parameter, or an error for the first thing that does not fit."""
+) -> list[tuple[tuple[str, ...], bool, torch.Tensor]]:
+    """(names in the checkpoint, stacked, parameter) for every parameter, or an error for the first thing that
+    does not fit. stacked: the names are the experts of a stacked expert weight, in order."""
     jobs, known = [], set()
-    for names, param in params:
+    for model_names, param in params:
+        experts = expert_names(model_names[0], param.shape[0]) if param.ndim else None
+        if experts is not None:
+            known.update(experts)
+            jobs.append((_match_experts(root, stored, experts, model_names[0], param), True, param))
+            continue
+        names = tuple(hf_name(n) for n in model_names)
         known.update(names)
         found = [n for n in names if n in stored]
         if not found:
@@ -182,7 +198,7 @@ def _match(
             raise ValueError(
                 f"{s.file}: tensor {name!r} is {s.dtype} but the model's is {param.dtype}; expected floating-point weights"
             )
-        jobs.append((tuple(found), param))
+        jobs.append((tuple(found), False, param))
     extra = sorted(n for n in stored if n not in known and not n.endswith(IGNORED_SUFFIXES))
     if extra:
         raise ValueError(
@@ -190,6 +206,25 @@ def _match(
             "load a checkpoint of this architecture (for a tied checkpoint, set tie_embeddings=True)"
         )
     return jobs
+
+
+def _match_experts(
+    root: Path, stored: dict[str, _Stored], experts: tuple[str, ...], name: str, param: torch.Tensor
+) -> tuple[str, ...]:
+    """The checkpoint's tensors of a stacked expert weight: one per expert, each of the shape of one slice."""
+    missing = [e for e in experts if e not in stored]
+    if missing:
+        raise ValueError(
+            f"{root}: no tensor {missing[0]!r} for {name} ({len(experts)} experts); load a checkpoint of this "
+            "architecture (model.moe.n_experts as the checkpoint's num_local_experts)"
+        )
+    bad = next((e for e in experts if stored[e].shape != tuple(param.shape[1:])), None)
+    if bad is not None:
+        raise ValueError(
+            f"{stored[bad].file}: tensor {bad!r} has shape {stored[bad].shape} but each expert of {name} is "
+            f"{tuple(param.shape[1:])}; build the model from the checkpoint's config.json (read_hf_config)"
+        )
+    return experts
 
 
 def _check_tied_copies(stored: dict[str, _Stored], jobs: list) -> None:
@@ -276,6 +311,7 @@ def to_hf(
             raise ValueError("to_hf: `model` has no ModelConfig in .cfg; pass config=ModelConfig(...)")
     if max_shard_bytes < 1:
         raise ValueError(f"to_hf: max_shard_bytes={max_shard_bytes}; must be >= 1")
+    to_hf_config(config)  # a model without a Hugging Face mapping fails here, before any collective
     tensors = _export_tensors(model, config)
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
@@ -312,7 +348,10 @@ def to_hf(
         for name, t in shard:
             full = t.full_tensor() if isinstance(t, DTensor) else t
             if writer and error is None:
-                buffer[name] = full.detach().to("cpu", copy=not isinstance(t, DTensor)).contiguous()
+                full = full.detach().to("cpu", copy=not isinstance(t, DTensor))
+                experts = expert_names(name, full.shape[0]) if full.ndim else None
+                parts = zip(experts, full.unbind(0)) if experts is not None else [(hf_name(name), full)]
+                buffer.update((n, w.clone() if experts else w.contiguous()) for n, w in parts)  # no shared storage
             del full
         if writer and error is None:
             try:
@@ -361,15 +400,17 @@ def _export_tensors(
 
 
 def _write_metadata(tmp: Path, config: ModelConfig, tensors, files: list[str], shards) -> None:
-    hf_config = to_hf_config(config) | {
-        "architectures": ["LlamaForCausalLM"],
-        "torch_dtype": str(tensors[0][1].dtype).removeprefix("torch."),
-    }
+    hf_config = to_hf_config(config) | {"torch_dtype": str(tensors[0][1].dtype).removeprefix("torch.")}
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     if len(files) > 1:
         index = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for _, t in tensors)},
-            "weight_map": {name: file for file, shard in zip(files, shards) for name, _ in shard},
+            "weight_map": {
+                stored: file
+                for file, shard in zip(files, shards)
+                for name, t in shard
+                for stored in (expert_names(name, t.shape[0]) if t.ndim else None) or (hf_name(name),)
+            },
         }
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 

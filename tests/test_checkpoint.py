@@ -11,7 +11,16 @@ import msgspec
 import pytest
 
 from shardlab.checkpoint import FAULT_ENV, complete, resolve_resume, step_dir
-from shardlab.config import CheckpointConfig, Config, DataConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
+from shardlab.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LogConfig,
+    MeshSpec,
+    ModelConfig,
+    MoEConfig,
+    TrainConfig,
+)
 from shardlab.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,8 +93,10 @@ def test_a_bad_resume_path_is_an_error(tmp_path):
     assert step_dir(tmp_path, 12).name == "step-00000012"
 
 
-def test_export_writes_what_transformers_loads(tmp_path):
-    """A checkpoint's weights come out as safetensors + config.json with the trained model's logits."""
+@pytest.mark.parametrize("moe", [None, MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=32)], ids=["llama", "mixtral"])
+def test_export_writes_what_transformers_loads(tmp_path, moe):
+    """A checkpoint's weights come out as safetensors + config.json with the trained model's logits (an MoE
+    model's as a Mixtral)."""
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -95,6 +106,7 @@ def test_export_writes_what_transformers_loads(tmp_path):
     from shardlab.step import init_state, make_step
 
     cfg = tiny(tmp_path)
+    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, moe=moe))
     model, plan, mesh = build_model(cfg)
     state, step = init_state(model, cfg.optim), make_step(cfg, plan, mesh)
     loader = make_loader(cfg.data, seq_len=32, global_batch=4, vocab_size=300, dp_rank=0, dp_size=1)
@@ -103,7 +115,8 @@ def test_export_writes_what_transformers_loads(tmp_path):
     save(state, loader, cfg, tmp_path / "checkpoints")
     export_to_hf(tmp_path, tmp_path / "hf")
     tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
-    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == ("MixtralForCausalLM" if moe else "LlamaForCausalLM")
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens), atol=1e-5, rtol=0)
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from shardlab.config import ModelConfig, RopeScaling
+from shardlab.config import ModelConfig, MoEConfig, RopeScaling
 from shardlab.hf import from_hf, load_hf_weights, read_hf_config, to_hf
 from shardlab.models.llama import Llama, materialize
 
@@ -228,16 +230,12 @@ def test_missing_and_unexpected_tensors(tmp_path):
         load_hf_weights(small_llama(tied=True), path)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**json.loads(Path(path, "config.json").read_text())))
     sd = {k: v for k, v in model.state_dict().items() if k != "model.layers.1.mlp.up_proj.weight"}
-    from safetensors.torch import save_file
-
     save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"no tensor 'model.layers.1.mlp.up_proj.weight' in the checkpoint"):
         load_hf_weights(small_llama(), path)
 
 
 def test_tied_checkpoint_with_both_names_loads_when_equal(tmp_path):
-    from safetensors.torch import save_file
-
     hf, path = saved(tmp_path, tied=True)
     sd = {k: v.clone() for k, v in hf.state_dict().items()}
     sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
@@ -247,8 +245,94 @@ def test_tied_checkpoint_with_both_names_loads_when_equal(tmp_path):
 
 def test_bad_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_size": 64}))
-    with pytest.raises(ValueError, match=r"config.json: model_type='mistral'; only Llama checkpoints"):
+    with pytest.raises(ValueError, match=r"config.json: model_type='mistral'; only Llama and Mixtral checkpoints"):
         read_hf_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config.json: not readable JSON"):
         read_hf_config(tmp_path)
+
+
+# --- Mixtral: MoE models ---
+
+
+def hf_mixtral(tmp_path) -> tuple[torch.nn.Module, Path]:
+    """A random transformers Mixtral, saved in several files (Mixtral's per-expert tensors on disk)."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path / "mixtral", max_shard_size="50KB")
+    return model, tmp_path / "mixtral"
+
+
+def small_moe(**moe: object) -> Llama:
+    options = dict(n_experts=4, top_k=2, expert_ffn_dim=48) | moe
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=128, moe=MoEConfig(**options))
+    with torch.device("meta"):
+        model = Llama(cfg)
+    materialize(model, "cpu", seed=3)
+    return model
+
+
+def test_mixtral_loads_with_transformers_logits(tmp_path):
+    hf, path = hf_mixtral(tmp_path)
+    model = from_hf(path)
+    assert model.cfg.moe == MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=48, aux_loss_coef=0.001)
+    assert (logits(model) - hf_logits(hf)).abs().max().item() <= 1e-5
+    expert_2_up = hf.state_dict()["model.layers.1.mlp.experts.gate_up_proj"][2, 48:]  # transformers fuses gate, up
+    assert torch.equal(model.model.layers[1].mlp.experts.up_proj[2], expert_2_up)
+
+
+def test_moe_exports_as_mixtral(tmp_path):
+    model = small_moe()
+    to_hf(model, tmp_path / "out", max_shard_bytes=60_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in index["weight_map"]
+    hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert (hf_logits(hf) - logits(model)).abs().max().item() <= 1e-5
+    assert read_hf_config(tmp_path / "out") == model.cfg
+    assert (logits(from_hf(tmp_path / "out")) - logits(model)).abs().max().item() == 0
+
+
+@pytest.mark.parametrize(
+    ("moe", "what"),
+    [
+        (dict(shared_expert=True), "a shared expert"),
+        (dict(score="sigmoid"), "sigmoid router scores"),
+        (dict(balance="bias"), r"a selection bias \(balance='bias'\)"),
+        (dict(top_k=1), "top_k=1"),
+    ],
+)
+def test_moe_without_a_mixtral_form_is_refused_before_writing(tmp_path, moe, what):
+    with pytest.raises(ValueError, match=rf"^to_hf: an MoE model exports as Mixtral, which cannot express {what}"):
+        to_hf(small_moe(**moe), tmp_path / "out")
+    assert not any(tmp_path.iterdir())
+
+
+def test_mixtral_of_another_shape_or_missing_an_expert_is_refused_and_nothing_is_loaded(tmp_path):
+    _, path = hf_mixtral(tmp_path)
+    model = small_moe()
+    before = snapshot(model)
+    with pytest.raises(
+        ValueError, match=r"tensor 'model\.layers\.0\.block_sparse_moe\.gate\.weight' has shape \(4, 64\)"
+    ):
+        load_hf_weights(small_moe(n_experts=8), path)
+    with pytest.raises(ValueError, match=r"experts\.0\.w1\.weight' has shape \(48, 64\) but each expert of"):
+        load_hf_weights(small_moe(expert_ffn_dim=32), path)
+    tensors = {}
+    for file in path.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as f:
+            tensors |= {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        file.unlink()
+    (path / "model.safetensors.index.json").unlink()
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"no tensor 'model\.layers\.1\.block_sparse_moe\.experts\.3\.w3\.weight' for"):
+        load_hf_weights(model, path)
+    assert_unchanged(model, before)

@@ -8,7 +8,7 @@ LAYERS = [
     {"mesh"},
     {"pipeline"},
     {"config"},
-    {"spec", "rules"},
+    {"spec", "rules", "hf_names"},
     {"context", "experts", "styles"},
     {"models.moe", "models.llama", "models.llama_rules", "_plan_text", "plan"},
     {"apply", "debug", "data", "metrics", "launch", "hf"},

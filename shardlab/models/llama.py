@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlab.config import ModelConfig, RopeScaling
+from shardlab.config import ModelConfig, MoEConfig, RopeScaling
 from shardlab.models.moe import MoE
 
 
@@ -285,12 +285,11 @@ def _fill_tied_head(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
 
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """A transformers `LlamaConfig(**d)` / config.json dict (classic rope_theta + rope_scaling keys).
+    """A transformers `LlamaConfig(**d)` / config.json dict (classic rope_theta + rope_scaling keys); an MoE model's
+    is a `MixtralConfig`'s (every MLP a top-k softmax router over SwiGLU experts, renormalised over the chosen).
 
     Tokenizer ids (bos/eos) are not part of ModelConfig; add them before exporting a real checkpoint.
     """
-    if cfg.moe is not None:
-        raise ValueError("to_hf: MoE models have no Hugging Face mapping yet; export a dense model (model.moe=None)")
     rs = cfg.rope_scaling
     rope_scaling = None
     if rs is not None:
@@ -301,7 +300,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "high_freq_factor": rs.high_freq_factor,
             "original_max_position_embeddings": rs.original_max_position,
         }
-    return {
+    d = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": cfg.dim,
@@ -322,10 +321,34 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "attention_bias": False,
         "mlp_bias": False,
     }
+    m = cfg.moe
+    if m is None:
+        return d
+    unmapped = (
+        "a shared expert" if m.shared_expert else
+        "sigmoid router scores" if m.score != "softmax" else
+        "a selection bias (balance='bias')" if m.balance == "bias" else
+        "top_k=1 (Mixtral weighs a single expert by 1, shardlab by its score)" if m.top_k == 1 else None
+    )  # fmt: skip
+    if unmapped:
+        raise ValueError(
+            f"to_hf: an MoE model exports as Mixtral, which cannot express {unmapped}; this model.moe has no "
+            "Hugging Face mapping yet"
+        )
+    return d | {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": m.expert_ffn_dim,
+        "num_local_experts": m.n_experts,
+        "num_experts_per_tok": m.top_k,
+        "router_aux_loss_coef": m.aux_loss_coef,
+        "sliding_window": None,
+    }
 
 
 def from_hf_config(d: dict[str, Any]) -> ModelConfig:
-    """ModelConfig from a Llama config.json dict, old (rope_scaling) or transformers 5 (rope_parameters) form."""
+    """ModelConfig from a Llama (or Mixtral: MoE) config.json dict, old (rope_scaling) or transformers 5
+    (rope_parameters) form."""
     missing = [
         k
         for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
@@ -339,6 +362,19 @@ def from_hf_config(d: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"from_hf_config: rope_type={rope_type!r} is not supported; only 'default' and 'llama3' are")
     if d.get("attention_bias") or d.get("mlp_bias") or d.get("hidden_act", "silu") != "silu":
         raise ValueError("from_hf_config: biases or a non-silu activation are not Llama 3; use a plain Llama 3 config")
+    moe = None
+    if d.get("model_type") == "mixtral":
+        if d.get("sliding_window") is not None or d.get("num_experts_per_tok", 2) == 1:
+            raise ValueError(
+                "from_hf_config: a Mixtral with sliding-window attention or one expert per token is not supported "
+                "(shardlab attends to the whole sequence and weighs a single expert by its score)"
+            )
+        moe = MoEConfig(
+            n_experts=d.get("num_local_experts", 8),
+            top_k=d.get("num_experts_per_tok", 2),
+            expert_ffn_dim=d["intermediate_size"],
+            aux_loss_coef=float(d.get("router_aux_loss_coef", 0.01)),
+        )
     dim, n_heads = d["hidden_size"], d["num_attention_heads"]
     if d.get("head_dim") not in (None, dim // n_heads):
         raise ValueError(
@@ -364,4 +400,5 @@ def from_hf_config(d: dict[str, Any]) -> ModelConfig:
         rope_scaling=scaling,
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         init_std=float(d.get("initializer_range", 0.02)),
+        moe=moe,
     )

@@ -1,6 +1,7 @@
 """HF safetensors in and out of a sharded model (4 gloo ranks, fp32): each rank reads only its blocks of a
 transformers checkpoint into FSDP 2 x TP 2 (strided shards), FSDP 4 and FSDP 2 x CP 2 (FSDP over the flattened
-dp_shard x cp) models, whose logits then equal transformers'; and `to_hf` from those models writes checkpoints
+dp_shard x cp) models, and a Mixtral's per-expert tensors into expert-parallel ones (ep 2 of FSDP 4; ep 2 x TP 2),
+whose logits then equal transformers'; and `to_hf` from those models writes checkpoints
 transformers loads with the same logits. The vocabulary (130) is not divisible by 4, so FSDP pads dim 0 of the
 embedding and the head: rows 0:33, 33:65, 65:98, 98:130 under FSDP 2 x TP 2 and 0:33, 33:66, 66:99, 99:130
 under FSDP 4 and FSDP 2 x CP 2."""
@@ -27,6 +28,8 @@ LAYOUTS = {
     "fsdp2_tp2_tied": ("tied", MeshSpec(dp_shard=2, tp=2)),
     "fsdp4": ("untied", MeshSpec(dp_shard=4)),
     "fsdp2_cp2": ("untied", MeshSpec(dp_shard=2, cp=2)),  # FSDP over the flattened dp_shard x cp
+    "mixtral_fsdp4_ep2": ("mixtral", MeshSpec(dp_shard=4, ep=2)),  # experts: 2 per ep rank, FSDP over the rest
+    "mixtral_fsdp2_tp2_ep2": ("mixtral", MeshSpec(dp_shard=2, tp=2, ep=2)),  # and TP inside each expert
 }
 
 
@@ -44,6 +47,15 @@ def hf_model(tied: bool) -> torch.nn.Module:
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     return model
+
+
+def hf_mixtral() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=130, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config).eval()
 
 
 def hf_logits(model: torch.nn.Module) -> torch.Tensor:
@@ -99,20 +111,28 @@ def fsdp4(rank, world_size, **kw):
 
 
 def fsdp2_cp2(rank, world_size, **kw):
-    out = load_and_export("fsdp2_cp2", **kw)
+    return load_and_export("fsdp2_cp2", **kw)
+
+
+def mixtral_fsdp4_ep2(rank, world_size, **kw):
+    return load_and_export("mixtral_fsdp4_ep2", **kw)
+
+
+def mixtral_fsdp2_tp2_ep2(rank, world_size, **kw):
+    out = load_and_export("mixtral_fsdp2_tp2_ep2", **kw)
     dist.barrier()  # the last check: every rank's export is written before the tests read them
     return out
 
 
-CHECKS = [fsdp2_tp2, fsdp2_tp2_tied, fsdp4, fsdp2_cp2]
+CHECKS = [fsdp2_tp2, fsdp2_tp2_tied, fsdp4, fsdp2_cp2, mixtral_fsdp4_ep2, mixtral_fsdp2_tp2_ep2]
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     hf_dir, out_dir = tmp_path_factory.mktemp("hf"), tmp_path_factory.mktemp("out")
     want = {}
-    for kind in ("untied", "tied"):
-        model = hf_model(tied=kind == "tied")
+    for kind in ("untied", "tied", "mixtral"):
+        model = hf_mixtral() if kind == "mixtral" else hf_model(tied=kind == "tied")
         model.save_pretrained(hf_dir / kind, max_shard_size="100KB")  # sharded: an index and several files
         want[kind] = hf_logits(model)
     result = run_world(4, CHECKS, timeout_s=300, hf_dir=hf_dir, out_dir=out_dir, want=want)
@@ -127,7 +147,7 @@ def test_sharded_load_matches_transformers(world, name):
     for r in range(4):
         assert result.value(name, r)["diff"] <= 1e-5, (r, result.value(name, r))
     assert result.value(name)["tied"] is (LAYOUTS[name][0] == "tied")
-    if name.startswith("fsdp2_tp2"):
+    if "tp2" in name:
         assert "_StridedShard" in result.value(name)["placements"]
         assert rows == [33, 33, 32, 32]  # ranks (dp_shard, tp): (0,0) 0:33, (0,1) 65:98, (1,0) 33:65, (1,1) 98:130
     else:
@@ -140,7 +160,7 @@ def test_export_from_sharded_model_loads_in_transformers(world, name):
     result, out_dir, want = world
     result.raise_for(name)
     kind = LAYOUTS[name][0]
-    hf = transformers.LlamaForCausalLM.from_pretrained(out_dir / name).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out_dir / name).eval()
     assert hf.config.tie_word_embeddings is (kind == "tied")
     assert (hf_logits(hf) - want[kind]).abs().max().item() <= 1e-5
     assert sorted(p.name for p in out_dir.iterdir()) == sorted(LAYOUTS), "a temporary directory is left behind"

@@ -1,0 +1,27 @@
+"""Which tensors of a Hugging Face checkpoint hold each shardlab parameter.
+
+A dense Llama's names are HF's own. An MoE model maps to Mixtral's layout on disk (what transformers writes and
+Mixtral releases use): the router is `block_sparse_moe.gate`, and a stacked expert weight [E, ...] is E tensors
+`block_sparse_moe.experts.{e}.w1|w3|w2.weight` (gate, up, down), one per expert, stacked along dim 0.
+"""
+
+from __future__ import annotations
+
+import re
+
+_EXPERT_WEIGHTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_MOE = re.compile(r"(model\.layers\.\d+)\.mlp\.(?:(router)\.weight|experts\.(gate_proj|up_proj|down_proj))")
+
+
+def hf_name(name: str) -> str:
+    """The checkpoint name of a parameter held by one tensor (a router's is Mixtral's gate)."""
+    m = _MOE.fullmatch(name)
+    return f"{m[1]}.block_sparse_moe.gate.weight" if m is not None and m[2] else name
+
+
+def expert_names(name: str, n_experts: int) -> tuple[str, ...] | None:
+    """The checkpoint names of a stacked expert weight's experts, in order; None for any other parameter."""
+    m = _MOE.fullmatch(name)
+    if m is None or m[3] is None:
+        return None
+    return tuple(f"{m[1]}.block_sparse_moe.experts.{e}.{_EXPERT_WEIGHTS[m[3]]}.weight" for e in range(n_experts))
