@@ -11,39 +11,35 @@ from collections.abc import Sequence
 
 from torch.distributed.tensor import DTensor, Replicate
 
-from shardlab.mesh import AXES, MeshSpec, mesh_spec_of
-from shardlab.spec import P, block, expand, spec_from_placements
+from shardlab.mesh import mesh_spec_of
+from shardlab.spec import Mesh, P, block, expand, spec_from_placements
 
 
 def visualize(x: DTensor) -> str:
     """Draw the blocks of a DTensor and the ranks that hold each (replicas share a cell)."""
     mesh = x.device_mesh
-    spec_mesh = mesh_spec_of(mesh)
-    if not isinstance(spec_mesh, MeshSpec):
-        raise ValueError(
-            "visualize: this DTensor lives on the expert mesh (an expert weight); drawing it is not supported yet, "
-            "plan.table() shows its placements"
-        )
+    spec_mesh = mesh_spec_of(mesh)  # an expert weight's: the expert mesh
+    axes = spec_mesh.axis_names
     names = tuple(mesh.mesh_dim_names)
     by_axis = dict(zip(names, x.placements))
-    full = tuple(by_axis.get(a, Replicate()) for a in AXES)
+    full = tuple(by_axis.get(a, Replicate()) for a in axes)
     spec = spec_from_placements(full, spec_mesh, x.ndim)
     ranks = {}
     for coord in itertools.product(*(range(n) for n in mesh.shape)):
-        coordinate = {a: 0 for a in AXES} | dict(zip(names, coord))
-        ranks[tuple(coordinate[a] for a in AXES)] = int(mesh.mesh[coord])
+        coordinate = {a: 0 for a in axes} | dict(zip(names, coord))
+        ranks[tuple(coordinate[a] for a in axes)] = int(mesh.mesh[coord])
     return visualize_spec(tuple(x.shape), spec, spec_mesh, ranks=ranks)
 
 
 def visualize_spec(
-    shape: Sequence[int], spec: P, mesh: MeshSpec, *, ranks: dict[tuple[int, ...], int] | None = None
+    shape: Sequence[int], spec: P, mesh: Mesh, *, ranks: dict[tuple[int, ...], int] | None = None
 ) -> str:
     """Pure form of `visualize`: the blocks `spec` gives a tensor of `shape` on `mesh`, and who holds each."""
     spec = expand(P(*spec, *([None] * (len(shape) - len(spec)))), mesh)
     holders: dict[tuple[slice, ...], list[int]] = {}
     for rank in range(mesh.world_size):
         coordinate = mesh.coordinate(rank)
-        key = tuple(coordinate[a] for a in AXES)
+        key = tuple(coordinate[a] for a in mesh.axis_names)
         blk = block(spec, mesh, shape, coordinate)
         holders.setdefault(tuple((s.start, s.stop) for s in blk), []).append(ranks[key] if ranks else rank)
     title = f"{tuple(shape)} {spec!r} on {mesh.describe()}"

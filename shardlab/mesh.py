@@ -129,12 +129,7 @@ class MeshSpec(Frozen):
 
     def coordinate(self, rank: int) -> dict[str, int]:
         """Mesh coordinate of a global rank (row-major over `axis_names`, like DeviceMesh)."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside the mesh of {self.world_size} ranks")
-        coord = {}
-        for axis, size in reversed(list(zip(AXES, self.axis_sizes))):
-            rank, coord[axis] = divmod(rank, size)
-        return {a: coord[a] for a in AXES}
+        return _row_major(rank, AXES, self.axis_sizes)
 
     def rank(self, **coordinate: int) -> int:
         """Global rank at a coordinate; omitted axes are 0."""
@@ -195,6 +190,29 @@ class ExpertMeshSpec(Frozen):
         if axis not in EXPERT_AXES:
             raise ValueError(f"unknown expert mesh axis {axis!r}; valid axes are {', '.join(EXPERT_AXES)}")
         return getattr(self, axis)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.axis_sizes)
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        """Expert mesh coordinate of a global rank: row-major over EXPERT_AXES, as `make_mesh` unflattens it."""
+        return _row_major(rank, EXPERT_AXES, self.axis_sizes)
+
+    def describe(self) -> str:
+        """`expert mesh dp_shard_mod_ep=2 x ep=2 (4 ranks)`."""
+        parts = [f"{a}={s}" for a, s in zip(EXPERT_AXES, self.axis_sizes) if s != 1]
+        return f"expert mesh {' x '.join(parts) or 'of 1 rank'} ({self.world_size} ranks)"
+
+
+def _row_major(rank: int, names: tuple[str, ...], sizes: tuple[int, ...]) -> dict[str, int]:
+    world = math.prod(sizes)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside the mesh of {world} ranks")
+    coord = {}
+    for axis, size in reversed(list(zip(names, sizes))):
+        rank, coord[axis] = divmod(rank, size)
+    return {a: coord[a] for a in names}
 
 
 def mesh_spec_of(mesh) -> MeshSpec | ExpertMeshSpec:

@@ -1,6 +1,7 @@
 """visualize_spec: the picture jax.debug.visualize_array_sharding draws, from pure data."""
 
 from shardlab import MeshSpec, P, visualize_spec
+from shardlab.mesh import ExpertMeshSpec
 
 MESH = MeshSpec(dp_shard=2, tp=2)
 
@@ -34,3 +35,19 @@ def test_three_sharded_dims_are_listed():
 
 def test_replicated_tensor_is_one_cell():
     assert "ranks 0,1,2,3" in visualize_spec((4, 4), P(), MESH)
+
+
+def test_expert_weights_draw_on_the_expert_mesh():
+    """ep is the fast half of dp_shard: ep rank e is ranks e, e + ep, ...; FSDP splits each ep rank's experts."""
+    mesh = ExpertMeshSpec(pp=1, dp_replicate=1, dp_shard_mod_ep=2, ep=2, tp=1)
+    text = visualize_spec((4, 64, 64), P(("ep", "dp_shard_mod_ep"), None, None), mesh)
+    assert (
+        text.splitlines()[0]
+        == "(4, 64, 64) P(('ep', 'dp_shard_mod_ep'), None, None) on expert mesh dp_shard_mod_ep=2 x ep=2 (4 ranks)"
+    )
+    assert [r for r in text.splitlines() if r.startswith("│")] == [
+        "│ rank 0 │",
+        "│ rank 2 │",
+        "│ rank 1 │",
+        "│ rank 3 │",
+    ]
