@@ -9,21 +9,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
-from shardlab.mesh import mesh_spec_of
-from shardlab.spec import Mesh, P, block, expand, spec_from_placements
+from shardlab.spec import Mesh, P, block, expand, placed_spec
 
 
 def visualize(x: DTensor) -> str:
     """Draw the blocks of a DTensor and the ranks that hold each (replicas share a cell)."""
     mesh = x.device_mesh
-    spec_mesh = mesh_spec_of(mesh)  # an expert weight's: the expert mesh
+    spec, spec_mesh, names = placed_spec(x)  # an expert weight's mesh: the expert mesh
     axes = spec_mesh.axis_names
-    names = tuple(mesh.mesh_dim_names)
-    by_axis = dict(zip(names, x.placements))
-    full = tuple(by_axis.get(a, Replicate()) for a in axes)
-    spec = spec_from_placements(full, spec_mesh, x.ndim)
     ranks = {}
     for coord in itertools.product(*(range(n) for n in mesh.shape)):
         coordinate = {a: 0 for a in axes} | dict(zip(names, coord))

@@ -20,13 +20,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from shardlab.config import ModelConfig
 from shardlab.hf_names import expert_names, hf_name
-from shardlab.mesh import AXES, MeshSpec, mesh_spec_of
 from shardlab.models.llama import Llama, from_hf_config, materialize, to_hf_config
-from shardlab.spec import P, block, spec_from_placements
+from shardlab.spec import P, block, placed_spec
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -252,17 +251,8 @@ def _local_block(param: torch.Tensor) -> tuple[torch.Tensor | None, tuple[slice,
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return None, ()
-    names = tuple(mesh.mesh_dim_names or ())
-    if "dp_shard_cp" in names:  # FSDP over dp_shard x cp chunks the flattened view in one go, as one axis would
-        names = tuple("dp_shard" if n == "dp_shard_cp" else n for n in names)
-        spec_mesh = MeshSpec(**{a: 1 for a in AXES} | {n: mesh.size(i) for i, n in enumerate(names)})
-    else:
-        spec_mesh = mesh_spec_of(mesh)
-    by_axis = dict(zip(names, param.placements))
-    axes = spec_mesh.axis_names
-    full = [by_axis.get(a, Replicate()) if spec_mesh.size(a) > 1 else Replicate() for a in axes]
-    spec = spec_from_placements(full, spec_mesh, param.ndim)
-    coord = {a: 0 for a in axes} | dict(zip(names, coordinate))
+    spec, spec_mesh, names = placed_spec(param)
+    coord = {a: 0 for a in spec_mesh.axis_names} | dict(zip(names, coordinate))
     slices = _nested_block(spec, spec_mesh, tuple(param.shape), coord)
     local = param.to_local()
     if tuple(s.stop - s.start for s in slices) != tuple(local.shape):

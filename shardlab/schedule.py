@@ -88,15 +88,11 @@ class PipelineRun:
                 for module, s in zip(modules, self.stages, strict=True)
             ]
             single = issubclass(cls, PipelineScheduleSingle)
-            # under cp every stage gets this rank's positions, the same for each micro batch
-            kwargs_spec = {"positions": _Replicate()} if self.context_parallel else None
             self._schedule = cls(
-                stages[0] if single else stages,
-                n_microbatches=m,
-                loss_fn=self._loss,
-                scale_grads=False,
-                kwargs_chunk_spec=kwargs_spec,
+                stages[0] if single else stages, n_microbatches=m, loss_fn=self._loss, scale_grads=False
             )
+            if self.context_parallel:  # every micro batch gets this rank's positions whole (LoopedBFS takes no
+                self._schedule._kwargs_chunk_spec = {"positions": _Replicate()}  # kwargs_chunk_spec argument)
             self._model = model
         return self._schedule
 

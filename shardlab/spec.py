@@ -11,11 +11,11 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from shardlab import _strided
-from shardlab.mesh import ExpertMeshSpec, MeshSpec
+from shardlab.mesh import AXES, ExpertMeshSpec, MeshSpec, mesh_spec_of
 
 Entry = str | tuple[str, ...] | None
 Spec = tuple[Entry, ...]
@@ -155,6 +155,23 @@ def spec_from_placements(placements_: Sequence[Placement], mesh: Mesh, ndim: int
         else:
             raise ValueError(f"placements {tuple(placements_)} split dim {dim} in no order a PartitionSpec can state")
     return P(*entries)
+
+
+def placed_spec(x: DTensor) -> tuple[P, Mesh, tuple[str, ...]]:
+    """A DTensor's PartitionSpec, the MeshSpec of its mesh, and its mesh's dims as that MeshSpec's axes.
+
+    FSDP's flattened dp_shard x cp view chunks a dim in one go, as a single axis would: it reads as a dp_shard of
+    that size. Axes of size 1 hold everything whatever their placement (FSDP leaves a _StridedShard there)."""
+    mesh = x.device_mesh
+    names = tuple(mesh.mesh_dim_names or ())
+    if "dp_shard_cp" in names:
+        names = tuple("dp_shard" if n == "dp_shard_cp" else n for n in names)
+        spec_mesh: Mesh = MeshSpec(**{a: 1 for a in AXES} | {n: mesh.size(i) for i, n in enumerate(names)})
+    else:
+        spec_mesh = mesh_spec_of(mesh)
+    by_axis = dict(zip(names, x.placements))
+    full = [by_axis.get(a, Replicate()) if spec_mesh.size(a) > 1 else Replicate() for a in spec_mesh.axis_names]
+    return spec_from_placements(full, spec_mesh, x.ndim), spec_mesh, names
 
 
 def local_shape(spec: P, mesh: Mesh, shape: Sequence[int]) -> tuple[int, ...]:
