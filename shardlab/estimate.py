@@ -20,7 +20,7 @@ from shardlab._fake import fake_world
 from shardlab.config import Config
 from shardlab.metrics import model_flops_per_token
 from shardlab.pipeline import in_flight
-from shardlab.plan import Plan
+from shardlab.plan import ParamPlan, Plan
 from shardlab.probe import Collective, probe, stage_boundary
 from shardlab.roofline import DP_AXES, Device, StepTime, collective_seconds, step_time
 from shardlab.rules import Rules
@@ -62,14 +62,19 @@ def fsdp_buffer_bytes(plan: Plan) -> int:
     f = plan.fsdp
     if f is None:
         return 0
-    shards = plan.mesh.size("dp_shard_cp")  # FSDP shards over dp_shard x cp
+
+    def unsharded(p: ParamPlan) -> int:  # FSDP shards over dp_shard x cp, expert weights over dp_shard_mod_ep
+        return math.prod(p.local_shape) * (plan.mesh.experts.dp_shard_mod_ep if p.expert else shards)
+
+    shards = plan.mesh.size("dp_shard_cp")
     numel: Counter[str | None] = Counter()
     if plan.pipeline is not None:
         held = {s.index for s in plan.pipeline.stages_of(busiest_pp_rank(plan))}
-        unsharded = sum(math.prod(p.local_shape) * shards for p in plan.params if p.stage in held)
-        return unsharded * (DTYPE_BYTES[f.param_dtype] + DTYPE_BYTES[f.reduce_dtype])
+        return sum(unsharded(p) for p in plan.params if p.stage in held) * (
+            DTYPE_BYTES[f.param_dtype] + DTYPE_BYTES[f.reduce_dtype]
+        )
     for p in plan.params:
-        numel[p.fsdp_unit] += math.prod(p.local_shape) * shards
+        numel[p.fsdp_unit] += unsharded(p)
     largest = sorted(numel.values(), reverse=True)
     gathered = sum(largest[:2]) * DTYPE_BYTES[f.param_dtype]
     return gathered + largest[0] * DTYPE_BYTES[f.reduce_dtype]
@@ -113,7 +118,7 @@ def estimate(cfg: Config, plan: Plan, rules: Rules | None = None, dev: Device | 
     other_cfg = msgspec.structs.replace(cfg, plan=msgspec.structs.replace(cfg.plan, activation_checkpoint=other))
     pipe = plan.pipeline
     if pipe is None:
-        micro, rank, blocks, held, bubble = cfg.train.grad_accum(cfg.mesh.size("dp")), 0, None, 1.0, 0.0
+        micro, rank, blocks, held, bubble = cfg.micro_batches, 0, None, 1.0, 0.0
     else:
         micro, bubble = pipe.microbatches, pipe.bubble
         rank = busiest_pp_rank(plan)
@@ -253,7 +258,7 @@ def estimate_table(e: Estimate, cfg: Config, dev: Device | None = None) -> str:
     if t is not None and dev is not None:
         lines += [
             f"on {dev.name} (see shardlab/roofline.py for the model): compute {t.compute_s * 1e3:.1f} ms, "
-            f"FSDP comm {t.fsdp_comm_s * 1e3:.1f} ms (overlapped), TP/CP comm {t.tp_comm_s * 1e3:.1f} ms, "
+            f"FSDP comm {t.fsdp_comm_s * 1e3:.1f} ms (overlapped), TP/CP/EP comm {t.tp_comm_s * 1e3:.1f} ms, "
             + (f"PP sends {t.pp_comm_s * 1e3:.1f} ms, bubble {t.bubble_s * 1e3:.1f} ms, " if cfg.mesh.pp > 1 else "")
             + f"optimizer {t.optimizer_s * 1e3:.1f} ms",
             f"  step {t.step_s:.3f} s, {t.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * t.mfu:.1f}%",

@@ -27,7 +27,7 @@ from shardlab.spec import P, Spec
 
 Compute = Callable[[torch.Tensor, list[int]], torch.Tensor]
 """The experts a rank holds: rows grouped by its local expert, counts per local expert -> their outputs."""
-Dispatch = Callable[[Compute, torch.Tensor, torch.Tensor], torch.Tensor]
+Dispatch = Callable[[Compute, torch.Tensor, "torch.Tensor | list[int]"], torch.Tensor]
 """(compute, rows sorted by global expert, counts [E]) -> the rows' expert outputs, in the same order."""
 
 
@@ -117,29 +117,45 @@ def expert_dispatch(ep_group: dist.ProcessGroup | None, tp_mesh: DeviceMesh | No
     """How rows reach the experts: by all-to-all over `ep_group` (None: this rank holds every expert), into
     experts whose hidden dim is sharded over `tp_mesh` (None: not sharded)."""
 
-    def dispatch(compute: Compute, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def dispatch(compute: Compute, rows: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
         run = compute if tp_mesh is None else _tensor_parallel(compute, tp_mesh)
-        return run(rows, counts.tolist()) if ep_group is None else _all_to_all(run, rows, counts, ep_group)
+        if ep_group is None:
+            return run(rows, counts if isinstance(counts, list) else counts.tolist())
+        return _all_to_all(run, rows, counts, ep_group)
 
     return dispatch
 
 
-def _all_to_all(compute: Compute, rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_to_all(
+    compute: Compute, rows: torch.Tensor, counts: torch.Tensor | list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     """Run each expert where its weights are: rank r of the ep `group` holds experts [r L, (r + 1) L), L = E / ep.
 
     The counts go first (one small all-to-all), then the rows, which each rank regroups by local expert,
-    computes and sends back in the order they came."""
+    computes and sends back in the order they came. Counts as a host list are the same on every rank (balanced
+    routing): what arrives is known without reading the exchange, which still runs, as it would."""
     ep = group.size()
+    known = counts if isinstance(counts, list) else None
+    counts = torch.tensor(known, device=rows.device) if known is not None else counts
     received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
-    by_source = received.view(ep, -1)  # [source rank, local expert]
-    local = by_source.shape[1]
-    sent = counts.view(ep, local).sum(1).tolist()
-    came = by_source.sum(1).tolist()
+    dist.all_to_all_single(received, counts, group=group)  # [source rank, local expert], flattened
+    local = counts.numel() // ep
+    if known is None:
+        by_source = received.view(ep, local)
+        sent, came, per_expert = (
+            counts.view(ep, local).sum(1).tolist(), by_source.sum(1).tolist(), by_source.sum(0).tolist()
+        )  # fmt: skip
+    else:  # every source sends this rank's experts `mine` of each
+        mine = known[dist.get_rank(group) * local :][:local]
+        received = torch.tensor(mine * ep, device=rows.device)
+        sent = [sum(known[s * local : (s + 1) * local]) for s in range(ep)]
+        came, per_expert = [sum(mine)] * ep, [c * ep for c in mine]
     x = funcol.all_to_all_single_autograd(rows, came, sent, group)
-    segment = torch.repeat_interleave(torch.arange(ep * local, device=rows.device), received.to(rows.device))
+    segment = torch.repeat_interleave(
+        torch.arange(ep * local, device=rows.device), received.to(rows.device), output_size=sum(came)
+    )
     order = torch.argsort((segment % local) * ep + segment // local, stable=True)  # -> by expert, then source
-    y = compute(x[order], by_source.sum(0).tolist())
+    y = compute(x[order], per_expert)
     return funcol.all_to_all_single_autograd(y[torch.argsort(order)], sent, came, group)
 
 

@@ -41,10 +41,11 @@ from shardlab._fake import fake_tensors, fake_world, forget_dtensor_dispatch, in
 from shardlab.apply import apply, stage_modules
 from shardlab.config import Config
 from shardlab.context import cp_positions
-from shardlab.mesh import AXES, FLAT_VIEWS, flat_view, make_mesh
+from shardlab.mesh import AXES, FLAT_VIEWS, _experts_of, flat_view, make_mesh
 from shardlab.metrics import module_flops
 from shardlab.models.llama import Llama
 from shardlab.models.llama_rules import llama_rules
+from shardlab.models.moe import moe_layers
 from shardlab.plan import Plan, make_plan
 from shardlab.rules import Rules
 from shardlab.step import forward_backward
@@ -117,7 +118,7 @@ class Probe(Frozen):
 class _Recorder(CommDebugMode):
     """CommDebugMode (torch's collective counter) that also keeps bytes, axes, FLOPs and live storages."""
 
-    def __init__(self, axis_of_group: dict[str, str]) -> None:
+    def __init__(self, axis_of_group: dict[str | tuple[str, str], str]) -> None:
         super().__init__()
         self.axis_of_group = axis_of_group
         self.stage: int | None = None
@@ -180,7 +181,8 @@ class _Recorder(CommDebugMode):
         if kind == "all_gather" and packet not in (c10d._allgather_base_, c10d.allgather_):
             nbytes *= size
         phase: Phase = "backward" if in_backward() else "forward"
-        key = (self.axis_of_group.get(name, f"group of {size}"), kind, phase, size, self.stage)
+        axis = self.axis_of_group.get((kind, name)) or self.axis_of_group.get(name, f"group of {size}")
+        key = (axis, kind, phase, size, self.stage)
         self.collectives[key] += 1
         self.collective_bytes[key] += nbytes
 
@@ -228,14 +230,21 @@ def _flops(packet: Any, args: tuple, kwargs: dict, out: Any) -> int:
     return int(formula(*args, **kwargs, out_val=out))  # the registry's formulas take tensors and read shapes
 
 
-def _axis_names(mesh: DeviceMesh) -> dict[str, str]:
-    names = {}
+def _axis_names(mesh: DeviceMesh) -> dict[str | tuple[str, str], str]:
+    """Each group's axis name; (kind, group) keys name one kind of collective on a group that several axes share."""
+    names: dict[str | tuple[str, str], str] = {}
     for view in FLAT_VIEWS:
         if math.prod(mesh[a].size() for a in FLAT_VIEWS[view] if mesh[a].size() > 1) > 1:
             names.setdefault(flat_view(mesh, view).get_group().group_name, view)  # the narrowest view's name
     for axis in AXES:  # single axes win over views with the same group (a view of one axis of size > 1)
         if mesh[axis].size() > 1:
             names[mesh[axis].get_group().group_name] = axis
+    experts = _experts_of(mesh)
+    for axis in experts.mesh_dim_names if experts is not None else ():  # the expert mesh's own groups
+        if experts[axis].size() > 1:
+            names.setdefault(experts[axis].get_group().group_name, axis)
+            if axis == "ep":  # the dispatch's all-to-alls are ep's, even where ep is all of dp_shard (same ranks)
+                names["all_to_all", experts[axis].get_group().group_name] = "ep"
     return names
 
 
@@ -252,6 +261,8 @@ def _probe_layers(cfg: Config, rules: Rules | None, mesh: DeviceMesh, n_layers: 
         flops = module_flops(model, torch.zeros(1, cfg.train.seq_len, dtype=torch.long, device="meta"))
     plan = make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan, flops)
     apply(model, plan, mesh)
+    for layer in moe_layers(model):  # fake tensors hold no data to route: every expert gets the same load
+        layer.balanced = True
     dp = cfg.mesh.size("dp")
     micro = cfg.micro_batches
     rows = cfg.train.global_batch // dp // micro
@@ -342,10 +353,6 @@ def probe(
     With pipeline stages: one pipeline micro batch through the stages of pp rank `pp_rank` (this process is its
     first rank), which hold `blocks` blocks in cfg's plan (default: an even share).
     """
-    if cfg.model.moe is not None:
-        raise ValueError(
-            "estimate: MoE models are not estimated yet: their routing depends on the data, which fake tensors lack"
-        )
     n = cfg.model.n_layers
     k = cfg.plan.ac_every if cfg.plan.activation_checkpoint == "selective" else 1
     pp, v = cfg.mesh.pp, cfg.plan.pp_stages_per_rank if cfg.mesh.pp > 1 else 1

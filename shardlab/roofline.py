@@ -28,7 +28,7 @@ MATMUL_EFFICIENCY = 0.8
 HBM_EFFICIENCY = 0.9
 """Achievable / datasheet HBM bandwidth: a device-to-device copy moved 3.0 of 3.35 TB/s on the same H100."""
 GPUS_PER_NODE = 8
-DP_AXES = ("dp_replicate", "dp_shard", "dp", "dp_shard_cp", "batch")
+DP_AXES = ("dp_replicate", "dp_shard", "dp", "dp_shard_cp", "batch", "dp_shard_mod_ep")
 ADAM_BYTES_PER_PARAM = 7 * 4
 
 
@@ -78,10 +78,18 @@ class StepTime(Frozen):
 
 def axis_bandwidth(mesh: MeshSpec, axis: str, dev: Device) -> float:
     """Bytes/s of the links a group of `axis` uses: NVLink if all its ranks share a node, else the network."""
-    names = FLAT_VIEWS.get(axis, (axis,))
-    inner = min(AXES.index(a) for a in names)
-    span = math.prod(mesh.size(a) for a in AXES[inner:])  # ranks from the group's first to one past its last
-    return (dev.nvlink_gb_s if span <= GPUS_PER_NODE else dev.network_gb_s) * 1e9
+    return (dev.nvlink_gb_s if _span(mesh, axis) <= GPUS_PER_NODE else dev.network_gb_s) * 1e9
+
+
+def _span(mesh: MeshSpec, axis: str) -> int:
+    """Ranks from a group's first to one past its last. ep is the fast part of dp_shard x cp (its ranks are tp
+    apart), dp_shard_mod_ep the slow part (the expert mesh, `MeshSpec.experts`)."""
+    if axis == "ep":
+        return mesh.ep * mesh.tp
+    if axis == "dp_shard_mod_ep":
+        return mesh.size("dp_shard_cp") * mesh.tp
+    inner = min(AXES.index(a) for a in FLAT_VIEWS.get(axis, (axis,)))
+    return math.prod(mesh.size(a) for a in AXES[inner:])
 
 
 def collective_seconds(c: Collective, mesh: MeshSpec, dev: Device) -> float:

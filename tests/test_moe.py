@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -32,14 +33,16 @@ def block(**moe) -> MoE:
     return materialize(model, "cpu", seed=3).model.layers[0].mlp
 
 
-def reference(moe: MoE, x: torch.Tensor, drop: set[tuple[int, int]] = frozenset()) -> torch.Tensor:
-    """Token by token: its top-k experts' SwiGLU outputs weighted by the renormalised scores."""
+def reference(
+    moe: MoE, x: torch.Tensor, drop: set[tuple[int, int]] = frozenset(), pick: Callable | None = None
+) -> torch.Tensor:
+    """Token by token: its top-k experts (or `pick(t)`'s) SwiGLU outputs weighted by the renormalised scores."""
     e = moe.experts
     out = torch.zeros_like(x)
     logits = x @ moe.router.weight.T
     scores = logits.softmax(-1) if moe.cfg.score == "softmax" else logits.sigmoid()
     for t in range(x.shape[0]):
-        chosen = scores[t].topk(moe.cfg.top_k).indices
+        chosen = scores[t].topk(moe.cfg.top_k).indices if pick is None else torch.tensor(pick(t))
         weights = scores[t][chosen] / scores[t][chosen].sum()
         for w, i in zip(weights, chosen.tolist(), strict=True):
             if (t, i) not in drop:
@@ -75,6 +78,26 @@ def test_capacity_drops_the_latest_tokens_and_counts_them():
     with torch.no_grad():
         torch.testing.assert_close(got, reference(moe, x, drop), rtol=1e-5, atol=1e-6)
     assert moe.stats.dropped == len(drop) > 0
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_balanced_routing_sends_slot_s_to_expert_s_mod_e(capacity_factor):
+    """The estimator's routing: token t's slots go to experts 2t, 2t + 1 (mod 4), so each gets 6 of 24 slots;
+    a capacity of 3 keeps each expert's first 3 tokens."""
+    moe = block(capacity_factor=capacity_factor)
+    moe.balanced = True
+    x = torch.randn(12, DIM)
+    seen: dict[int, int] = {}
+    drop = set()
+    for t in range(12):
+        for i in (2 * t % 4, (2 * t + 1) % 4):
+            seen[i] = seen.get(i, 0) + 1
+            if capacity_factor is not None and seen[i] > 3:
+                drop.add((t, i))
+    with torch.no_grad():
+        got = moe(x[None])[0]
+        torch.testing.assert_close(got, reference(moe, x, drop, lambda t: [2 * t % 4, (2 * t + 1) % 4]))
+    assert moe.stats.counts.tolist() == [6, 6, 6, 6] and moe.stats.dropped == len(drop)
 
 
 def test_bias_steers_the_choice_but_not_the_weights():

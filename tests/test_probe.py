@@ -4,7 +4,7 @@ estimate and roofline that hang together. Real ranks check it in tests/worlds/te
 import msgspec
 import pytest
 
-from shardlab import Config, MeshSpec, ModelConfig, PlanConfig, TrainConfig
+from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig
 from shardlab._fake import fake_world
 from shardlab.estimate import estimate
 from shardlab.loop import plan_model
@@ -12,16 +12,20 @@ from shardlab.mesh import make_mesh
 from shardlab.probe import _probe_layers, probe
 from shardlab.roofline import axis_bandwidth, device
 
+MOE = MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=64)
 
-def cfg(mesh=MeshSpec(dp_shard=1), n_layers=5, **plan) -> Config:
-    model = ModelConfig(dim=128, n_layers=n_layers, n_heads=4, n_kv_heads=4, ffn_dim=256, vocab_size=512)
+
+def cfg(mesh=MeshSpec(dp_shard=1), n_layers=5, moe=None, **plan) -> Config:
+    model = ModelConfig(dim=128, n_layers=n_layers, n_heads=4, n_kv_heads=4, ffn_dim=256, vocab_size=512, moe=moe)
     return Config(mesh=mesh, model=model, plan=PlanConfig(**plan), train=TrainConfig(global_batch=4, seq_len=64))
 
 
-def test_flops_are_six_n_t_plus_causal_attention_exactly():
-    c = cfg().resolve(1)
+@pytest.mark.parametrize("moe", [None, MOE], ids=["dense", "moe"])
+def test_flops_are_six_n_t_plus_causal_attention_exactly(moe):
+    """With MoE, N counts the router and top_k experts: the probe routes every token to k experts (balanced)."""
+    c = cfg(moe=moe).resolve(1)
     m = c.model
-    n_matmul = m.n_params - m.vocab_size * m.dim - (2 * m.n_layers + 1) * m.dim  # no embedding lookup, no norms
+    n_matmul = m.n_active_params - m.vocab_size * m.dim - (2 * m.n_layers + 1) * m.dim  # no lookup, no norms
     tokens = 4 * 64
     # attention per token and layer: forward 4 s d, backward 10 s d (flash recomputes the scores), causal: half
     want = 6 * n_matmul * tokens + 7 * m.n_layers * 64 * m.dim * tokens
@@ -38,8 +42,9 @@ def test_tensor_parallel_halves_each_ranks_flops():
     [
         (MeshSpec(dp_shard=2, tp=2), dict(sequence_parallel=True, loss_parallel=True)),
         (MeshSpec(dp_shard=4), dict(activation_checkpoint="selective", param_dtype="bfloat16")),
+        (MeshSpec(dp_shard=2, tp=2, ep=2), dict(moe=MOE, sequence_parallel=True, loss_parallel=True)),
     ],
-    ids=["fsdp_tp_sp", "fsdp_selective_bf16"],
+    ids=["fsdp_tp_sp", "fsdp_selective_bf16", "moe_ep2_tp2"],
 )
 def test_two_probes_extrapolate_to_the_whole_model_exactly(mesh, plan):
     """Probing 2k and 3k blocks gives what probing all 7 (or 8) blocks gives."""
@@ -79,6 +84,24 @@ def test_groups_within_a_node_use_nvlink():
     assert axis_bandwidth(mesh, "dp_shard", h100) == 50e9
     small = msgspec.structs.replace(mesh, dp_shard=2, tp=4)
     assert axis_bandwidth(small, "dp_shard", h100) == 450e9
+    experts = MeshSpec(dp_shard=64, tp=2, ep=4).resolve(128)  # ep: the fast part of dp_shard, 2 ranks apart
+    assert axis_bandwidth(experts, "ep", h100) == 450e9
+    assert axis_bandwidth(experts, "dp_shard_mod_ep", h100) == 50e9
+
+
+def test_moe_estimate_prices_the_all_to_all_and_the_expert_shards():
+    c = cfg(MeshSpec(dp_shard=4, ep=2), moe=MOE).resolve(4)
+    _, plan = plan_model(c)
+    e = estimate(c, plan, dev=device("h100"))
+    by_axis = {(x.axis, x.kind, x.phase): x for x in e.collectives}
+    tokens = 4 // 4 * 64  # this rank's micro batch
+    slot_bytes = tokens * MOE.top_k * c.model.dim * 4
+    counts_bytes = MOE.n_experts * 8  # the counts go first, int64
+    per_layer = 2 * slot_bytes  # to the experts and back
+    assert by_axis["ep", "all_to_all", "forward"].bytes == c.model.n_layers * (per_layer + counts_bytes)
+    assert by_axis["ep", "all_to_all", "backward"].bytes == c.model.n_layers * per_layer
+    experts = 3 * MOE.n_experts * MOE.expert_ffn_dim * c.model.dim * 4 // 2  # what FSDP gathers: the ep rank's
+    assert by_axis["dp_shard_mod_ep", "all_gather", "forward"].bytes == c.model.n_layers * experts
 
 
 def test_unknown_device_is_one_line():

@@ -24,6 +24,7 @@ WORLD = {
     "llama3_70b.py": 256,
     "llama3_405b.py": 4096,
     "llama3_405b_pp.py": 512,
+    "mixtral_8x7b.py": 64,
 }
 
 

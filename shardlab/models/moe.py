@@ -53,10 +53,11 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
         self.dispatch: Dispatch | None = None
 
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """rows [N, dim] sorted by expert, counts[e] of them for expert e -> [N, dim] in the same order."""
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """rows [N, dim] sorted by expert, counts[e] of them for expert e -> [N, dim] in the same order. counts as a
+        list: known on the host and the same on every rank (balanced routing)."""
         if self.dispatch is None:
-            return self.compute(rows, counts.tolist())
+            return self.compute(rows, counts if isinstance(counts, list) else counts.tolist())
         return self.dispatch(self.compute, rows, counts)
 
     def compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -97,6 +98,9 @@ class MoE(nn.Module):
         self.stats: RouterStats | None = None
         """The last forward's routing, until the step reads it (a recomputation in the backward, under activation
         checkpointing, repeats a forward and is not recorded)."""
+        self.balanced = False
+        """Route token t's k slots to experts t k, ..., t k + k - 1 (mod E) whatever the scores: every expert gets the
+        same load, known without the data. The estimator's probe runs on fake tensors, which have no data to route."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -105,30 +109,48 @@ class MoE(nn.Module):
         logits = self.router(flat).float()
         scores = logits.softmax(-1) if m.score == "softmax" else logits.sigmoid()
         choose = scores + self.expert_bias if m.balance == "bias" else scores
-        chosen = choose.topk(m.top_k, dim=-1).indices  # [T, k]
+        capacity = None
+        if m.capacity_factor is not None:
+            capacity = math.ceil(m.capacity_factor * flat.shape[0] * m.top_k / m.n_experts)
+        if self.balanced:
+            chosen, slots, counts, kept = _balanced_routing(flat.shape[0], m.top_k, m.n_experts, capacity, x.device)
+        else:
+            chosen = choose.topk(m.top_k, dim=-1).indices  # [T, k]
+            expert_of = chosen.flatten()  # slots, token-major
+            order = torch.argsort(expert_of, stable=True)  # by expert, then token
+            counts = torch.bincount(expert_of, minlength=m.n_experts)
+            keep = torch.ones_like(order, dtype=torch.bool)
+            if capacity is not None:
+                starts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+                keep = torch.arange(order.numel(), device=order.device) - starts < capacity
+            kept = torch.bincount(expert_of[order][keep], minlength=m.n_experts)
+            slots = order[keep]
         weights = scores.gather(1, chosen)
         if m.top_k > 1:  # renormalised over the chosen; one expert keeps its raw score (its only gradient path)
             weights = weights / weights.sum(-1, keepdim=True)
-        expert_of = chosen.flatten()  # slots, token-major
-        order = torch.argsort(expert_of, stable=True)  # by expert, then token
-        counts = torch.bincount(expert_of, minlength=m.n_experts)
-        keep = torch.ones_like(order, dtype=torch.bool)
-        if m.capacity_factor is not None:
-            capacity = math.ceil(m.capacity_factor * flat.shape[0] * m.top_k / m.n_experts)
-            starts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-            keep = torch.arange(order.numel(), device=order.device) - starts < capacity
-        kept = torch.bincount(expert_of[order][keep], minlength=m.n_experts)
-        slots = order[keep]
         token = slots // m.top_k
         out = self.experts(flat[token], kept) * weights.flatten()[slots].unsqueeze(-1).to(x.dtype)
         y = torch.zeros_like(flat).index_add(0, token, out)
         if self.shared_expert is not None:
             y = y + self.shared_expert(flat)
         normalised = scores if m.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-        dropped = int(order.numel() - slots.numel())
+        dropped = flat.shape[0] * m.top_k - slots.numel()
         if not in_backward():
             self.stats = RouterStats(counts.detach(), normalised.sum(0), flat.shape[0], dropped)
         return y.view(b, s, d)
+
+
+def _balanced_routing(
+    tokens: int, k: int, n_experts: int, capacity: int | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """MoE.balanced's routing: slot s = t k + j goes to expert s mod E. Returns the chosen experts [T, k], the kept
+    slots by expert then token, the slots per expert (a tensor) and the kept ones (a host list: no data needed)."""
+    slots_of = [len(range(e, tokens * k, n_experts)) for e in range(n_experts)]
+    kept = [min(c, capacity) for c in slots_of] if capacity is not None else slots_of
+    arange = torch.arange(max(tokens * k, 1), device=device)
+    chosen = (arange[: tokens * k] % n_experts).view(tokens, k)
+    slots = torch.cat([arange[:c] * n_experts + e for e, c in enumerate(kept)])
+    return chosen, slots, torch.tensor(slots_of, device=device), kept
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -22,10 +22,11 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
-from shardlab.config import Config, MeshSpec
+from shardlab.config import Config, MeshSpec, MoEConfig
 from shardlab.context import cp_positions
 from shardlab.estimate import estimate
 from shardlab.loop import build_model, plan_model
+from shardlab.models.moe import moe_layers
 from shardlab.probe import _axis_names, _param_storages, _Recorder, probe
 from shardlab.roofline import DP_AXES
 from shardlab.schedule import PipelineRun
@@ -40,16 +41,20 @@ LAYOUTS = {
     "hsdp": (MeshSpec(dp_replicate=2, dp_shard=2), dict()),
     "fsdp_tp_full_ac": (MeshSpec(dp_shard=2, tp=2), dict(activation_checkpoint="full")),
     "fsdp_cp": (MeshSpec(dp_shard=2, cp=2), dict()),
+    "moe_fsdp_ep2": (MeshSpec(dp_shard=4, ep=2), dict()),  # balanced routing in both runs
 }
 
 
 def config(name: str) -> Config:
     mesh, plan = LAYOUTS[name]
-    cfg = tiny(mesh, **plan)
+    cfg = tiny(**plan)
+    moe = MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=256) if name.startswith("moe") else None
     model = msgspec.structs.replace(
-        cfg.model, dim=256, ffn_dim=512, n_heads=4, n_kv_heads=4, vocab_size=8192, n_layers=8
+        cfg.model, dim=256, ffn_dim=512, n_heads=4, n_kv_heads=4, vocab_size=8192, n_layers=8, moe=moe
     )
-    return msgspec.structs.replace(cfg, model=model, train=msgspec.structs.replace(cfg.train, seq_len=256))
+    return msgspec.structs.replace(
+        cfg, mesh=mesh, model=model, train=msgspec.structs.replace(cfg.train, seq_len=256)
+    ).validated()
 
 
 def rss() -> int:
@@ -60,6 +65,8 @@ def rss() -> int:
 def real(rank, world_size, name: str) -> dict:
     cfg = config(name)
     model, plan, mesh = build_model(cfg)
+    for layer in moe_layers(model):  # the probe's routing: every expert the same load
+        layer.balanced = True
     rows = cfg.train.global_batch // cfg.resolve(world_size).mesh.size("dp")
     tokens = torch.randint(
         0, cfg.model.vocab_size, (rows, cfg.train.seq_len), generator=torch.Generator().manual_seed(0)
@@ -100,6 +107,10 @@ def fsdp_tp_full_ac(rank, world_size):
 
 def fsdp_cp(rank, world_size):
     return real(rank, world_size, "fsdp_cp")
+
+
+def moe_fsdp_ep2(rank, world_size):
+    return real(rank, world_size, "moe_fsdp_ep2")
 
 
 PIPELINES = {  # (mesh, plan options, blocks): 8 blocks where FSDP's buffers must outweigh the step's other ones
@@ -194,7 +205,10 @@ def pp_cp_1f1b(rank, world_size):
     return real_pipeline("pp_cp_1f1b")
 
 
-CHECKS = [fsdp_tp_sp, hsdp, fsdp_tp_full_ac, fsdp_cp, pp_fsdp_1f1b, pp_fsdp_interleaved, pp_tp_sp_gpipe, pp_cp_1f1b]
+CHECKS = [
+    fsdp_tp_sp, hsdp, fsdp_tp_full_ac, fsdp_cp, moe_fsdp_ep2, pp_fsdp_1f1b, pp_fsdp_interleaved, pp_tp_sp_gpipe,
+    pp_cp_1f1b,
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +225,7 @@ def world4():
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("check", CHECKS[:4], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("check", CHECKS[:5], ids=lambda c: c.__name__)
 def test_probe_predicts_collectives_and_activations(world4, check):
     got = world4.value(check, rank=0)
     p = probe(config(check.__name__).resolve(4))
@@ -226,7 +240,7 @@ def test_probe_predicts_collectives_and_activations(world4, check):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("check", CHECKS[4:], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("check", CHECKS[5:], ids=lambda c: c.__name__)
 def test_estimate_of_a_pipeline_is_the_busiest_ranks_step(world4, check):
     """Rank 0 runs pp rank 0, the busiest (equal blocks: the lowest); memory is the worst rank's."""
     got = world4.value(check, rank=0)
