@@ -92,6 +92,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
             reshard_after_forward=f.reshard_after_forward,
             mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(f.param_dtype), reduce_dtype=_dtype(f.reduce_dtype)),
             offload_policy=CPUOffloadPolicy() if f.cpu_offload else OffloadPolicy(),
+            shard_placement_fn=_fsdp_dims(model, plan),
         )
         if plan.experts is not None and plan.experts.ep > 1:  # before their blocks, which leave them out
             e = plan.experts
@@ -148,6 +149,15 @@ def _expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, modules: tu
             shard_ = distribute_tensor(param.detach(), on, mine, src_data_rank=None)  # every rank has the full weight
             module.register_parameter(name, nn.Parameter(shard_, requires_grad=param.requires_grad))
         module.dispatch = dispatch
+
+
+def _fsdp_dims(model: nn.Module, plan: Plan) -> Callable[[nn.Parameter], Shard | None]:
+    """FSDP's shard_placement_fn: the plan's dim for the parameters it does not shard on dim 0."""
+    dims = {}
+    for fqn, param in model.named_parameters():
+        if (d := plan.param(fqn).fsdp_dim) != 0:
+            dims[id(param)] = Shard(d)
+    return lambda param: dims.get(id(param))
 
 
 def stage_modules(model: nn.Module) -> tuple[nn.Module, ...]:

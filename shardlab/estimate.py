@@ -249,7 +249,7 @@ def estimate_table(e: Estimate, cfg: Config, dev: Device | None = None) -> str:
     for c in sorted(e.collectives, key=lambda c: (c.axis, c.kind, c.phase)):
         seconds = f"  {collective_seconds(c, cfg.mesh, dev) * 1e3:9.2f} ms" if dev is not None else ""
         lines.append(
-            f"  {c.axis:<12} {c.kind:<15} {c.phase:<9} {c.count:>6} x  {_gib(c.bytes)}  (group of {c.group_size})"
+            f"  {c.axis:<15} {c.kind:<15} {c.phase:<9} {c.count:>6} x  {_gib(c.bytes)}  (group of {c.group_size})"
             + seconds
         )
     lines.append(f"compute: {e.flops_per_token / 1e9:.2f} GFLOP per token (6N + 12 L d S); this rank runs "

@@ -28,6 +28,8 @@ from shardlab.styles import ModulePlan, module_plans
 
 PLAN_VERSION = 2
 DATA_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "dp", "dp_shard_cp", "batch", "dp_shard_mod_ep")
+FSDP_AXES = ("dp_shard", "cp", "dp_shard_mod_ep")
+"""The axes FSDP shards parameters over (HSDP replicates over dp_replicate)."""
 """Axes rules may not put in a parameter spec: FSDP (and later PP/CP) owns them."""
 
 
@@ -40,7 +42,7 @@ class ParamPlan(Frozen):
     """Global shape."""
     dtype: str
     spec: Spec
-    """Full PartitionSpec: the rule's model-parallel axes, plus FSDP's axes as the minor part of dim 0."""
+    """Full PartitionSpec: the rule's model-parallel axes, plus FSDP's axes as the minor part of dim 0 (or 1)."""
     placements: tuple[str, ...]
     """DTensor placement per mesh axis (`Plan.mesh.axis_names` order)."""
     local_shape: tuple[int, ...]
@@ -56,7 +58,7 @@ class ParamPlan(Frozen):
     fsdp_unit: str | None = None
     """FSDP unit owning it ('' is the root); None without FSDP."""
     padded: bool = False
-    """FSDP pads dim 0 (it is not divisible by the FSDP shards)."""
+    """FSDP pads the dim it shards (not divisible by the FSDP shards; only dim 0 may be)."""
     aliases: tuple[str, ...] = ()
     """Other names of the same tensor (tied weights)."""
     stage: int | None = None
@@ -68,6 +70,12 @@ class ParamPlan(Frozen):
     @property
     def tp_dim(self) -> int | None:
         return P(*self.spec).dim_of("tp")
+
+    @property
+    def fsdp_dim(self) -> int:
+        """The dim FSDP shards: where its axes are in the spec (0, or 1 where dim 0 is smaller than the shards)."""
+        spec = P(*self.spec)
+        return next((d for d in range(len(spec)) if set(spec.axes(d)) & set(FSDP_AXES)), 0)
 
 
 class FsdpPlan(Frozen):
@@ -321,14 +329,17 @@ def _param_plan(
     on = mesh.experts if expert else mesh
     local = local_shape(full, on, t.shape)
     padded = False
-    fsdp_axes = ("dp_shard_mod_ep",) if expert else ("dp_shard", "cp")
+    fsdp_axes = FSDP_AXES[2:] if expert else FSDP_AXES[:2]
     shards = math.prod(on.size(a) for a in fsdp_axes)
     if unit is not None and shards > 1 and t.ndim > 0:
         # FSDP chunks the TP/EP-local tensor (torch.chunk: ceil rows, padded): ceil(ceil(n / tp) / shards) rows,
-        # over dp_shard and, with context parallelism, cp too (expert weights: over dp_shard_mod_ep)
-        padded = local[0] % shards != 0
-        local = (-(-local[0] // shards), *local[1:])
-        full = full.with_minor(0, tuple(a for a in fsdp_axes if on.size(a) > 1))
+        # over dp_shard and, with context parallelism, cp too (expert weights: over dp_shard_mod_ep). Where dim 0
+        # has fewer rows than shards (a few stacked experts over many ranks), most shards would be padding: dim 1
+        # instead, if it splits evenly (FSDP needs that off dim 0), as torchtitan does for experts.
+        d = 1 if local[0] < shards and t.ndim > 1 and local[1] % shards == 0 else 0
+        padded = local[d] % shards != 0
+        local = tuple(-(-n // shards) if i == d else n for i, n in enumerate(local))
+        full = P(*full, *[None] * (t.ndim - len(full))).with_minor(d, tuple(a for a in fsdp_axes if on.size(a) > 1))
     return ParamPlan(
         fqn=fqn,
         shape=tuple(t.shape),

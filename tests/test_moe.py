@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, TrainConfig
+from shardlab._fake import fake_world
+from shardlab.apply import apply
 from shardlab.config import DataConfig, LogConfig, PlanConfig
 from shardlab.loop import plan_model, train
-from shardlab.mesh import EXPERT_AXES
+from shardlab.mesh import EXPERT_AXES, make_mesh
 from shardlab.models.llama import Llama, materialize
 from shardlab.models.llama_rules import llama_rules
 from shardlab.models.moe import MoE, Routers, balance, update_bias
@@ -311,3 +313,22 @@ def test_a_single_expert_per_token_still_trains_the_router():
     moe = block(top_k=1, balance="none")
     moe(torch.randn(1, 6, DIM)).sum().backward()
     assert moe.router.weight.grad.abs().max().item() > 1e-4
+
+
+def test_fsdp_splits_dim_1_of_experts_fewer_than_its_shards():
+    """2 experts, ep 2: each ep rank's one expert over dp_shard_mod_ep = 2 would leave a shard of padding, so
+    FSDP splits dim 1 (strided under TP's split of the same dim). The plan says what torch builds (8 fake ranks)."""
+    moe = MoEConfig(n_experts=2, top_k=1, expert_ffn_dim=64)
+    cfg = Config(
+        mesh=MeshSpec(dp_shard=4, tp=2, ep=2), model=ModelConfig(dim=64, n_layers=1, vocab_size=512, moe=moe)
+    ).resolve(8)
+    model, plan = plan_model(cfg)
+    gate = plan.param("model.layers.0.mlp.experts.gate_proj")
+    assert (gate.spec, gate.fsdp_dim, gate.local_shape) == (("ep", ("tp", "dp_shard_mod_ep"), None), 1, (1, 16, 64))
+    with fake_world(8, 0):
+        apply(model, plan, make_mesh(cfg.mesh, "cpu"))
+    for fqn, param in model.named_parameters():
+        if ".experts." in fqn:
+            want = plan.param(fqn)
+            assert tuple(str(p) for p in param.placements) == want.placements[2:], fqn  # over dsme, ep, tp
+            assert tuple(param.to_local().shape) == want.local_shape, fqn

@@ -701,7 +701,8 @@ BIG = [
         {
             EMB: ((32, 16384), True),  # 128256 / 8 = 16032 rows per tp shard, over 512 FSDP shards: 31.3 -> 32 (padded)
             "model.layers.125.self_attn.q_proj.weight": ((4, 16384), False),
-            "model.layers.0.self_attn.k_proj.weight": ((1, 16384), True),  # 1024 / 8 = 128 rows over 512 shards
+            # 1024 / 8 = 128 rows over 512 shards: dim 0 would leave 3/4 of the shards padding, so FSDP shards dim 1
+            "model.layers.0.self_attn.k_proj.weight": ((128, 32), False),
             "model.layers.7.mlp.down_proj.weight": ((32, 6656), False),
             NORM: ((32,), False),
             HEAD: ((32, 16384), True),

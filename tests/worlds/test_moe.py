@@ -2,7 +2,8 @@
 batch, 10 steps; loss and gradient norm within tolerance. The balancing loss and the bias update use the router
 statistics of the global batch, so they are the same in every layout: FSDP 2 (auxiliary loss; bias balancing;
 sigmoid scores with a shared expert) on 2 ranks; on 4, HSDP 2 x 2, CP 2 x FSDP 2, expert parallelism (ep 2 and
-ep 4 of FSDP 4, ep 2 of HSDP 2 x 2, ep 4 across CP 2 x FSDP 2) and TP inside the experts (ep 2 x tp 2 with SP
+ep 4 of FSDP 4, ep 2 of HSDP 2 x 2, ep 4 across CP 2 x FSDP 2; 2 experts over FSDP 4 and ep 2 of FSDP 4,
+where FSDP shards the experts' dim 1) and TP inside the experts (ep 2 x tp 2 with SP
 and loss parallel; FSDP 2 x TP 2 with a shared expert) and pipelines (pp 2 x FSDP 2 with bias balancing; the
 balancing loss on pp 2 x ep 2 with full activation checkpointing and on DualPipeV with CP 2 in its stages, against
 one process accumulating the same 4 micro batches). Checkpoints move across a change of ep degree. A
@@ -41,6 +42,7 @@ MOE = {
     "aux": MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=64),
     "bias": MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=64, balance="bias", bias_rate=0.01),
     "sigmoid_shared": MoEConfig(n_experts=4, top_k=1, expert_ffn_dim=64, score="sigmoid", shared_expert=True),
+    "e2": MoEConfig(n_experts=2, top_k=1, expert_ffn_dim=64),  # fewer experts than FSDP shards: FSDP splits dim 1
 }  # fmt: skip
 
 
@@ -65,7 +67,7 @@ def deep(cfg: Config) -> Config:
     return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, n_layers=4))
 
 
-LAYOUTS_2 = {f"fsdp2-{name}": moe(name, MeshSpec(dp_shard=2)) for name in MOE}
+LAYOUTS_2 = {f"fsdp2-{name}": moe(name, MeshSpec(dp_shard=2)) for name in MOE if name != "e2"}
 LAYOUTS_4 = {
     "hsdp2x2-bias": moe("bias", MeshSpec(dp_replicate=2, dp_shard=2)),
     "cp2_fsdp2-aux": moe("aux", MeshSpec(dp_shard=2, cp=2)),
@@ -73,6 +75,8 @@ LAYOUTS_4 = {
     "cp2_fsdp2_ep4-aux": moe("aux", MeshSpec(dp_shard=2, cp=2, ep=4)),
     "fsdp4_ep2-aux": moe("aux", MeshSpec(dp_shard=4, ep=2)),
     "fsdp4_ep4-bias": moe("bias", MeshSpec(dp_shard=4, ep=4)),
+    "fsdp4-e2": moe("e2", MeshSpec(dp_shard=4)),  # 2 experts in the blocks' FSDP units of 4 shards
+    "fsdp4_ep2-e2": moe("e2", MeshSpec(dp_shard=4, ep=2)),  # 1 expert per ep rank over 2 FSDP shards
     "fsdp2_tp2_ep2-aux": moe("aux", MeshSpec(dp_shard=2, tp=2, ep=2)),  # + SP and loss parallel
     "fsdp2_tp2-sigmoid_shared": moe("sigmoid_shared", MeshSpec(dp_shard=2, tp=2), sequence_parallel=False),
     "pp2_fsdp2-bias": moe("bias", MeshSpec(pp=2, dp_shard=2), pp_microbatches=4),
