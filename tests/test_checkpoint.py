@@ -11,16 +11,8 @@ import msgspec
 import pytest
 
 from shardlab.checkpoint import FAULT_ENV, complete, resolve_resume, step_dir
-from shardlab.config import (
-    CheckpointConfig,
-    Config,
-    DataConfig,
-    LogConfig,
-    MeshSpec,
-    ModelConfig,
-    MoEConfig,
-    TrainConfig,
-)
+from shardlab.config import CheckpointConfig, Config, DataConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
+from shardlab.config import MoEConfig as MoE
 from shardlab.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +85,7 @@ def test_a_bad_resume_path_is_an_error(tmp_path):
     assert step_dir(tmp_path, 12).name == "step-00000012"
 
 
-@pytest.mark.parametrize("moe", [None, MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=32)], ids=["llama", "mixtral"])
+@pytest.mark.parametrize("moe", [None, MoE(n_experts=4, top_k=2, expert_ffn_dim=32)], ids=["llama", "mixtral"])
 def test_export_writes_what_transformers_loads(tmp_path, moe):
     """A checkpoint's weights come out as safetensors + config.json with the trained model's logits (an MoE
     model's as a Mixtral)."""
