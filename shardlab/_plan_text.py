@@ -30,9 +30,10 @@ def explain(plan: Plan, fqn: str) -> str:
     lines += [f"  shadowed rule {i}: {_rule_text(plan.rules, i)}" for i in p.shadowed]
     lines += [f"  logical fallback: {f}" for f in p.fallbacks]
     if p.fsdp_unit is not None and plan.fsdp is not None:
+        axes = plan.experts.fsdp_axes if p.expert and plan.experts is not None else plan.fsdp.axes
         lines.append(
-            f"  FSDP unit {p.fsdp_unit or '<root>'} over {' x '.join(plan.fsdp.axes)}: dim 0 gets them as its minor axes"
-            + (" (padded)" if p.padded else "")
+            f"  FSDP unit {p.fsdp_unit or '<root>'} over {' x '.join(axes)}: dim {p.fsdp_dim} gets them as its minor "
+            "axes" + (" (padded)" if p.padded else "")
         )
     lines.append(
         f"  placements {_placements_text(p.placements, plan.mesh.experts if p.expert else plan.mesh)}  local {p.local_shape}  {p.bytes_per_rank:,} bytes/rank"

@@ -77,6 +77,11 @@ class TokenLoader:
         self.rows = global_batch // dp_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        if self.rows % micro_batches:
+            raise ValueError(
+                f"make_loader: micro_batches={micro_batches} does not divide the {self.rows} rows each of {dp_size} "
+                "data-parallel ranks gets; pass Config.micro_batches of a resolved config"
+            )
         self.micro_batches = micro_batches
         self.source = source
         self.fingerprint = fingerprint
@@ -148,11 +153,6 @@ def make_loader(
         raise ValueError(
             f"train.global_batch={global_batch} is not divisible by the data-parallel size {dp_size}; "
             "pick a global_batch that is a multiple of it"
-        )
-    if (global_batch // dp_size) % micro_batches:
-        raise ValueError(
-            f"make_loader: micro_batches={micro_batches} does not divide the {global_batch // dp_size} rows each of "
-            f"{dp_size} data-parallel ranks gets; pass Config.micro_batches of a resolved config"
         )
     if not 0 <= dp_rank < dp_size:
         raise ValueError(

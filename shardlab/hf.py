@@ -92,8 +92,11 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
     for names, stacked, local, slices in jobs:
         if local is None:
             continue
-        experts = range(slices[0].start, slices[0].stop) if stacked else ()
-        reads = [(names[e], local[e - slices[0].start], slices[1:]) for e in experts] or [(names[0], local, slices)]
+        if stacked:  # the experts of this rank's block (none: an FSDP shard that is all padding)
+            experts = range(slices[0].start, slices[0].stop)
+            reads = [(names[e], local[e - slices[0].start], slices[1:]) for e in experts]
+        else:
+            reads = [(names[0], local, slices)]
         for name, into, block_ in reads:
             by_file.setdefault(stored[name].file, []).append((name, into, block_))
     with torch.no_grad():

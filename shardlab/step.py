@@ -129,7 +129,11 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
         scale = holders / tokens.item()  # a float: a DTensor loss cannot be multiplied by a plain tensor
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         if pipeline is not None:  # the schedule splits the batch into the plan's micro batches
-            loss_sum += pipeline(model, inputs, labels, scale, positions=at)
+            try:
+                loss_sum += pipeline(model, inputs, labels, scale, positions=at)
+            finally:  # a schedule that raised must not leave the routers' hooks on the model
+                if routers is not None:
+                    routers.remove_hooks()
             if routers is not None:
                 routers.after_pipeline()
         else:

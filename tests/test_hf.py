@@ -307,6 +307,7 @@ def test_moe_exports_as_mixtral(tmp_path):
         (dict(score="sigmoid"), "sigmoid router scores"),
         (dict(balance="bias"), r"a selection bias \(balance='bias'\)"),
         (dict(top_k=1), "top_k=1"),
+        (dict(capacity_factor=1.0), r"a capacity limit \(capacity_factor\)"),
     ],
 )
 def test_moe_without_a_mixtral_form_is_refused_before_writing(tmp_path, moe, what):

@@ -328,6 +328,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "a shared expert" if m.shared_expert else
         "sigmoid router scores" if m.score != "softmax" else
         "a selection bias (balance='bias')" if m.balance == "bias" else
+        "a capacity limit (capacity_factor)" if m.capacity_factor is not None else
         "top_k=1 (Mixtral weighs a single expert by 1, shardlab by its score)" if m.top_k == 1 else None
     )  # fmt: skip
     if unmapped:
@@ -341,7 +342,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "intermediate_size": m.expert_ffn_dim,
         "num_local_experts": m.n_experts,
         "num_experts_per_tok": m.top_k,
-        "router_aux_loss_coef": m.aux_loss_coef,
+        "router_aux_loss_coef": m.aux_loss_coef if m.balance == "aux_loss" else 0.0,
         "sliding_window": None,
     }
 
@@ -373,7 +374,8 @@ def from_hf_config(d: dict[str, Any]) -> ModelConfig:
             n_experts=d.get("num_local_experts", 8),
             top_k=d.get("num_experts_per_tok", 2),
             expert_ffn_dim=d["intermediate_size"],
-            aux_loss_coef=float(d.get("router_aux_loss_coef", 0.01)),
+            balance="aux_loss" if d.get("router_aux_loss_coef", 0.001) > 0 else "none",
+            aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)) or 0.01,
         )
     dim, n_heads = d["hidden_size"], d["num_attention_heads"]
     if d.get("head_dim") not in (None, dim // n_heads):

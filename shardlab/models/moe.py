@@ -276,11 +276,14 @@ class Routers:
 
         return reduce
 
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
     def after_pipeline(self) -> None:
         """After a pipeline schedule ran every micro batch: count their statistics (the last `micro_batches`
         forwards of each layer: torch's first step also runs one to infer the stages' shapes)."""
-        for hook in self._hooks:
-            hook.remove()
+        self.remove_hooks()
         m = self.micro_batches
         if any(len(h) < m for h in self._history):
             raise ValueError(f"moe: a MoE layer ran fewer than the pipeline's {m} micro batches this step")

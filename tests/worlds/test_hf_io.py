@@ -1,6 +1,7 @@
 """HF safetensors in and out of a sharded model (4 gloo ranks, fp32): each rank reads only its blocks of a
 transformers checkpoint into FSDP 2 x TP 2 (strided shards), FSDP 4 and FSDP 2 x CP 2 (FSDP over the flattened
-dp_shard x cp) models, and a Mixtral's per-expert tensors into expert-parallel ones (ep 2 of FSDP 4; ep 2 x TP 2),
+dp_shard x cp) models, and a Mixtral's per-expert tensors into expert-parallel ones (ep 2 of FSDP 4; ep 2 x TP 2)
+and into FSDP 4 shards of 6 experts (the last shard holds none),
 whose logits then equal transformers'; and `to_hf` from those models writes checkpoints
 transformers loads with the same logits. The vocabulary (130) is not divisible by 4, so FSDP pads dim 0 of the
 embedding and the head: rows 0:33, 33:65, 65:98, 98:130 under FSDP 2 x TP 2 and 0:33, 33:66, 66:99, 99:130
@@ -30,6 +31,7 @@ LAYOUTS = {
     "fsdp2_cp2": ("untied", MeshSpec(dp_shard=2, cp=2)),  # FSDP over the flattened dp_shard x cp
     "mixtral_fsdp4_ep2": ("mixtral", MeshSpec(dp_shard=4, ep=2)),  # experts: 2 per ep rank, FSDP over the rest
     "mixtral_fsdp2_tp2_ep2": ("mixtral", MeshSpec(dp_shard=2, tp=2, ep=2)),  # and TP inside each expert
+    "mixtral6_fsdp4": ("mixtral6", MeshSpec(dp_shard=4)),  # 6 experts over 4 shards: 2, 2, 2 and none
 }
 
 
@@ -49,11 +51,11 @@ def hf_model(tied: bool) -> torch.nn.Module:
     return model
 
 
-def hf_mixtral() -> torch.nn.Module:
+def hf_mixtral(experts: int) -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.MixtralConfig(
         vocab_size=130, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        num_key_value_heads=2, num_local_experts=experts, num_experts_per_tok=2,
     )  # fmt: skip
     return transformers.MixtralForCausalLM(config).eval()
 
@@ -119,20 +121,26 @@ def mixtral_fsdp4_ep2(rank, world_size, **kw):
 
 
 def mixtral_fsdp2_tp2_ep2(rank, world_size, **kw):
-    out = load_and_export("mixtral_fsdp2_tp2_ep2", **kw)
+    return load_and_export("mixtral_fsdp2_tp2_ep2", **kw)
+
+
+def mixtral6_fsdp4(rank, world_size, **kw):
+    out = load_and_export("mixtral6_fsdp4", **kw)
     dist.barrier()  # the last check: every rank's export is written before the tests read them
     return out
 
 
-CHECKS = [fsdp2_tp2, fsdp2_tp2_tied, fsdp4, fsdp2_cp2, mixtral_fsdp4_ep2, mixtral_fsdp2_tp2_ep2]
+CHECKS = [fsdp2_tp2, fsdp2_tp2_tied, fsdp4, fsdp2_cp2, mixtral_fsdp4_ep2, mixtral_fsdp2_tp2_ep2, mixtral6_fsdp4]
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     hf_dir, out_dir = tmp_path_factory.mktemp("hf"), tmp_path_factory.mktemp("out")
     want = {}
-    for kind in ("untied", "tied", "mixtral"):
-        model = hf_mixtral() if kind == "mixtral" else hf_model(tied=kind == "tied")
+    for kind in ("untied", "tied", "mixtral", "mixtral6"):
+        model = (
+            hf_mixtral(6 if kind == "mixtral6" else 4) if kind.startswith("mixtral") else hf_model(tied=kind == "tied")
+        )
         model.save_pretrained(hf_dir / kind, max_shard_size="100KB")  # sharded: an index and several files
         want[kind] = hf_logits(model)
     result = run_world(4, CHECKS, timeout_s=300, hf_dir=hf_dir, out_dir=out_dir, want=want)
