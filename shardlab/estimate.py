@@ -62,11 +62,11 @@ def fsdp_buffer_bytes(plan: Plan) -> int:
     f = plan.fsdp
     if f is None:
         return 0
+    shards = plan.mesh.size("dp_shard_cp")
 
     def unsharded(p: ParamPlan) -> int:  # FSDP shards over dp_shard x cp, expert weights over dp_shard_mod_ep
         return math.prod(p.local_shape) * (plan.mesh.experts.dp_shard_mod_ep if p.expert else shards)
 
-    shards = plan.mesh.size("dp_shard_cp")
     numel: Counter[str | None] = Counter()
     if plan.pipeline is not None:
         held = {s.index for s in plan.pipeline.stages_of(busiest_pp_rank(plan))}

@@ -28,9 +28,9 @@ from shardlab.styles import ModulePlan, module_plans
 
 PLAN_VERSION = 2
 DATA_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "dp", "dp_shard_cp", "batch", "dp_shard_mod_ep")
+"""Axes rules may not put in a parameter spec: FSDP (and later PP/CP) owns them."""
 FSDP_AXES = ("dp_shard", "cp", "dp_shard_mod_ep")
 """The axes FSDP shards parameters over (HSDP replicates over dp_replicate)."""
-"""Axes rules may not put in a parameter spec: FSDP (and later PP/CP) owns them."""
 
 
 class ParamPlan(Frozen):
