@@ -175,7 +175,7 @@ def _match(
     does not fit. stacked: the names are the experts of a stacked expert weight, in order."""
     jobs, known = [], set()
     for model_names, param in params:
-        experts = expert_names(model_names[0], param.shape[0]) if param.ndim else None
+        experts = expert_names(model_names[0], param.shape)
         if experts is not None:
             known.update(experts)
             jobs.append((_match_experts(root, stored, experts, model_names[0], param), True, param))
@@ -342,7 +342,7 @@ def to_hf(
             full = t.full_tensor() if isinstance(t, DTensor) else t
             if writer and error is None:
                 full = full.detach().to("cpu", copy=not isinstance(t, DTensor))
-                experts = expert_names(name, full.shape[0]) if full.ndim else None
+                experts = expert_names(name, full.shape)
                 parts = zip(experts, full.unbind(0)) if experts is not None else [(hf_name(name), full)]
                 buffer.update((n, w.clone() if experts else w.contiguous()) for n, w in parts)  # no shared storage
             del full
@@ -402,7 +402,7 @@ def _write_metadata(tmp: Path, config: ModelConfig, tensors, files: list[str], s
                 stored: file
                 for file, shard in zip(files, shards)
                 for name, t in shard
-                for stored in (expert_names(name, t.shape[0]) if t.ndim else None) or (hf_name(name),)
+                for stored in expert_names(name, t.shape) or (hf_name(name),)
             },
         }
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")

@@ -8,6 +8,7 @@ Mixtral releases use): the router is `block_sparse_moe.gate`, and a stacked expe
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 _EXPERT_WEIGHTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _MOE = re.compile(r"(model\.layers\.\d+)\.mlp\.(?:(router)\.weight|experts\.(gate_proj|up_proj|down_proj))")
@@ -19,9 +20,10 @@ def hf_name(name: str) -> str:
     return f"{m[1]}.block_sparse_moe.gate.weight" if m is not None and m[2] else name
 
 
-def expert_names(name: str, n_experts: int) -> tuple[str, ...] | None:
-    """The checkpoint names of a stacked expert weight's experts, in order; None for any other parameter."""
+def expert_names(name: str, shape: Sequence[int]) -> tuple[str, ...] | None:
+    """The checkpoint names of a stacked expert weight's experts (dim 0 of its `shape`), in order; None for any
+    other parameter."""
     m = _MOE.fullmatch(name)
-    if m is None or m[3] is None:
+    if m is None or m[3] is None or not shape:
         return None
-    return tuple(f"{m[1]}.block_sparse_moe.experts.{e}.{_EXPERT_WEIGHTS[m[3]]}.weight" for e in range(n_experts))
+    return tuple(f"{m[1]}.block_sparse_moe.experts.{e}.{_EXPERT_WEIGHTS[m[3]]}.weight" for e in range(shape[0]))

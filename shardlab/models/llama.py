@@ -375,7 +375,7 @@ def from_hf_config(d: dict[str, Any]) -> ModelConfig:
             top_k=d.get("num_experts_per_tok", 2),
             expert_ffn_dim=d["intermediate_size"],
             balance="aux_loss" if d.get("router_aux_loss_coef", 0.001) > 0 else "none",
-            aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)) or 0.01,
+            aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)) or 0.01,  # 0 means none: keep the default
         )
     dim, n_heads = d["hidden_size"], d["num_attention_heads"]
     if d.get("head_dim") not in (None, dim // n_heads):
