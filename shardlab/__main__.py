@@ -90,8 +90,11 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
         world = math.prod(s for s in cfg.mesh.axis_sizes if s != -1)  # a -1 axis gets size 1 unless --world says more
     cfg = cfg.resolve(world)
     from shardlab.loop import plan_model
+    from shardlab.models.provider import check_layout, provider_for
 
-    _, plan = plan_model(cfg, recipe.rules(cfg))
+    provider = provider_for(cfg, recipe.model(cfg))
+    check_layout(cfg, provider)
+    _, plan = plan_model(cfg, recipe.rules(cfg), provider)
     if command == "plan":
         print(plan.table())
         return 0
@@ -100,16 +103,16 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
         from shardlab.roofline import device
 
         dev = device(device_name or "h100")
-        print(estimate_table(estimate(cfg, plan, recipe.rules(cfg), dev), cfg, dev))
+        print(estimate_table(estimate(cfg, plan, recipe.rules(cfg), dev, provider), cfg, dev))
         return 0
-    _check_data(cfg)
+    _check_data(cfg, provider.vocab_size)
     if world > 1 and not launched:
         print(f"shardlab: launching {world} ranks ({cfg.mesh.describe()}) through torch.distributed.run", flush=True)
         return relaunch(nproc_for(world), [recipe_path, *overrides])
     from shardlab.loop import train
 
     dist_info = init_distributed(cfg.train.device)
-    train(cfg, recipe.rules(cfg), device=dist_info.device)
+    train(cfg, recipe.rules(cfg), device=dist_info.device, provider=provider)
     if dist_info.backend is not None:
         import torch.distributed as dist
 
@@ -129,12 +132,12 @@ def _export(source: str, args: list[str]) -> int:
     return 0
 
 
-def _check_data(cfg) -> None:
+def _check_data(cfg, vocab_size: int) -> None:
     """Open the data once here, so a missing file or a too-small vocabulary fails before any rank starts."""
     from shardlab.data import make_loader
 
     make_loader(
-        cfg.data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size,
+        cfg.data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=vocab_size,
         dp_rank=0, dp_size=1,
     )  # fmt: skip
 

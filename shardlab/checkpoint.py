@@ -29,11 +29,14 @@ from torch.distributed.checkpoint.state_dict import (
 from shardlab._base import to_json
 from shardlab.config import Config
 from shardlab.data import TokenLoader
+from shardlab.models.provider import LlamaProvider, ModelProvider, first_difference, provider_for
 from shardlab.step import TrainState
 
 STEP_PREFIX = "step-"
 TMP_SUFFIX = ".tmp"
 STATE_FILE = "train_state.json"
+MODEL_FILE = "model.json"
+"""What identifies the model (`ModelProvider.identity`): compared on resume, read by export."""
 FAULT_ENV = "SHARDLAB_FAULT_AT"
 """Testing hook: `save:N` makes rank 0 exit after writing step N's files but before the commit."""
 
@@ -123,6 +126,7 @@ def save(
     *,
     async_save: bool = False,
     group: dist.ProcessGroup | None = None,
+    provider: ModelProvider | None = None,
 ) -> PendingSave:
     """Write the whole TrainState; sync saves are committed on return, async ones by `PendingSave.commit()`.
 
@@ -140,6 +144,7 @@ def save(
     files = {  # written by rank 0 at the commit, beside the DCP files
         STATE_FILE: json.dumps({"step": state.step, "data": loader.state_dict(), **_rng_state()}).encode(),
         "config.json": to_json(cfg),
+        MODEL_FILE: json.dumps((provider or provider_for(cfg)).identity(), indent=2).encode(),
     }
     tensors = _tensors(state)
     no_dist = not dist.is_initialized()  # one process: DCP needs no process group
@@ -190,15 +195,18 @@ def _fault_point(name: str) -> None:
         os._exit(17)
 
 
-def load(state: TrainState, loader: TokenLoader, path: Path, cfg: Config) -> TrainState:
-    """Load a checkpoint into an already parallelized state (any mesh: DCP reshards)."""
-    config_file = path / "config.json"
-    saved = msgspec.json.decode(config_file.read_bytes(), type=Config) if config_file.is_file() else None
-    diff = None if saved is None else saved.model.first_difference(cfg.model)
+def load(
+    state: TrainState, loader: TokenLoader, path: Path, cfg: Config, provider: ModelProvider | None = None
+) -> TrainState:
+    """Load a checkpoint into an already parallelized state (any mesh: DCP reshards); provider: the model it goes
+    into (default: the one the config names), whose identity must be the saved one's."""
+    saved = saved_identity(path)
+    now = (provider or provider_for(cfg)).identity()
+    diff = None if saved is None else first_difference(saved, now)
     if diff is not None:
         raise ValueError(
-            f"checkpoint {str(path)!r}: saved for another model (model.{diff}={getattr(saved.model, diff)!r}, "
-            f"now {getattr(cfg.model, diff)!r}); resume with the saved model config or set checkpoint.resume=none"
+            f"checkpoint {str(path)!r}: saved for another model ({diff}={saved.get(diff)!r}, "
+            f"now {now.get(diff)!r}); resume with the saved model config or set checkpoint.resume=none"
         )
     meta = json.loads((path / STATE_FILE).read_text())
     loader.load_state_dict(meta["data"])
@@ -209,6 +217,17 @@ def load(state: TrainState, loader: TokenLoader, path: Path, cfg: Config) -> Tra
     set_optimizer_state_dict(state.model, state.optim, tensors["optim"], options=OPTIM_OPTIONS)
     _set_rng_state(meta)
     return state.__class__(model=state.model, optim=state.optim, step=meta["step"])
+
+
+def saved_identity(path: Path) -> dict | None:
+    """The identity of the model a checkpoint holds (`ModelProvider.identity`): its model.json, or for checkpoints
+    written before model.json, the Llama its config.json describes; None when neither is there."""
+    if (path / MODEL_FILE).is_file():
+        return json.loads((path / MODEL_FILE).read_text())
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return None
+    return LlamaProvider(msgspec.json.decode(config_file.read_bytes(), type=Config).model).identity()
 
 
 def verify(path: Path, model_state: dict) -> None:
@@ -251,7 +270,6 @@ def export_to_hf(source: Path, out: Path) -> Path:
     One process, no process group: DCP reshards whatever layout saved it into plain full tensors.
     """
     from shardlab.hf import to_hf
-    from shardlab.models.llama import Llama, materialize
 
     step = source if (source / STATE_FILE).is_file() else resolve_resume("auto", source / "checkpoints")
     if step is None:
@@ -262,12 +280,30 @@ def export_to_hf(source: Path, out: Path) -> Path:
     if not config_file.is_file():
         raise ValueError(f"export: {str(step)!r} has no config.json; it is not a shardlab checkpoint")
     cfg = msgspec.json.decode(config_file.read_bytes(), type=Config)
+    provider = saved_provider(step, cfg)
+    provider.hf_config()  # a model without a transformers mapping fails here, before anything is read
     with torch.device("meta"):
-        model = Llama(cfg.model)
-    materialize(model)
+        model = provider.build()
+    provider.materialize(model, "cpu", cfg.train.seed)
     tensors = {"model": get_model_state_dict(model)}
     verify(step, tensors["model"])
     dcp.load(tensors, checkpoint_id=str(step), no_dist=True)
     set_model_state_dict(model, tensors["model"])
-    to_hf(model, out)
+    to_hf(model, out, provider=provider)
     return step
+
+
+def saved_provider(step: Path, cfg: Config) -> ModelProvider:
+    """The model a checkpoint holds, from what the checkpoint itself says (a transformers model's config is in its
+    model.json, so the export needs neither its directory nor its recipe)."""
+    identity = saved_identity(step) or {}
+    if any(k.startswith("config.json:") for k in identity):
+        from shardlab.models.hf_causal_lm import HFCausalLM
+
+        return HFCausalLM.from_identity(identity)
+    if "model.factory" in identity:
+        raise ValueError(
+            f"export: {str(step)!r} holds a recipe's own model ({identity['model.factory']}), which has no "
+            "transformers mapping; only shardlab's Llama/MoE and transformers models export to Hugging Face"
+        )
+    return LlamaProvider(cfg.model)

@@ -82,7 +82,14 @@ class MoEConfig(Frozen):
 
 
 class ModelConfig(Frozen):
-    """Llama 3 architecture. The defaults are torchtitan's llama3 `debugmodel` (6.2M parameters)."""
+    """The model: shardlab's Llama 3 (the defaults are torchtitan's llama3 `debugmodel`, 6.2M parameters), or a
+    transformers causal LM from a local directory (hf_path), which takes its shape from its own config.json."""
+
+    hf_path: str | None = None
+    """A local transformers model directory (config.json, optionally safetensors weights): train that model
+    (AutoModelForCausalLM, never downloaded) instead of shardlab's Llama; the Llama fields below then stay unset."""
+    from_scratch: bool = False
+    """With hf_path: start from the seed's random weights even where the directory holds safetensors weights."""
 
     dim: Positive = 256
     """Width of the residual stream."""
@@ -110,6 +117,19 @@ class ModelConfig(Frozen):
     """Mixture of experts in place of the MLPs; None for the dense Llama."""
 
     def check(self) -> None:
+        if self.hf_path is not None:
+            changed = next(
+                (f.name for f in msgspec.structs.fields(self) if f.name not in ("hf_path", "from_scratch")
+                 and getattr(self, f.name) != f.default),
+                None,
+            )  # fmt: skip
+            if changed is not None:
+                raise ValueError(
+                    f"model.{changed} is set but model.hf_path is too: a transformers model takes its shape from "
+                    f"{self.hf_path}/config.json; drop --model.{changed.replace('_', '-')}"
+                )
+        elif self.from_scratch:
+            raise ValueError("model.from_scratch is set without model.hf_path; it only applies to transformers models")
         if self.dim % self.n_heads:
             raise ValueError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; pick n_heads dividing dim"
@@ -125,6 +145,14 @@ class ModelConfig(Frozen):
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def tp_divisors(self) -> dict[str, int]:
+        """The sizes tensor parallelism splits, by field name: tp must divide each one."""
+        out = {"model.n_heads": self.n_heads, "model.n_kv_heads": self.n_kv_heads, "model.ffn_dim": self.ffn_dim}
+        out["model.vocab_size"] = self.vocab_size
+        if self.moe is not None:
+            out["model.moe.expert_ffn_dim"] = self.moe.expert_ffn_dim
+        return out
 
     def first_difference(self, other: ModelConfig) -> str | None:
         """The first field whose value differs from `other`'s (for errors naming what differs), or None."""
@@ -150,6 +178,13 @@ class ModelConfig(Frozen):
             return 3 * d * self.ffn_dim
         experts = m.top_k if active else m.n_experts
         return m.n_experts * d + experts * 3 * d * m.expert_ffn_dim + (3 * d * self.ffn_dim if m.shared_expert else 0)
+
+
+def check_tp_divisors(divisors: dict[str, int], tp: int) -> None:
+    """Each model size that tensor parallelism splits (`name -> size`) must be a multiple of tp."""
+    for name, value in divisors.items():
+        if tp > 1 and value % tp:
+            raise ValueError(f"{name}={value} is not divisible by mesh.tp={tp}; pick a tp that divides it")
 
 
 class PlanConfig(Frozen):
@@ -341,23 +376,13 @@ class Config(Frozen):
 
     def check(self) -> None:
         m, tp = self.model, self.mesh.tp
-        if tp > 1:
-            for field, value in (
-                ("n_heads", m.n_heads),
-                ("n_kv_heads", m.n_kv_heads),
-                ("ffn_dim", m.ffn_dim),
-                ("vocab_size", m.vocab_size),
-                *((("moe.expert_ffn_dim", m.moe.expert_ffn_dim),) if m.moe is not None else ()),
-            ):
-                if value % tp:
-                    raise ValueError(
-                        f"model.{field}={value} is not divisible by mesh.tp={tp}; pick a tp that divides it"
-                    )
-            if self.plan.sequence_parallel and self.train.seq_len % tp:
-                raise ValueError(
-                    f"train.seq_len={self.train.seq_len} is not divisible by mesh.tp={tp}; sequence parallel shards the "
-                    "sequence over tp: change seq_len, or set plan.sequence_parallel=False"
-                )
+        if m.hf_path is None:  # a transformers model is checked when its directory is read (provider_for)
+            check_tp_divisors(m.tp_divisors(), tp)
+        if tp > 1 and self.plan.sequence_parallel and self.train.seq_len % tp:
+            raise ValueError(
+                f"train.seq_len={self.train.seq_len} is not divisible by mesh.tp={tp}; sequence parallel shards the "
+                "sequence over tp: change seq_len, or set plan.sequence_parallel=False"
+            )
         ep, experts = self.mesh.ep, m.moe.n_experts if m.moe is not None else 0
         if ep > 1 and (not experts or experts % ep):
             raise ValueError(

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from shardlab._base import Frozen
 from shardlab._fake import fake_world
 from shardlab.config import Config
-from shardlab.metrics import model_flops_per_token
+from shardlab.models.provider import ModelProvider, provider_for
 from shardlab.pipeline import in_flight
 from shardlab.plan import ParamPlan, Plan
 from shardlab.probe import Collective, probe, stage_boundary
@@ -106,8 +106,15 @@ class Estimate(Frozen):
         return self.memory.total + self.activations + self.fsdp_buffers
 
 
-def estimate(cfg: Config, plan: Plan, rules: Rules | None = None, dev: Device | None = None) -> Estimate:
-    """The estimate for `cfg` (resolved) laid out by `plan`, with step time on `dev` when given.
+def estimate(
+    cfg: Config,
+    plan: Plan,
+    rules: Rules | None = None,
+    dev: Device | None = None,
+    provider: ModelProvider | None = None,
+) -> Estimate:
+    """The estimate for `cfg` (resolved) laid out by `plan`, with step time on `dev` when given; provider: the
+    model (default: the one the config names).
 
     A pipelined layout is probed as its busiest pp rank (the most blocks): one pipeline micro batch through each
     of that rank's stages. Per step: m micro batches; FSDP's collectives as often as torch's schedule order makes
@@ -124,17 +131,18 @@ def estimate(cfg: Config, plan: Plan, rules: Rules | None = None, dev: Device | 
         rank = busiest_pp_rank(plan)
         blocks = sum(len(s.blocks) for s in pipe.stages_of(rank))
         held = in_flight(pipe.schedule, cfg.mesh.pp, pipe.stages_per_rank, micro)
-    p = probe(cfg, rules, pp_rank=rank, blocks=blocks)
-    forward = probe(other_cfg, rules, forward_only=True, pp_rank=rank, blocks=blocks)
+    provider = provider or provider_for(cfg)
+    p = probe(cfg, rules, pp_rank=rank, blocks=blocks, provider=provider)
+    forward = probe(other_cfg, rules, forward_only=True, pp_rank=rank, blocks=blocks, provider=provider)
     extra_blocks = (held - 1) * (blocks or 0)  # activations of the other micro batches in flight: blocks only
     if pipe is None:
         collectives = [_times(c, micro) for c in p.collectives]
     else:
         actions = _stage_actions(cfg, plan, rank)
         collectives = _merge_stages(_times(c, _runs(c, actions[c.stage], plan)) for c in p.collectives)
-        collectives += _pipeline_sends(cfg, plan, micro)
+        collectives += _pipeline_sends(cfg, plan, micro, provider.dim)
     memory = estimate_memory(plan)
-    fpt = model_flops_per_token(cfg.model, cfg.train.seq_len)
+    fpt = provider.flops_per_token(cfg.train.seq_len)
     time = None
     if dev is not None:
         time = step_time(
@@ -204,13 +212,13 @@ def busiest_pp_rank(plan: Plan) -> int:
     return max(range(plan.mesh.pp), key=lambda r: (sum(len(s.blocks) for s in pipe.stages_of(r)), -r))
 
 
-def _pipeline_sends(cfg: Config, plan: Plan, micro: int) -> list[Collective]:
+def _pipeline_sends(cfg: Config, plan: Plan, micro: int, dim: int) -> list[Collective]:
     """The busiest pp rank's sends per step: each micro batch's output to the next stage (forward) and its input
     gradient to the previous one (backward), where that stage is on another rank (`probe.stage_boundary`)."""
     pipe = plan.pipeline
     ranks = [s.pp_rank for s in pipe.stages]
     busiest = busiest_pp_rank(plan)
-    shape, dtype = stage_boundary(cfg, plan, cfg.train.global_batch // cfg.mesh.size("dp") // micro)
+    shape, dtype = stage_boundary(cfg, plan, cfg.train.global_batch // cfg.mesh.size("dp") // micro, dim)
     nbytes = math.prod(shape) * dtype.itemsize
     forward = sum(1 for s in pipe.stages_of(busiest) if s.index + 1 < len(ranks) and ranks[s.index + 1] != busiest)
     backward = sum(1 for s in pipe.stages_of(busiest) if s.index > 0 and ranks[s.index - 1] != busiest)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,10 +22,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from shardlab.config import ModelConfig
-from shardlab.hf_names import expert_names, hf_name
-from shardlab.models.llama import Llama, from_hf_config, materialize, to_hf_config
+from shardlab.config import Config, ModelConfig
+from shardlab.hf_names import llama_names
+from shardlab.models.llama import Llama, from_hf_config, materialize
+from shardlab.models.provider import HFNames, LlamaProvider, ModelProvider, first_difference
 from shardlab.spec import P, block, placed_spec
+
+NameMap = Callable[[str, Sequence[int]], HFNames]
+"""Parameter name and shape -> its checkpoint tensor(s) (`ModelProvider.hf_names`)."""
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -73,19 +77,45 @@ class _Stored:
     dtype: str
 
 
-def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
+def initial_weights(cfg: Config, provider: ModelProvider) -> Path | None:
+    """The Hugging Face directory a run starts from when it has nothing to resume: checkpoint.init_from_hf (whose
+    config.json must describe the configured model), a transformers model's own directory when it holds
+    safetensors (unless model.from_scratch), or None: the seed's weights."""
+    if cfg.checkpoint.init_from_hf is not None:
+        saved = LlamaProvider(read_hf_config(cfg.checkpoint.init_from_hf)).identity()
+        now = provider.identity()
+        diff = first_difference(saved, now)
+        if diff is not None:
+            raise ValueError(
+                f"checkpoint.init_from_hf: the checkpoint has {diff}={saved.get(diff)!r} but the config says "
+                f"{now.get(diff)!r}; set the model fields to the checkpoint's"
+            )
+        return Path(cfg.checkpoint.init_from_hf)
+    path = cfg.model.hf_path
+    if path is None or cfg.model.from_scratch or not has_weights(Path(path)):
+        return None
+    return Path(path)
+
+
+def has_weights(root: Path) -> bool:
+    """Whether a Hugging Face directory holds safetensors weights (one file or an index)."""
+    return (root / SINGLE).is_file() or (root / INDEX).is_file()
+
+
+def load_hf_weights(model: nn.Module, path: str | os.PathLike, names: NameMap | None = None) -> None:
     """Copy a Hugging Face checkpoint into `model` in place, by parameter name.
 
     Parameters may be plain tensors or DTensors (TP, FSDP, HSDP, FSDP x TP); each rank reads only its own
     block of each tensor. Everything is checked before anything is copied (names, shapes, dtypes, files),
     so a bad checkpoint leaves the model as it was. A tied parameter is read once, from whichever of its
-    names the checkpoint has (HF omits `lm_head.weight` when tied). A stacked expert weight reads the experts
-    of its block, each from its own tensor (`shardlab.hf_names`).
+    names the checkpoint has (HF omits `lm_head.weight` when tied). `names` maps a parameter to its checkpoint
+    tensor(s) (default: shardlab's Llama, `shardlab.hf_names.llama_names`); a stacked expert weight reads the experts of its
+    block, each from its own tensor.
     """
     root = _dir(path)
     stored = _stored_tensors(root)
     _reshard(model)
-    matched = _match(root, stored, _param_names(model))
+    matched = _match(root, stored, _param_names(model), names or llama_names)
     jobs = [(names, stacked, *_local_block(param)) for names, stacked, param in matched]
     _check_tied_copies(stored, [(names, local, slices) for names, stacked, local, slices in jobs if not stacked])
     by_file: dict[Path, list[tuple[str, torch.Tensor, tuple[slice, ...]]]] = {}
@@ -169,18 +199,18 @@ def _param_names(model: nn.Module) -> list[tuple[tuple[str, ...], torch.Tensor]]
 
 
 def _match(
-    root: Path, stored: dict[str, _Stored], params: list[tuple[tuple[str, ...], torch.Tensor]]
+    root: Path, stored: dict[str, _Stored], params: list[tuple[tuple[str, ...], torch.Tensor]], name_map: NameMap
 ) -> list[tuple[tuple[str, ...], bool, torch.Tensor]]:
     """(names in the checkpoint, stacked, parameter) for every parameter, or an error for the first thing that
     does not fit. stacked: the names are the experts of a stacked expert weight, in order."""
     jobs, known = [], set()
     for model_names, param in params:
-        experts = expert_names(model_names[0], param.shape)
-        if experts is not None:
+        experts = name_map(model_names[0], param.shape)
+        if isinstance(experts, tuple):
             known.update(experts)
             jobs.append((_match_experts(root, stored, experts, model_names[0], param), True, param))
             continue
-        names = tuple(hf_name(n) for n in model_names)
+        names = tuple(name_map(n, param.shape) for n in model_names)
         known.update(names)
         found = [n for n in names if n in stored]
         if not found:
@@ -288,24 +318,26 @@ def to_hf(
     path: str | os.PathLike,
     *,
     config: ModelConfig | None = None,
+    provider: ModelProvider | None = None,
     max_shard_bytes: int = 5 * 2**30,
 ) -> None:
-    """Write a Hugging Face directory (config.json + safetensors) that `LlamaForCausalLM.from_pretrained` loads.
+    """Write a Hugging Face directory (config.json + safetensors) that transformers' `from_pretrained` loads.
 
-    `model` is a Llama (plain or with DTensor parameters) or a state_dict with Llama's names; `config`
-    defaults to `model.cfg`. Collective: with a process group every rank calls it (each DTensor is gathered
+    `model` (plain or with DTensor parameters) or a state_dict with its names is written as `provider` says
+    (default: shardlab's Llama of `config`, which defaults to `model.cfg`). Collective: with a process group every rank calls it (each DTensor is gathered
     with `full_tensor()`, one at a time) and rank 0 writes. Files above `max_shard_bytes` are split into
     `model-0000i-of-0000n.safetensors` plus an index. The directory appears whole or not at all (written
     next to `path`, then renamed); `path` may exist only as an empty directory.
     """
-    if config is None:
-        config = getattr(model, "cfg", None)
+    if provider is None:
+        config = config or getattr(model, "cfg", None)
         if not isinstance(config, ModelConfig):
-            raise ValueError("to_hf: `model` has no ModelConfig in .cfg; pass config=ModelConfig(...)")
+            raise ValueError("to_hf: `model` has no ModelConfig in .cfg; pass config=ModelConfig(...) or a provider")
+        provider = LlamaProvider(config)
     if max_shard_bytes < 1:
         raise ValueError(f"to_hf: max_shard_bytes={max_shard_bytes}; must be >= 1")
-    to_hf_config(config)  # a model without a Hugging Face mapping fails here, before any collective
-    tensors = _export_tensors(model, config)
+    hf_config = provider.hf_config()  # a model without a Hugging Face mapping fails here, before any collective
+    tensors = _export_tensors(model, provider)
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
     for name, t in tensors:
@@ -342,9 +374,10 @@ def to_hf(
             full = t.full_tensor() if isinstance(t, DTensor) else t
             if writer and error is None:
                 full = full.detach().to("cpu", copy=not isinstance(t, DTensor))
-                experts = expert_names(name, full.shape)
-                parts = zip(experts, full.unbind(0)) if experts is not None else [(hf_name(name), full)]
-                buffer.update((n, w.clone() if experts else w.contiguous()) for n, w in parts)  # no shared storage
+                stored = provider.hf_names(name, full.shape)
+                stacked = isinstance(stored, tuple)
+                parts = zip(stored, full.unbind(0)) if stacked else [(stored, full)]
+                buffer.update((n, w.clone() if stacked else w.contiguous()) for n, w in parts)  # no shared storage
             del full
         if writer and error is None:
             try:
@@ -354,7 +387,7 @@ def to_hf(
         del buffer
     if writer and error is None:
         try:
-            _write_metadata(tmp, config, tensors, files, shards)
+            _write_metadata(tmp, hf_config, provider, tensors, files, shards)
             os.replace(tmp, target)
         except OSError as e:
             error = f"{target}: cannot finish the export ({e}); check the disk and permissions"
@@ -364,11 +397,12 @@ def to_hf(
 
 
 def _export_tensors(
-    model: nn.Module | Mapping[str, torch.Tensor], config: ModelConfig
+    model: nn.Module | Mapping[str, torch.Tensor], provider: ModelProvider
 ) -> list[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) in Llama's order, each distinct tensor once (tied: no lm_head.weight); checked by name and shape."""
+    """(name, tensor) in the model's order, each distinct tensor once (tied: no lm_head.weight); checked by name and
+    shape against the provider's model."""
     with torch.device("meta"):
-        reference = Llama(config)
+        reference = provider.build()
     want = {name: tuple(p.shape) for name, p in reference.named_parameters()}  # tied: lm_head.weight drops out
     if isinstance(model, nn.Module):
         _reshard(model)
@@ -376,12 +410,12 @@ def _export_tensors(
     if not isinstance(source, Mapping):
         raise TypeError(f"to_hf: `model` is a {type(model).__name__}; pass an nn.Module or a state_dict mapping")
     missing = [n for n in want if n not in source]
-    extra = [n for n in source if n not in want and not (config.tie_embeddings and n == "lm_head.weight")]
+    extra = [n for n in source if n not in want and not (provider.hf_tied() and n == "lm_head.weight")]
     for names, what in ((missing, "is missing"), (extra, "is not a parameter of this config")):
         if names:
             raise ValueError(
-                f"to_hf: tensor {names[0]!r} (and {len(names) - 1} more) {what}; pass the state of a Llama "
-                f"built from this config (dim={config.dim}, n_layers={config.n_layers})"
+                f"to_hf: tensor {names[0]!r} (and {len(names) - 1} more) {what}; pass the state of a {provider.name} "
+                f"model built from this config ({provider.describe()})"
             )
     for name, shape in want.items():
         if tuple(source[name].shape) != shape:
@@ -392,8 +426,8 @@ def _export_tensors(
     return [(name, source[name]) for name in want]
 
 
-def _write_metadata(tmp: Path, config: ModelConfig, tensors, files: list[str], shards) -> None:
-    hf_config = to_hf_config(config) | {"torch_dtype": str(tensors[0][1].dtype).removeprefix("torch.")}
+def _write_metadata(tmp: Path, hf_config: dict, provider: ModelProvider, tensors, files: list[str], shards) -> None:
+    hf_config = hf_config | {"torch_dtype": str(tensors[0][1].dtype).removeprefix("torch.")}
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     if len(files) > 1:
         index = {
@@ -402,10 +436,14 @@ def _write_metadata(tmp: Path, config: ModelConfig, tensors, files: list[str], s
                 stored: file
                 for file, shard in zip(files, shards)
                 for name, t in shard
-                for stored in expert_names(name, t.shape) or (hf_name(name),)
+                for stored in _as_tuple(provider.hf_names(name, t.shape))
             },
         }
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _as_tuple(names: HFNames) -> tuple[str, ...]:
+    return names if isinstance(names, tuple) else (names,)
 
 
 def _raise_on_every_rank(error: str | None) -> None:

@@ -27,3 +27,8 @@ def expert_names(name: str, shape: Sequence[int]) -> tuple[str, ...] | None:
     if m is None or m[3] is None or not shape:
         return None
     return tuple(f"{m[1]}.block_sparse_moe.experts.{e}.{_EXPERT_WEIGHTS[m[3]]}.weight" for e in range(shape[0]))
+
+
+def llama_names(name: str, shape: Sequence[int]) -> str | tuple[str, ...]:
+    """The checkpoint tensor(s) of a shardlab Llama parameter: one name, or one per expert of a stacked weight."""
+    return expert_names(name, shape) or hf_name(name)

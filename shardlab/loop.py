@@ -22,43 +22,54 @@ from shardlab._base import to_json
 from shardlab.apply import apply, keep_own_stages
 from shardlab.config import Config
 from shardlab.data import make_loader
-from shardlab.hf import load_hf_weights, read_hf_config
+from shardlab.hf import initial_weights, load_hf_weights
 from shardlab.launch import resolve_device
 from shardlab.mesh import make_mesh
 from shardlab.metrics import (
     MetricsWriter,
     device_peak_flops,
     mfu,
-    model_flops_per_token,
     module_flops,
     peak_memory_bytes,
 )
-from shardlab.models.llama import Llama, materialize
-from shardlab.models.llama_rules import llama_rules
+from shardlab.models.provider import ModelProvider, check_layout, provider_for
 from shardlab.plan import Plan, make_plan
 from shardlab.rules import Rules
 from shardlab.step import Metrics, TrainState, init_state, make_step, model_device
 
 
-def plan_model(cfg: Config, rules: Rules | None = None) -> tuple[nn.Module, Plan]:
-    """The model on the meta device and its plan for cfg.mesh (resolved): no process group, no memory."""
+def plan_model(
+    cfg: Config, rules: Rules | None = None, provider: ModelProvider | None = None
+) -> tuple[nn.Module, Plan]:
+    """The model on the meta device and its plan for cfg.mesh (resolved): no process group, no memory.
+
+    provider: the model (default: the one the config names, `provider_for`); rules: its layout (default: the
+    provider's rules)."""
+    provider = provider or provider_for(cfg)
     with torch.device("meta"):
-        model = Llama(cfg.model)
+        model = provider.build()
     flops = None
     if cfg.mesh.pp > 1 and cfg.plan.pp_balance == "flops":
-        flops = module_flops(model, torch.zeros(1, cfg.train.seq_len, dtype=torch.long, device="meta"))
-    return model, make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan, flops)
+        sample = torch.zeros(1, cfg.train.seq_len, dtype=torch.long, device="meta")
+        flops = module_flops(model, sample, provider.forward)
+    return model, make_plan(model, cfg.mesh, rules or provider.rules(cfg.plan), cfg.plan, flops)
 
 
 def build_model(
-    cfg: Config, rules: Rules | None = None, device: torch.device | str | None = None
+    cfg: Config,
+    rules: Rules | None = None,
+    device: torch.device | str | None = None,
+    provider: ModelProvider | None = None,
 ) -> tuple[nn.Module, Plan, DeviceMesh | None]:
     """Model + plan + mesh for the current process group (or a single process), parallelized and ready to train.
 
-    device: None reads cfg.train.device (cuda:LOCAL_RANK when CUDA is used).
+    device: None reads cfg.train.device (cuda:LOCAL_RANK when CUDA is used). provider: the model (default: the
+    one the config names).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = cfg.validated().resolve(world)
+    provider = provider or provider_for(cfg)
+    check_layout(cfg, provider)
     device = resolve_device(cfg.train.device) if device is None else torch.device(device)
     if cfg.train.init == "sharded" and cfg.mesh.pp > 1:
         raise ValueError(
@@ -70,7 +81,7 @@ def build_model(
             "train.init='sharded' needs CUDA: torch coordinates DTensor random init across ranks only on CUDA "
             "meshes (on CPU every shard would draw the same numbers); use train.init='full'"
         )
-    model, plan = plan_model(cfg, rules)
+    model, plan = plan_model(cfg, rules, provider)
     mesh = None
     if plan.fsdp is not None or plan.mesh.tp > 1 or plan.pipeline is not None:
         if not dist.is_initialized():
@@ -83,7 +94,7 @@ def build_model(
         apply(model, plan, mesh)  # on the meta device: no rank ever holds more than its shards
     elif plan.pipeline is not None:
         keep_own_stages(model, plan, mesh["pp"].get_local_rank())  # on the meta device: only this rank's stages
-    materialize(model, device, cfg.train.seed)  # each weight a function of (seed, name): the same in every layout
+    provider.materialize(model, device, cfg.train.seed)  # each weight a function of (seed, name): same in every layout
     if cfg.train.init == "full":
         apply(model, plan, mesh)
     return model, plan, mesh
@@ -96,24 +107,27 @@ def train(
     device: torch.device | str | None = None,
     write: bool = True,
     until: int | None = None,
+    provider: ModelProvider | None = None,
 ) -> list[Metrics]:
     """Run (or resume, per checkpoint.resume) up to cfg.train.steps steps, or stop after step `until`.
 
     Rank 0 writes config.json, plan.json and metrics.jsonl into the run directory (unless `write` is
     False); checkpoints go to run_dir/checkpoints every checkpoint.every steps and after the last.
+    provider: the model (default: the one the config names; a recipe's own model is passed here).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     # nn.Embedding returns a view; FSDP warns in case an in-place op follows. Llama only adds out of place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
-    model, plan, mesh = build_model(cfg, rules, device)
+    provider = provider or provider_for(cfg)
+    model, plan, mesh = build_model(cfg, rules, device, provider)
     cfg = cfg.resolve(plan.mesh.world_size)
     device = model_device(model)
     dp = cfg.mesh.size("dp")
     dp_rank = cfg.mesh.group_index(rank, ("dp",))
-    step = make_step(cfg, plan, mesh)
+    step = make_step(cfg, plan, mesh, provider)
     state: TrainState = init_state(model, cfg.optim)
     loader = make_loader(
-        cfg.data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=cfg.model.vocab_size,
+        cfg.data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=provider.vocab_size,
         dp_rank=dp_rank, dp_size=dp, micro_batches=cfg.micro_batches,
     )  # fmt: skip
     run_dir = Path(cfg.run_dir)
@@ -124,22 +138,16 @@ def train(
         dist.barrier()
     resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, checkpoints)
     if resume_from is not None:
-        state = checkpoint.load(state, loader, resume_from, cfg)
-    elif cfg.checkpoint.init_from_hf is not None:
-        hf_model = read_hf_config(cfg.checkpoint.init_from_hf)
-        diff = hf_model.first_difference(cfg.model)
-        if diff is not None:
-            raise ValueError(
-                f"checkpoint.init_from_hf: the checkpoint has model.{diff}={getattr(hf_model, diff)!r} but the config "
-                f"says {getattr(cfg.model, diff)!r}; set the model fields to the checkpoint's"
-            )
-        load_hf_weights(model, cfg.checkpoint.init_from_hf)
+        state = checkpoint.load(state, loader, resume_from, cfg, provider)
+    elif (weights := initial_weights(cfg, provider)) is not None:
+        load_hf_weights(model, weights, provider.hf_names)
     is_writer = write and rank == 0
     if is_writer:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_bytes(to_json(cfg))
         (run_dir / "plan.json").write_bytes(plan.to_json())
-    fpt = model_flops_per_token(cfg.model, cfg.train.seq_len)
+        (run_dir / "model.json").write_text(json.dumps(provider.identity(), indent=2) + "\n")
+    fpt = provider.flops_per_token(cfg.train.seq_len)
     peak = device_peak_flops(device, cfg.log.peak_tflops)
     world = plan.mesh.world_size
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
@@ -166,8 +174,9 @@ def train(
                 if pending is not None:
                     pending.commit()  # the previous async save must be committed before the next one starts
                 pending = checkpoint.save(
-                    state, loader, cfg, checkpoints, async_save=cfg.checkpoint.async_save, group=save_group
-                )
+                    state, loader, cfg, checkpoints, async_save=cfg.checkpoint.async_save, group=save_group,
+                    provider=provider,
+                )  # fmt: skip
                 metrics["checkpoint_block_s"] = time.perf_counter() - saving
             metrics = {
                 **metrics,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from shardlab.config import LogConfig, ModelConfig
+from shardlab.config import LogConfig
 
 _LINE_FORMATS = {
     "loss": "loss {:.4f}",
@@ -150,34 +151,31 @@ def format_line(step: int, total_steps: int, values: dict[str, float]) -> str:
 
 def flops_per_token(n_params: int, n_layers: int, dim: int, seq_len: int) -> float:
     """Training FLOPs per token, forward + backward: 6N for the weights plus 12 * L * dim * S for attention
-    scores and values (PaLM, Chowdhery et al. 2022, appendix B). Whether N includes the embedding table is
-    the caller's choice; its lookup costs no FLOPs.
+    scores and values (PaLM, Chowdhery et al. 2022, appendix B); `dim` is the attention width (heads x
+    head_dim). Whether N includes the embedding table is the caller's choice; its lookup costs no FLOPs.
     """
     return 6.0 * n_params + 12.0 * n_layers * dim * seq_len
 
 
-def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
-    """`flops_per_token` of a Llama config: N counts every matmul weight a token goes through (with MoE, its
-    top_k experts), not an untied embedding (a lookup)."""
-    matmul_params = model.n_active_params - (0 if model.tie_embeddings else model.vocab_size * model.dim)
-    return flops_per_token(matmul_params, model.n_layers, model.dim, seq_len)
-
-
-def module_flops(model: nn.Module, sample: torch.Tensor) -> dict[str, float]:
+def module_flops(
+    model: nn.Module, sample: torch.Tensor, forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+) -> dict[str, float]:
     """Training FLOPs per token (forward + backward) of every module, by fqn, from torch's FlopCounterMode on one
-    forward and backward of `sample` (on the meta device it costs no memory). Attention counts as the kernel the
-    device picks computes it (on meta: the math kernel, full S^2 with no causal saving)."""
+    forward (`forward(model, sample)`: the logits) and backward of `sample` (on the meta device it costs no memory).
+    Attention counts as the kernel the device picks computes it (on meta: the math kernel, full S^2 with no causal
+    saving). The whole model's total is under the key "" (it includes what no submodule runs)."""
     counter = FlopCounterMode(display=False)
     with counter:
-        model(sample).float().sum().backward()
+        forward(model, sample).float().sum().backward()
     for p in model.parameters():
         p.grad = None
     tokens = sample.numel()
-    return {
+    out = {
         name.partition(".")[2]: sum(ops.values()) / tokens
         for name, ops in counter.get_flop_counts().items()
         if "." in name
     }
+    return out | {"": counter.get_total_flops() / tokens}
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | None) -> float | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -43,9 +44,8 @@ from shardlab.config import Config
 from shardlab.context import cp_positions
 from shardlab.mesh import AXES, FLAT_VIEWS, _experts_of, flat_view, make_mesh
 from shardlab.metrics import module_flops
-from shardlab.models.llama import Llama
-from shardlab.models.llama_rules import llama_rules
 from shardlab.models.moe import moe_layers
+from shardlab.models.provider import ModelProvider, provider_for
 from shardlab.plan import Plan, make_plan
 from shardlab.rules import Rules
 from shardlab.step import forward_backward
@@ -248,18 +248,24 @@ def _axis_names(mesh: DeviceMesh) -> dict[str | tuple[str, str], str]:
     return names
 
 
-def _probe_layers(cfg: Config, rules: Rules | None, mesh: DeviceMesh, n_layers: int, forward_only: bool) -> _Recorder:
-    if n_layers != cfg.model.n_layers:  # a smaller model of the same shape; its stages split evenly
-        plan_cfg = msgspec.structs.replace(cfg.plan, pp_split=(), pp_balance="blocks")
-        cfg = msgspec.structs.replace(
-            cfg, model=msgspec.structs.replace(cfg.model, n_layers=n_layers), plan=plan_cfg
-        )  # fmt: skip
+def _probe_layers(
+    cfg: Config,
+    rules: Rules | None,
+    provider: ModelProvider,
+    mesh: DeviceMesh,
+    n_layers: int,
+    forward_only: bool,
+) -> _Recorder:
+    if n_layers != provider.n_layers:  # a smaller model of the same shape; its stages split evenly
+        provider = provider.with_layers(n_layers)
+        cfg = msgspec.structs.replace(cfg, plan=msgspec.structs.replace(cfg.plan, pp_split=(), pp_balance="blocks"))
     with torch.device("meta"):
-        model = Llama(cfg.model)
+        model = provider.build()
     flops = None
     if cfg.mesh.pp > 1 and cfg.plan.pp_balance == "flops":  # the model as configured: its stages split by FLOPs
-        flops = module_flops(model, torch.zeros(1, cfg.train.seq_len, dtype=torch.long, device="meta"))
-    plan = make_plan(model, cfg.mesh, rules or llama_rules(cfg.model, cfg.plan), cfg.plan, flops)
+        sample = torch.zeros(1, cfg.train.seq_len, dtype=torch.long, device="meta")
+        flops = module_flops(model, sample, provider.forward)
+    plan = make_plan(model, cfg.mesh, rules or provider.rules(cfg.plan), cfg.plan, flops)
     apply(model, plan, mesh)
     for layer in moe_layers(model):  # fake tensors hold no data to route: every expert gets the same load
         layer.balanced = True
@@ -279,21 +285,26 @@ def _probe_layers(cfg: Config, rules: Rules | None, mesh: DeviceMesh, n_layers: 
             if forward_only:
                 raise _ForwardDone
 
-        with recorder, contextlib.suppress(_ForwardDone):
+        with recorder, contextlib.suppress(_ForwardDone), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
             if plan.pipeline is None:
-                forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward, positions)
+                forward_backward(
+                    model, tokens, tokens, 1.0, plan.loss_parallel, after_forward, positions, forward=provider.forward
+                )
             else:
-                _stages_forward_backward(model, plan, mesh, cfg, tokens, after_forward, recorder, positions)
+                _stages_forward_backward(
+                    model, plan, mesh, cfg, provider.dim, tokens, after_forward, recorder, positions
+                )
     return recorder
 
 
-def stage_boundary(cfg: Config, plan: Plan, rows: int) -> tuple[tuple[int, int, int], torch.dtype]:
+def stage_boundary(cfg: Config, plan: Plan, rows: int, dim: int) -> tuple[tuple[int, int, int], torch.dtype]:
     """Shape and dtype of what one pipeline stage hands the next for a micro batch of `rows` sequences: the
     residual stream of the rank's tokens (its cp chunks, sequence-sharded over tp under SP), in the parameters'
     compute dtype."""
     sp = cfg.mesh.tp if cfg.plan.sequence_parallel else 1
     dtype = getattr(torch, plan.fsdp.param_dtype) if plan.fsdp is not None else torch.float32
-    return (rows, cfg.train.seq_len // cfg.mesh.cp // sp, cfg.model.dim), dtype
+    return (rows, cfg.train.seq_len // cfg.mesh.cp // sp, dim), dtype
 
 
 def _stages_forward_backward(
@@ -301,6 +312,7 @@ def _stages_forward_backward(
     plan: Plan,
     mesh: DeviceMesh,
     cfg: Config,
+    dim: int,
     tokens: torch.Tensor,
     after_forward: Callable[[], None],
     recorder: _Recorder,
@@ -311,7 +323,7 @@ def _stages_forward_backward(
     SP); the last stage's loss is backpropagated, the others' outputs get a gradient from the next stage."""
     stages = plan.pipeline.stages_of(mesh["pp"].get_local_rank())
     last = len(plan.pipeline.stages) - 1
-    hidden, dtype = stage_boundary(cfg, plan, tokens.shape[0])
+    hidden, dtype = stage_boundary(cfg, plan, tokens.shape[0], dim)
     outputs = []
     with loss_parallel() if plan.loss_parallel else contextlib.nullcontext():
         for module, stage in zip(stage_modules(model), stages, strict=True):
@@ -344,16 +356,19 @@ def probe(
     forward_only: bool = False,
     pp_rank: int = 0,
     blocks: int | None = None,
+    provider: ModelProvider | None = None,
 ) -> Probe:
     """What one micro batch of `cfg` (resolved: its mesh names the world) does on rank 0, for the whole model
     (with pipelines: on the first rank of pp rank `pp_rank`, for its stages).
 
-    rules: the layout (default: llama_rules); they must not depend on the number of blocks. forward_only stops
+    provider: the model (default: the one the config names); rules: its layout (default: the provider's); they
+    must not depend on the number of blocks. forward_only stops
     after the forward: only activation_bytes and the forward's collectives and ops are then filled.
     With pipeline stages: one pipeline micro batch through the stages of pp rank `pp_rank` (this process is its
     first rank), which hold `blocks` blocks in cfg's plan (default: an even share).
     """
-    n = cfg.model.n_layers
+    provider = provider or provider_for(cfg)
+    n = provider.n_layers
     k = cfg.plan.ac_every if cfg.plan.activation_checkpoint == "selective" else 1
     pp, v = cfg.mesh.pp, cfg.plan.pp_stages_per_rank if cfg.mesh.pp > 1 else 1
     stages = pp * v  # the model's blocks split into `stages` stages, v of them on this rank
@@ -366,7 +381,7 @@ def probe(
         # One mesh for both probes: DTensor caches redistributions by mesh equality, so a second equal mesh
         # would run on the first one's groups.
         mesh = make_mesh(cfg.mesh, "cpu")
-        records = [_probe_layers(cfg, rules, mesh, size, forward_only) for size in sizes]
+        records = [_probe_layers(cfg, rules, provider, mesh, size, forward_only) for size in sizes]
     if len(records) == 1:
         a = b = records[0]
         scale = 0.0

@@ -11,19 +11,25 @@ from pathlib import Path
 from types import ModuleType
 
 from shardlab.config import Config
+from shardlab.models.provider import ModelProvider
 from shardlab.rules import Rules
 
 RulesArg = Rules | Callable[[Config], Rules] | None
+ModelArg = ModelProvider | Callable[[Config], ModelProvider] | None
 
 
 class Recipe:
-    """A loaded recipe file: its default `config` and its `rules` (None = the model's default rules)."""
+    """A loaded recipe file: its default `config`, its `rules` (None = the model's default rules) and its own
+    `model` (None = the model the config names)."""
 
-    def __init__(self, path: Path, config: Config, rules: RulesArg) -> None:
-        self.path, self.config, self._rules = path, config, rules
+    def __init__(self, path: Path, config: Config, rules: RulesArg, model: ModelArg = None) -> None:
+        self.path, self.config, self._rules, self._model = path, config, rules, model
 
     def rules(self, cfg: Config) -> Rules | None:
         return self._rules(cfg) if callable(self._rules) else self._rules
+
+    def model(self, cfg: Config) -> ModelProvider | None:
+        return self._model(cfg) if callable(self._model) and not isinstance(self._model, ModelProvider) else self._model
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -46,4 +52,10 @@ def load_recipe(path: str | Path) -> Recipe:
     rules = getattr(module, "rules", None)
     if rules is not None and not (isinstance(rules, Rules) or callable(rules)):
         raise ValueError(f"recipe {str(path)!r}: `rules` must be a shardlab.Rules or a function Config -> Rules")
-    return Recipe(path, config, rules)
+    model = getattr(module, "model", None)
+    if model is not None and not (isinstance(model, ModelProvider) or callable(model)):
+        raise ValueError(
+            f"recipe {str(path)!r}: `model` must be a shardlab model provider (e.g. shardlab.CustomModel(...)) or a "
+            "function Config -> provider"
+        )
+    return Recipe(path, config, rules, model)

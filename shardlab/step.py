@@ -27,6 +27,7 @@ from shardlab.context import cp_positions
 from shardlab.data import Batch
 from shardlab.mesh import flat_view
 from shardlab.models.moe import Routers, moe_layers
+from shardlab.models.provider import ModelProvider, logits_of, provider_for
 from shardlab.plan import Plan
 from shardlab.schedule import PipelineRun
 
@@ -79,8 +80,9 @@ def lr_schedule(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
     return lr_at
 
 
-def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn:
-    """The step for one layout; everything layout-specific is read off the plan and the mesh.
+def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider: ModelProvider | None = None) -> StepFn:
+    """The step for one layout; everything layout-specific is read off the plan and the mesh, everything
+    model-specific (how tokens become logits, MoE routers) off the provider (default: the one the config names).
 
     FSDP averages gradients over the ranks holding different tokens (`batch`: dp_replicate x dp_shard x cp),
     so each micro batch's summed loss is scaled by that count / (tokens in the global batch): the result is
@@ -100,7 +102,8 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
     pipeline = PipelineRun(plan, mesh, IGNORE_INDEX) if plan.pipeline is not None else None
     stage_group = pipeline.group if pipeline is not None else None
 
-    moe = cfg.model.moe
+    provider = provider or provider_for(cfg)
+    moe, forward = provider.moe, provider.forward
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         model, opt = state.model, state.optim
@@ -139,8 +142,9 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None) -> StepFn
         else:
             for x, y in zip(inputs.chunk(micro_batches), labels.chunk(micro_batches)):
                 loss = forward_backward(
-                    model, x, y, scale, plan.loss_parallel, positions=at, extra_loss=routers and routers.loss
-                )
+                    model, x, y, scale, plan.loss_parallel, positions=at, extra_loss=routers and routers.loss,
+                    forward=forward,
+                )  # fmt: skip
                 loss_sum += _local(loss).to(torch.float64)
         match_param_layouts(model)
         grad_norm = clip_grad_norm(model, max_norm, stage_group)
@@ -166,16 +170,21 @@ def forward_backward(
     after_forward: Callable[[], None] | None = None,
     positions: torch.Tensor | None = None,
     extra_loss: Callable[[], torch.Tensor | None] | None = None,
+    forward: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One micro batch: summed cross-entropy, backward of loss * scale; returns the (detached) summed loss.
 
     vocab_parallel: the logits are vocab-sharded DTensors (the plan's loss_parallel). after_forward runs between
     the loss and the backward (the estimator measures what the forward left alive there). positions: where the
     tokens sit in their sequences (a context-parallel rank's chunks; None: 0..s-1). extra_loss: a term added
-    to what is backpropagated after the forward (an MoE model's load-balancing loss), or None.
+    to what is backpropagated after the forward (an MoE model's load-balancing loss), or None. forward: how the
+    model turns tokens into logits (`ModelProvider.forward`; default: `model(inputs)`, its output or `.logits`).
     """
     with loss_parallel() if vocab_parallel else contextlib.nullcontext():
-        logits = model(inputs) if positions is None else model(inputs, positions=positions)
+        if forward is not None:
+            logits = forward(model, inputs, positions)
+        else:
+            logits = logits_of(model(inputs) if positions is None else model(inputs, positions=positions))
         loss = F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
         )

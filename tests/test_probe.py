@@ -9,6 +9,7 @@ from shardlab._fake import fake_world
 from shardlab.estimate import estimate
 from shardlab.loop import plan_model
 from shardlab.mesh import make_mesh
+from shardlab.models.provider import LlamaProvider
 from shardlab.probe import _probe_layers, probe
 from shardlab.roofline import axis_bandwidth, device
 
@@ -52,7 +53,7 @@ def test_two_probes_extrapolate_to_the_whole_model_exactly(mesh, plan):
     c = cfg(mesh, n_layers=n, **plan).resolve(4)
     p = probe(c)
     with fake_world(4):
-        direct = _probe_layers(c, None, make_mesh(c.mesh, "cpu"), n, False)
+        direct = _probe_layers(c, None, LlamaProvider(c.model), make_mesh(c.mesh, "cpu"), n, False)
     assert (p.flops, p.activation_bytes) == (direct.flops, direct.activation_bytes)
     assert {(x.axis, x.kind, x.phase, x.group_size): (x.count, x.bytes) for x in p.collectives} == {
         k[:4]: (v, direct.collective_bytes[k]) for k, v in direct.collectives.items()

@@ -21,6 +21,7 @@ from shardlab.config import (
 )
 from shardlab.loop import build_model, train
 from shardlab.mesh import FLAT_VIEWS
+from shardlab.models.provider import ModelProvider
 
 STEPS = 10
 TOL = 1e-5
@@ -42,10 +43,10 @@ def tiny(mesh: MeshSpec = MeshSpec(dp_shard=1), **plan: object) -> Config:
     )
 
 
-def curves(cfg: Config, until: int | None = None) -> dict[str, list[float]]:
+def curves(cfg: Config, until: int | None = None, provider: ModelProvider | None = None) -> dict[str, list[float]]:
     """Per-step loss and gradient norm (before clipping): a wrong gradient scale shows in the norm even
     where AdamW and clipping would hide it from the loss."""
-    history = train(cfg, write=False, until=until)
+    history = train(cfg, write=False, until=until, provider=provider)
     return {"loss": [m["loss"] for m in history], "grad_norm": [m["grad_norm"] for m in history]}
 
 

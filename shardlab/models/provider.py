@@ -1,0 +1,231 @@
+"""Model providers: everything shardlab asks of a model, so the loop, the step, the estimator, checkpoints and
+Hugging Face I/O never name a model class.
+
+A provider answers, for one configuration: build the model (on whatever device is current: the meta device for
+plans), initialise it (each weight a function of the seed and its name), its rules (parameter layout, blocks,
+attention modules, FSDP units), how tokens become logits, its FLOPs per token, the model facts the mesh must divide,
+a shallower copy for the estimator's probe, what identifies it on resume, and its Hugging Face names. shardlab's
+Llama (dense or MoE) is `LlamaProvider`; a transformers causal LM from a local directory is
+`shardlab.models.hf_causal_lm.HFCausalLM`; a recipe's own nn.Module is `CustomModel`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+from torch import nn
+
+from shardlab.config import ModelConfig, MoEConfig, PlanConfig, check_tp_divisors
+from shardlab.metrics import flops_per_token
+from shardlab.rules import Rules
+
+if TYPE_CHECKING:
+    from shardlab.config import Config
+
+HFNames = str | tuple[str, ...]
+"""The checkpoint tensor(s) holding a parameter: one name, or one per slice of dim 0 (a stacked expert weight)."""
+
+
+class ModelProvider(abc.ABC):
+    """What shardlab needs to know about a model; subclasses answer for one model family."""
+
+    name: str
+    """Shown in plans and errors (e.g. "llama", "transformers Qwen3ForCausalLM")."""
+
+    @abc.abstractmethod
+    def build(self) -> nn.Module:
+        """The model, on the current default device (call under `torch.device("meta")` to plan without memory)."""
+
+    @abc.abstractmethod
+    def init_weights(self, model: nn.Module, seed: int) -> None:
+        """Fill every parameter and buffer of an allocated model: each weight a function of (seed, its name), so
+        every layout (and a pipeline rank that holds only its stages) starts from the same numbers."""
+
+    def materialize(self, model: nn.Module, device: torch.device | str, seed: int) -> nn.Module:
+        """Allocate a meta-device model (or what a pipeline rank kept of it) on `device` and initialise it."""
+        model.to_empty(device=device)
+        self.init_weights(model, seed)
+        return model
+
+    def meta_model(self) -> nn.Module:
+        """The model on the meta device, built once (for counting parameters and deriving rules)."""
+        if self.__dict__.get("_meta") is None:
+            with torch.device("meta"):
+                self.__dict__["_meta"] = self.build()
+        return self.__dict__["_meta"]
+
+    @abc.abstractmethod
+    def rules(self, options: PlanConfig) -> Rules:
+        """The default layout: parameter rules, logical table, activations, FSDP units, blocks, attention."""
+
+    def forward(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [b, s, vocab] of `tokens` [b, s]; positions: each token's place in its sequence (a
+        context-parallel rank's chunks; None: 0..s-1)."""
+        out = model(tokens) if positions is None else model(tokens, positions=positions)
+        return logits_of(out)
+
+    @property
+    @abc.abstractmethod
+    def n_layers(self) -> int:
+        """Repeated blocks (what pipeline stages and the probe's depth extrapolation count)."""
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def dim(self) -> int:
+        """Width of the residual stream (what pipeline stages hand each other)."""
+
+    @property
+    def moe(self) -> MoEConfig | None:
+        """shardlab's MoE layers, whose routers the step balances; None for every other model."""
+        return None
+
+    @abc.abstractmethod
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per token as MFU counts them: 6 N (matmul weights a token goes through) + 12 L d S."""
+
+    @abc.abstractmethod
+    def tp_divisors(self) -> dict[str, int]:
+        """Model facts that tensor parallelism splits, by the name an error shows (`model.n_heads`): tp must
+        divide each one."""
+
+    def check(self, cfg: Config) -> None:
+        """Errors that need the model and the layout together (beyond `tp_divisors`); one line each."""
+        return None
+
+    @abc.abstractmethod
+    def with_layers(self, n_layers: int) -> ModelProvider:
+        """The same model with `n_layers` blocks (the estimator probes two shallow copies)."""
+
+    @abc.abstractmethod
+    def identity(self) -> dict[str, Any]:
+        """What must match for a checkpoint to load into this model: display name -> value (saved as model.json)."""
+
+    def describe(self) -> str:
+        """A few defining values, for errors (`dim=256, n_layers=6, ...`)."""
+        return ", ".join(f"{k.rpartition('.')[2]}={v}" for k, v in list(self.identity().items())[:4])
+
+    def hf_config(self) -> dict[str, Any]:
+        """A transformers config.json for this model, or a ValueError saying why it has none."""
+        raise ValueError(f"{self.name}: no Hugging Face mapping; this model cannot be exported to transformers")
+
+    def hf_names(self, name: str, shape: Sequence[int]) -> HFNames:
+        """The checkpoint tensor(s) of parameter `name` (its shape: a stacked weight is one tensor per slice)."""
+        return name
+
+    def hf_tied(self) -> bool:
+        """Whether the exported checkpoint leaves out the tied head (`lm_head.weight`), as transformers does."""
+        return False
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """A model's logits: its output itself, or the `.logits` of a transformers-style output object."""
+    logits = getattr(output, "logits", output)
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(
+            f"the model returned a {type(output).__name__}; shardlab needs logits [batch, seq, vocab] or an object "
+            "with .logits"
+        )
+    return logits
+
+
+def first_difference(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """The first key whose value differs between two identities (a key only one of them has counts too)."""
+    return next((k for k in (*saved, *(k for k in now if k not in saved)) if saved.get(k) != now.get(k)), None)
+
+
+class LlamaProvider(ModelProvider):
+    """shardlab's own Llama 3, dense or with MoE layers, from the config's `model` fields."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.name = "llama" if cfg.moe is None else "llama-moe"
+
+    def build(self) -> nn.Module:
+        from shardlab.models.llama import Llama
+
+        return Llama(self.cfg)
+
+    def init_weights(self, model: nn.Module, seed: int) -> None:
+        model.init_weights(seed)
+
+    def rules(self, options: PlanConfig) -> Rules:
+        from shardlab.models.llama_rules import llama_rules
+
+        return llama_rules(self.cfg, options)
+
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.n_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def dim(self) -> int:
+        return self.cfg.dim
+
+    @property
+    def moe(self) -> MoEConfig | None:
+        return self.cfg.moe
+
+    def flops_per_token(self, seq_len: int) -> float:
+        m = self.cfg
+        matmul_params = m.n_active_params - (0 if m.tie_embeddings else m.vocab_size * m.dim)
+        return flops_per_token(matmul_params, m.n_layers, m.dim, seq_len)
+
+    def tp_divisors(self) -> dict[str, int]:
+        return self.cfg.tp_divisors()
+
+    def with_layers(self, n_layers: int) -> LlamaProvider:
+        return LlamaProvider(msgspec.structs.replace(self.cfg, n_layers=n_layers))
+
+    def identity(self) -> dict[str, Any]:
+        return {f"model.{f}": msgspec.to_builtins(getattr(self.cfg, f)) for f in LLAMA_FIELDS}
+
+    def hf_config(self) -> dict[str, Any]:
+        from shardlab.models.llama import to_hf_config
+
+        return to_hf_config(self.cfg)
+
+    def hf_names(self, name: str, shape: Sequence[int]) -> HFNames:
+        from shardlab.hf_names import llama_names
+
+        return llama_names(name, shape)
+
+    def hf_tied(self) -> bool:
+        return self.cfg.tie_embeddings
+
+
+LLAMA_FIELDS = tuple(f for f in ModelConfig.__struct_fields__ if f not in ("hf_path", "from_scratch"))
+"""The fields that describe shardlab's Llama (the others say where a transformers model comes from)."""
+
+
+def provider_for(cfg: Config, custom: ModelProvider | None = None) -> ModelProvider:
+    """The provider a config names: a recipe's own model (`custom`), a transformers directory (model.hf_path), or
+    shardlab's Llama."""
+    if custom is not None:
+        if cfg.model.hf_path is not None:
+            raise ValueError(
+                "model.hf_path is set but the recipe defines its own model; use one of them (drop --model.hf-path)"
+            )
+        return custom
+    if cfg.model.hf_path is not None:
+        from shardlab.models.hf_causal_lm import HFCausalLM
+
+        return HFCausalLM.from_dir(cfg.model.hf_path)
+    return LlamaProvider(cfg.model)
+
+
+def check_layout(cfg: Config, provider: ModelProvider) -> None:
+    """The model facts tensor parallelism splits must divide by mesh.tp; then the provider's own checks."""
+    check_tp_divisors(provider.tp_divisors(), cfg.mesh.tp)
+    provider.check(cfg)
