@@ -70,6 +70,10 @@ def table(plan: Plan, collapse: bool = True) -> str:
         for fqn, m, count in _collapsed(plan.modules, collapse):
             ins = m.desired_inputs or m.inputs
             src = " -> ".join(_spec_text(s[0]) for s in (m.inputs, m.desired_inputs) if s) if ins else "-"
+            if m.kwarg_inputs:
+                name = m.kwarg_inputs[0][0]
+                pair = (m.kwarg_inputs, m.desired_kwarg_inputs or ())
+                src = f"{name}=" + " -> ".join(_spec_text(dict(k)[name]) for k in pair if name in dict(k))
             mrows.append(
                 (
                     fqn + (f" (x{count})" if count > 1 else ""),

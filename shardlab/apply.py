@@ -1,8 +1,8 @@
 """apply(model, plan, mesh): the one door to torch's parallel APIs, in the order the layout needs.
 
-this rank's pipeline stages (the other stages' modules become nn.Identity) -> TP/SP (`parallelize_module`)
--> context-parallel attention (`shardlab.context`) -> expert parallelism (`shardlab.experts`)
--> activation checkpointing -> compile -> FSDP/HSDP (`fully_shard` per unit, then the root: the model, or each
+this rank's pipeline stages (the other stages' modules become nn.Identity) -> activation checkpointing -> TP/SP
+(`parallelize_module`) -> context-parallel attention (`shardlab.context`) -> expert parallelism (`shardlab.experts`)
+-> compile -> FSDP/HSDP (`fully_shard` per unit, then the root: the model, or each
 StageModule when a rank runs several stages). The pipeline
 schedule itself runs in the step (shardlab.schedule). Also the JAX-like helpers `shard` (device_put with a spec),
 `constrain` (with_sharding_constraint for activations) and `shard_map` (code on local blocks, over local_map).
@@ -56,6 +56,16 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
         _check_mesh(plan, mesh)
     kept = keep_own_stages(model, plan, mesh["pp"].get_local_rank()) if plan.pipeline is not None else None
     _check_model(model, plan, kept)
+    # Block indices count over the whole model, so selective checkpointing picks the same blocks in every layout.
+    blocks = [(i, model.get_submodule(f)) for i, f in enumerate(plan.blocks) if kept is None or _in_stages(f, kept)]
+    # Checkpointing before TP: its hook keeps a block's inputs as they come, ahead of any TP hook of the block itself
+    # (a transformers model's first block takes its sequence shard), so the recomputation runs that hook again on
+    # the same inputs instead of on its output.
+    for i, block in blocks:
+        if plan.activation_checkpoint == "full" or (
+            plan.activation_checkpoint == "selective" and i % plan.ac_every == 0
+        ):
+            checkpoint_module(block)
     if plan.mesh.tp > 1:
         kept_modules = plan.modules if kept is None else [m for m in plan.modules if _in_stages(m.fqn, kept)]
         parallelize_module(model, mesh["tp"], {m.fqn: _tp_style(m) for m in kept_modules})
@@ -69,13 +79,6 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
     if plan.experts is not None:  # this rank's stages' experts
         experts = tuple(f for f in plan.experts.modules if kept is None or _in_stages(f, kept))
         _expert_parallel(model, plan, mesh, experts)
-    # Block indices count over the whole model, so selective checkpointing picks the same blocks in every layout.
-    blocks = [(i, model.get_submodule(f)) for i, f in enumerate(plan.blocks) if kept is None or _in_stages(f, kept)]
-    for i, block in blocks:
-        if plan.activation_checkpoint == "full" or (
-            plan.activation_checkpoint == "selective" and i % plan.ac_every == 0
-        ):
-            checkpoint_module(block)
     if plan.compile:
         for _, block in blocks:
             block.compile()
@@ -253,8 +256,12 @@ def _tp_style(m: ModulePlan) -> ParallelStyle:
         )
     if m.style == "prepare_input":
         return PrepareModuleInput(
-            input_layouts=tuple(_tp(x) for x in m.inputs),
-            desired_input_layouts=tuple(_tp(x) for x in m.desired_inputs),
+            input_layouts=None if m.inputs is None else tuple(_tp(x) for x in m.inputs),
+            desired_input_layouts=None if m.desired_inputs is None else tuple(_tp(x) for x in m.desired_inputs),
+            input_kwarg_layouts=None if m.kwarg_inputs is None else {k: _tp(x) for k, x in m.kwarg_inputs},
+            desired_input_kwarg_layouts=(
+                None if m.desired_kwarg_inputs is None else {k: _tp(x) for k, x in m.desired_kwarg_inputs}
+            ),
             use_local_output=m.local_output,
         )
     raise ValueError(f"{m.fqn}: unknown style {m.style!r} in the plan; re-run make_plan")

@@ -47,6 +47,14 @@ class Activation(Frozen):
     desired_output: tuple[str | None, ...] | None = None
     """Layout the next module needs the output in; with it, the module takes and returns plain local tensors
     (torch's PrepareModuleInputOutput), for modules that compute on local shards (an MoE layer under TP)."""
+    kwarg_inputs: tuple[tuple[str, tuple[str | None, ...]], ...] | None = None
+    """Layout of keyword inputs as they arrive, by name (a transformers decoder layer calls its attention with
+    `hidden_states=`)."""
+    desired_kwarg_inputs: tuple[tuple[str, tuple[str | None, ...]], ...] | None = None
+    """Layout the module needs its keyword inputs in."""
+    local_output: bool | None = None
+    """Hand the next module a plain local tensor (True) or a DTensor (False); None: the style's default (a
+    sequence-parallel norm keeps a DTensor). Code that adds the output to a local tensor needs True."""
 
 
 class Rules(Frozen):

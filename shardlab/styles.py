@@ -30,6 +30,9 @@ class ModulePlan(Frozen):
     """Layout of the output (None = the style's default)."""
     desired_output: Spec | None = None
     """Layout the output is redistributed to (prepare_input_output)."""
+    kwarg_inputs: tuple[tuple[str, Spec], ...] | None = None
+    """Layout of keyword inputs as they arrive, by name (prepare_input)."""
+    desired_kwarg_inputs: tuple[tuple[str, Spec], ...] | None = None
     local_output: bool = True
     """Hand the next module a plain local tensor (False keeps a DTensor, e.g. vocab-sharded logits)."""
 
@@ -60,6 +63,9 @@ def module_plans(modules: dict[str, nn.Module], tp_dims: dict[str, int | None], 
         )
         output = None if act is None else _lower(act.output, rules, fqn)
         desired_output = None if act is None else _lower(act.desired_output, rules, fqn)
+        kwargs = None if act is None else _lower_kwargs(act.kwarg_inputs, rules, fqn)
+        desired_kwargs = None if act is None else _lower_kwargs(act.desired_kwarg_inputs, rules, fqn)
+        local = None if act is None else act.local_output
         own = {
             n: tp_dims[f"{fqn}.{n}" if fqn else n]
             for n, _ in module.named_parameters(recurse=False)
@@ -83,12 +89,29 @@ def module_plans(modules: dict[str, nn.Module], tp_dims: dict[str, int | None], 
         elif any(d is not None for d in own.values()):
             out.append(_parallel_style(fqn, module, own, inputs, output))
         elif inputs and output and _tp_dim(inputs[0]) is not None and _tp_dim(inputs[0]) == _tp_dim(output):
-            out.append(ModulePlan(fqn=fqn, style="sequence_parallel", inputs=inputs, output=output, local_output=False))
-        elif inputs and desired and [_tp_dim(x) for x in inputs] != [_tp_dim(x) for x in desired]:
             out.append(
-                ModulePlan(fqn=fqn, style="prepare_input", inputs=inputs, desired_inputs=desired, local_output=False)
+                ModulePlan(fqn=fqn, style="sequence_parallel", inputs=inputs, output=output, local_output=bool(local))
             )
+        elif (inputs and desired and [_tp_dim(x) for x in inputs] != [_tp_dim(x) for x in desired]) or (
+            kwargs and desired_kwargs and _kwarg_dims(kwargs) != _kwarg_dims(desired_kwargs)
+        ):
+            out.append(
+                ModulePlan(
+                    fqn=fqn, style="prepare_input", inputs=inputs if desired else None, desired_inputs=desired,
+                    kwarg_inputs=kwargs, desired_kwarg_inputs=desired_kwargs, local_output=bool(local),
+                )
+            )  # fmt: skip
     return tuple(out)
+
+
+def _lower_kwargs(
+    layouts: tuple[tuple[str, tuple[str | None, ...]], ...] | None, rules: Rules, fqn: str
+) -> tuple[tuple[str, Spec], ...] | None:
+    return None if layouts is None else tuple((name, _lower(x, rules, fqn)) for name, x in layouts)
+
+
+def _kwarg_dims(layouts: tuple[tuple[str, Spec], ...]) -> dict[str, int | None]:
+    return {name: _tp_dim(x) for name, x in layouts}
 
 
 def _parallel_style(fqn: str, module: nn.Module, own: dict[str, int | None], inputs, output) -> ModulePlan:
