@@ -20,8 +20,11 @@ from shardlab.debug import visualize, visualize_spec
 from shardlab.hf import from_hf, load_hf_weights, to_hf
 from shardlab.loop import build_model, train
 from shardlab.mesh import MeshSpec, make_mesh
+from shardlab.models.custom import CustomModel
+from shardlab.models.hf_causal_lm import HFCausalLM
 from shardlab.models.llama import Llama, llama_config
 from shardlab.models.llama_rules import llama_rules
+from shardlab.models.provider import LlamaProvider, ModelProvider, provider_for
 from shardlab.plan import Plan, make_plan
 from shardlab.rules import Activation, Rule, Rules
 from shardlab.spec import P, placements
@@ -31,12 +34,16 @@ __all__ = [
     "Activation",
     "CheckpointConfig",
     "Config",
+    "CustomModel",
     "DataConfig",
+    "HFCausalLM",
     "Llama",
+    "LlamaProvider",
     "LogConfig",
     "MeshSpec",
     "MoEConfig",
     "ModelConfig",
+    "ModelProvider",
     "OptimConfig",
     "P",
     "Plan",
@@ -58,6 +65,7 @@ __all__ = [
     "make_plan",
     "make_step",
     "placements",
+    "provider_for",
     "save",
     "shard",
     "shard_map",

@@ -2,9 +2,12 @@
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from shardlab.config import ModelConfig
 from shardlab.loop import plan_model
+from shardlab.models.provider import check_layout, provider_for
 from shardlab.recipe import load_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -25,17 +28,42 @@ WORLD = {
     "llama3_405b.py": 4096,
     "llama3_405b_pp.py": 512,
     "mixtral_8x7b.py": 64,
+    "custom_gpt.py": 4,
+    "hf_causal_lm.py": 4,
+    "qwen3_32b.py": 256,
+    "qwen2_5_72b.py": 512,
 }
+NEEDS_TRANSFORMERS = ("hf_causal_lm.py", "qwen3_32b.py", "qwen2_5_72b.py")
 
 
 def test_every_recipe_has_a_world():
     assert sorted(p.name for p in RECIPES.glob("*.py")) == sorted(WORLD)
 
 
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A small local transformers model directory, for the recipe that trains one by directory."""
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf")
+    config = transformers.Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    config.save_pretrained(root)
+    return root
+
+
 @pytest.mark.parametrize("name", sorted(WORLD))
-def test_recipe_plans(name):
+def test_recipe_plans(name, request):
+    if name in NEEDS_TRANSFORMERS:
+        pytest.importorskip("transformers")
     recipe = load_recipe(RECIPES / name)
-    cfg = recipe.config.validated().resolve(WORLD[name])
-    _, plan = plan_model(cfg, recipe.rules(cfg))
+    cfg = recipe.config
+    if name == "hf_causal_lm.py":
+        cfg = msgspec.structs.replace(cfg, model=ModelConfig(hf_path=str(request.getfixturevalue("hf_dir"))))
+    cfg = cfg.validated().resolve(WORLD[name])
+    provider = provider_for(cfg, recipe.model(cfg))
+    check_layout(cfg, provider)
+    _, plan = plan_model(cfg, recipe.rules(cfg), provider)
     assert plan.mesh.world_size == WORLD[name]
     assert (plan.pipeline is not None) == (cfg.mesh.pp > 1)

@@ -1,7 +1,8 @@
 """Regenerate the golden plans: `python tests/golden/regenerate.py`, then review the diff of tests/golden/plans/.
 
 Each golden file is `Plan.to_json()` of `make_plan(Llama(size) on meta, mesh, llama_rules(size))` with the default
-PlanConfig (sequence parallel, loss parallel). tests/test_plan.py rebuilds the same plans and compares them with
+PlanConfig (sequence parallel, loss parallel), or for `hf-<family>` cases of a small transformers model of that
+family with the rules shardlab derives from transformers' TP plan (needs transformers). tests/test_plan.py rebuilds the same plans and compares them with
 these files, so any change to the rules, the planner or the model layout shows up as a reviewable JSON diff.
 """
 
@@ -27,12 +28,39 @@ CASES: dict[str, tuple[str, MeshSpec]] = {
     "debug__tp2": ("debug", MeshSpec(dp_shard=1, tp=2)),
     "debug__dp_shard2xcp2": ("debug", MeshSpec(dp_shard=2, cp=2)),
     "8B__dp_shard8xtp8": ("8B", MeshSpec(dp_shard=8, tp=8)),
+    # hf-<family>: a small transformers model of the family (HF_CONFIGS), rules derived from its TP plan
+    **{
+        f"hf-{f}__dp_shard2xtp2": (f"hf-{f}", MeshSpec(dp_shard=2, tp=2))
+        for f in ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+    },
+    "hf-phi3__dp_shard4": ("hf-phi3", MeshSpec(dp_shard=4)),
 }
+HF_SHAPE = {
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2,
+}  # fmt: skip
+HF_CONFIGS = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "mistral": {"sliding_window": 24},
+    "gemma3_text": {"head_dim": 16, "sliding_window": 24},
+    "phi3": {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None},
+}
+"""config.json values per model_type on top of HF_SHAPE (the version of transformers is pinned by the dev extra)."""
 
 
 def build(name: str) -> Plan:
     """The plan a golden file holds, made now."""
     size, mesh = CASES[name]
+    if size.startswith("hf-"):
+        from shardlab.models.hf_causal_lm import HFCausalLM
+
+        family = size.removeprefix("hf-")
+        provider = HFCausalLM.from_dict({"model_type": family, **HF_SHAPE, **HF_CONFIGS[family]}, source=family)
+        with torch.device("meta"):
+            model = provider.build()
+        return make_plan(model, mesh, provider.rules(PlanConfig()), PlanConfig())
     cfg = llama_config(size)
     with torch.device("meta"):
         model = Llama(cfg)

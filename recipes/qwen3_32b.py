@@ -1,0 +1,34 @@
+"""Qwen3-32B with its published config.json values written here (nothing is downloaded): FSDP over dp_shard x TP 8
+(+SP, loss parallel) from the layout shardlab derives from transformers' TP plan, bf16 compute, full activation
+checkpointing. For `plan` and `estimate` (e.g. --world 256); with a checkpoint directory, train it through
+recipes/hf_causal_lm.py --model.hf-path DIR."""
+
+from shardlab import Config, HFCausalLM, MeshSpec, OptimConfig, PlanConfig, TrainConfig
+
+model = HFCausalLM.from_dict(
+    {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    source="Qwen3-32B",
+)
+config = Config(
+    name="qwen3_32b",
+    mesh=MeshSpec(dp_shard=-1, tp=8),
+    plan=PlanConfig(param_dtype="bfloat16", reduce_dtype="float32", activation_checkpoint="full"),
+    optim=OptimConfig(lr=1e-5, warmup_steps=100, weight_decay=0.0),
+    train=TrainConfig(steps=1000, global_batch=256, seq_len=8192, device="cuda"),
+)

@@ -1,0 +1,215 @@
+"""A transformers causal LM from a local directory (config.json, optionally safetensors), as a model provider.
+
+The model is transformers' own class (`AutoModelForCausalLM.from_config`, SDPA attention), built on the meta device
+from the directory's config.json; nothing is ever downloaded. Its layout is derived from transformers' TP plan
+(`shardlab.models.hf_rules`); its weights are read by name from the directory's safetensors, each rank reading only
+its own block. transformers is imported only when such a model is used (it takes seconds).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from shardlab.config import PlanConfig
+from shardlab.hf import has_weights
+from shardlab.metrics import flops_per_token
+from shardlab.models.hf_rules import hf_rules, unsplittable
+from shardlab.models.llama import param_seed
+from shardlab.models.provider import ModelProvider
+from shardlab.rules import Rules
+
+if TYPE_CHECKING:
+    from shardlab.config import Config
+
+IDENTITY_PREFIX = "config.json:"
+NOT_IDENTITY = (
+    "transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache", "attn_implementation",
+    "_attn_implementation_autoset", "output_attentions", "output_hidden_states", "return_dict",
+)  # fmt: skip
+"""config.json keys that say how a model was saved or is run, not what it is."""
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(
+            "model.hf_path needs the transformers package: pip install 'shardlab[hf]' (or transformers>=5)"
+        ) from None
+    return transformers
+
+
+class HFCausalLM(ModelProvider):
+    """A transformers `*ForCausalLM` from its config (see `from_dir`)."""
+
+    def __init__(self, config: Any, source: str = "model.hf_path") -> None:
+        self.config = config
+        self.source = source
+        arch = (getattr(config, "architectures", None) or [None])[0] or config.model_type
+        self.name = f"transformers {arch}"
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> HFCausalLM:
+        """The model of a local transformers directory (its config.json); one-line errors for anything else."""
+        root = Path(path)
+        file = root / "config.json"
+        if not file.is_file():
+            raise ValueError(
+                f"model.hf_path={str(path)!r}: no {file}; pass a local transformers model directory (config.json, "
+                "safetensors)"
+            )
+        try:
+            d = json.loads(file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{file}: not readable JSON ({e}); re-download or re-export the model") from None
+        return cls.from_dict(d, source=str(file))
+
+    @classmethod
+    def from_identity(cls, identity: dict[str, Any]) -> HFCausalLM:
+        """The model a checkpoint's model.json describes."""
+        return cls.from_dict({k.removeprefix(IDENTITY_PREFIX): v for k, v in identity.items()}, source="model.json")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str) -> HFCausalLM:
+        transformers = _transformers()
+        model_type = d.get("model_type")
+        mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        if model_type not in mapping:
+            raise ValueError(
+                f"{source}: model_type={model_type!r} has no causal-LM class in transformers "
+                f"{transformers.__version__}; shardlab trains *ForCausalLM models"
+            )
+        fields = {k: v for k, v in d.items() if k != "model_type"}
+        try:
+            config = transformers.AutoConfig.for_model(model_type, **fields)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{source}: transformers cannot read this config ({e})") from None
+        config.use_cache = False
+        return cls(config, source)
+
+    def build(self) -> nn.Module:
+        transformers = _transformers()
+        try:
+            return transformers.AutoModelForCausalLM.from_config(
+                self.config, attn_implementation="sdpa", dtype=torch.float32
+            )
+        except (AssertionError, ValueError, TypeError, KeyError, AttributeError) as e:  # a user's config.json
+            raise ValueError(f"{self.source}: transformers cannot build {self.name} from it ({e})") from None
+
+    def init_weights(self, model: nn.Module, seed: int) -> None:
+        """transformers' own initialisation, module by module, each drawn with a seed of (seed, module name), so a
+        weight does not depend on the layout or on which other modules exist; torch's global RNG is restored."""
+        if getattr(self.config, "tie_word_embeddings", False):
+            model.tie_weights()  # to_empty unties
+        with torch.random.fork_rng(devices=[]):
+            for name, module in model.named_modules():
+                torch.manual_seed(param_seed(seed, name))
+                model._init_weights(module)
+
+    def rules(self, options: PlanConfig) -> Rules:
+        return hf_rules(self.meta_model(), options)
+
+    def forward(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits, with the tokens' positions always given: under sequence parallelism the embeddings the
+        model sees are a sequence shard, from whose length transformers would otherwise count positions."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return model(input_ids=tokens, position_ids=positions.unsqueeze(0), use_cache=False).logits
+
+    @property
+    def _text(self) -> Any:
+        return self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+
+    @property
+    def n_layers(self) -> int:
+        return self._text.num_hidden_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self._text.vocab_size
+
+    @property
+    def dim(self) -> int:
+        return self._text.hidden_size
+
+    def flops_per_token(self, seq_len: int) -> float:
+        model = self.meta_model()
+        t = self._text
+        n = sum(p.numel() for p in model.parameters())
+        if not getattr(t, "tie_word_embeddings", False):
+            n -= model.get_input_embeddings().weight.numel()  # a lookup, no FLOPs
+        experts = getattr(t, "num_local_experts", None) or getattr(t, "num_experts", None)
+        top_k = getattr(t, "num_experts_per_tok", None)
+        if experts and top_k:  # a token goes through top_k of the experts
+            stacked = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+            n -= round(stacked * (1 - top_k / experts))
+        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+        return flops_per_token(n, t.num_hidden_layers, t.num_attention_heads * head_dim, seq_len)
+
+    def tp_divisors(self) -> dict[str, int]:
+        t = self._text
+        where = f"{self.source} "
+        out = {f"{where}num_attention_heads": t.num_attention_heads}
+        out[f"{where}num_key_value_heads"] = getattr(t, "num_key_value_heads", None) or t.num_attention_heads
+        for key in ("intermediate_size", "vocab_size"):
+            if getattr(t, key, None):
+                out[f"{where}{key}"] = getattr(t, key)
+        return out
+
+    def check(self, cfg: Config) -> None:
+        where = f"model.hf_path ({self.name})"
+        if cfg.mesh.tp > 1:
+            whole = unsplittable(self.meta_model())
+            if whole:
+                raise ValueError(
+                    f"{where}: mesh.tp={cfg.mesh.tp}, but {whole[0]} is a fused or stacked weight that tensor "
+                    "parallelism cannot split by heads exactly; use mesh.tp=1 (FSDP/HSDP) for this model"
+                )
+        loads = cfg.model.hf_path is not None and not cfg.model.from_scratch and has_weights(Path(cfg.model.hf_path))
+        if loads and self._converts_on_load():
+            raise ValueError(
+                f"{where}: transformers converts this model's checkpoints on load (e.g. per-expert tensors into "
+                "stacked experts), which shardlab does not read yet; train it from the seed with --model.from-scratch"
+            )
+        for axis in ("cp", "pp", "ep"):
+            if getattr(cfg.mesh, axis) > 1:
+                raise ValueError(
+                    f"{where}: mesh.{axis}={getattr(cfg.mesh, axis)} is not supported for transformers models yet; "
+                    "use dp_replicate, dp_shard and tp"
+                )
+
+    def _converts_on_load(self) -> bool:
+        """Whether transformers' checkpoint conversion reshapes this model's tensors on load (not just renames)."""
+        from transformers.conversion_mapping import extract_weight_conversions_for_model
+
+        conversions = extract_weight_conversions_for_model(self.meta_model()) or ()
+        return any(type(c).__name__ != "WeightRenaming" for c in conversions)
+
+    def with_layers(self, n_layers: int) -> HFCausalLM:
+        config = copy.deepcopy(self.config)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text.num_hidden_layers = n_layers
+        if getattr(text, "layer_types", None) is not None:
+            text.layer_types = text.layer_types[:n_layers]
+        return HFCausalLM(config, self.source)
+
+    def identity(self) -> dict[str, Any]:
+        d = self.config.to_dict()
+        return {f"{IDENTITY_PREFIX}{k}": v for k, v in sorted(d.items()) if k not in NOT_IDENTITY}
+
+    def describe(self) -> str:
+        t = self._text
+        return f"{self.name}, hidden_size={t.hidden_size}, num_hidden_layers={t.num_hidden_layers}"
+
+    def hf_config(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.config.to_dict().items() if k not in ("torch_dtype", "dtype")}
+        return d | {"use_cache": True}
+
+    def hf_tied(self) -> bool:
+        return bool(getattr(self._text, "tie_word_embeddings", False))

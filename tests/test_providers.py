@@ -1,0 +1,216 @@
+"""Model providers: the config picks one (shardlab's Llama, a transformers directory), and everything shardlab asks
+of a model (build, init, rules, logits, FLOPs, divisibility, shallower copies, identity) it answers; bad
+directories and unsupported layouts fail in one line before anything launches."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+import torch
+
+from shardlab.config import Config, MeshSpec, ModelConfig, PlanConfig
+from shardlab.loop import plan_model
+from shardlab.models.provider import LlamaProvider, check_layout, first_difference, provider_for
+
+transformers = pytest.importorskip("transformers")
+
+from shardlab.models.hf_causal_lm import HFCausalLM  # noqa: E402
+
+SHAPE = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3")
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(**SHAPE, head_dim=16)).save_pretrained(root)
+    return root
+
+
+def hf_cfg(path, mesh: MeshSpec = MeshSpec(dp_shard=1), **plan) -> Config:
+    return Config(mesh=mesh, model=ModelConfig(hf_path=str(path)), plan=PlanConfig(**plan))
+
+
+def test_the_config_names_the_provider(qwen3_dir):
+    assert isinstance(provider_for(Config()), LlamaProvider)
+    p = provider_for(hf_cfg(qwen3_dir))
+    assert isinstance(p, HFCausalLM) and p.name == "transformers Qwen3ForCausalLM"
+    assert (p.n_layers, p.vocab_size, p.dim) == (3, 512, 64)
+
+
+def test_llama_fields_beside_hf_path_are_refused():
+    with pytest.raises(ValueError, match=r"model.dim is set but model.hf_path is too.*drop --model.dim"):
+        ModelConfig(hf_path="somewhere", dim=512)
+    with pytest.raises(ValueError, match=r"model.from_scratch is set without model.hf_path"):
+        ModelConfig(from_scratch=True)
+
+
+def test_bad_directories_fail_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match=r"model.hf_path='.*nowhere': no .*config.json; pass a local transformers"):
+        provider_for(hf_cfg(tmp_path / "nowhere"))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json: not readable JSON"):
+        provider_for(hf_cfg(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit", "hidden_size": 64}))
+    with pytest.raises(ValueError, match=r"model_type='vit' has no causal-LM class in transformers"):
+        provider_for(hf_cfg(tmp_path))
+
+
+def test_weights_are_functions_of_seed_and_name(qwen3_dir):
+    """Each module is drawn from (seed, its name): two builds agree, a shallower copy has the same first blocks,
+    and another seed differs."""
+    p = HFCausalLM.from_dir(qwen3_dir)
+
+    def built(provider, seed):
+        with torch.device("meta"):
+            m = provider.build()
+        return provider.materialize(m, "cpu", seed).state_dict()
+
+    a, b, shallow, other = built(p, 1), built(p, 1), built(p.with_layers(2), 1), built(p, 2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(a[k], v) for k, v in shallow.items())
+    assert not torch.equal(a["model.layers.0.self_attn.q_proj.weight"], other["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(a["model.layers.0.input_layernorm.weight"], torch.ones(64))
+    assert len(shallow) < len(a)
+
+
+def test_logits_are_the_models_own(qwen3_dir):
+    p = HFCausalLM.from_dir(qwen3_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir)
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(p.forward(model, tokens), model(tokens).logits)
+
+
+def test_flops_count_the_matmuls_and_attention(qwen3_dir):
+    p = HFCausalLM.from_dir(qwen3_dir)
+    with torch.device("meta"):
+        model = p.build()
+    n = sum(q.numel() for q in model.parameters()) - 512 * 64  # the untied embedding is a lookup
+    assert p.flops_per_token(128) == 6 * n + 12 * 3 * 64 * 128
+
+
+def test_tp_must_divide_the_heads(qwen3_dir):
+    cfg = hf_cfg(qwen3_dir, MeshSpec(dp_shard=1, tp=4), sequence_parallel=False)
+    with pytest.raises(ValueError, match=r"config.json num_key_value_heads=2 is not divisible by mesh.tp=4"):
+        check_layout(cfg, provider_for(cfg))
+
+
+@pytest.mark.parametrize("axis", ["cp", "pp"])
+def test_unsupported_axes_are_refused(qwen3_dir, axis):
+    cfg = hf_cfg(qwen3_dir, MeshSpec(dp_shard=2, **{axis: 2}))
+    with pytest.raises(ValueError, match=rf"mesh.{axis}=2 is not supported for transformers models yet"):
+        check_layout(cfg, provider_for(cfg))
+
+
+def test_fused_projections_refuse_tensor_parallelism():
+    p = HFCausalLM.from_dict(
+        {"model_type": "phi3", **SHAPE, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}, "phi3"
+    )
+    cfg = Config(mesh=MeshSpec(dp_shard=2, tp=2))
+    with pytest.raises(ValueError, match=r"qkv_proj is a fused or stacked weight.*use mesh.tp=1"):
+        p.check(cfg)
+    p.check(Config(mesh=MeshSpec(dp_shard=4)))  # FSDP is fine
+
+
+def test_identity_round_trips_and_names_what_differs(qwen3_dir):
+    p = HFCausalLM.from_dir(qwen3_dir)
+    assert HFCausalLM.from_identity(p.identity()).identity() == p.identity()
+    deeper = p.with_layers(4)
+    assert first_difference(p.identity(), deeper.identity()) == "config.json:num_hidden_layers"
+
+
+def test_plan_is_derived_and_explained(qwen3_dir):
+    cfg = hf_cfg(qwen3_dir, MeshSpec(dp_shard=2, tp=2)).resolve(4)
+    _, plan = plan_model(cfg)
+    assert plan.param("model.layers.1.self_attn.k_proj.weight").spec == (("tp", "dp_shard"), None)
+    assert plan.param("model.layers.1.self_attn.o_proj.weight").spec == ("dp_shard", "tp")
+    styles = {m.fqn: m.style for m in plan.modules}
+    assert styles["model.layers.0.self_attn.q_norm"] == "sequence_parallel"  # replicated_with_grad_allreduce
+    assert styles["model.layers.0"] == "prepare_input"  # the first block takes its sequence shard
+    assert "model.layers.*.self_attn.q_proj.weight" in plan.explain("model.layers.2.self_attn.q_proj.weight")
+
+
+def test_llama_identity_is_its_model_fields():
+    a = LlamaProvider(ModelConfig()).identity()
+    b = LlamaProvider(msgspec.structs.replace(ModelConfig(), ffn_dim=64)).identity()
+    assert first_difference(a, b) == "model.ffn_dim"
+
+
+def test_export_round_trips_a_transformers_model(qwen3_dir, tmp_path):
+    """Trained from its directory's weights, saved, exported: transformers loads the export with the trained model's
+    logits, and the export does not need the directory it came from."""
+    from shardlab.checkpoint import export_to_hf, save
+    from shardlab.data import make_loader
+    from shardlab.hf import load_hf_weights
+    from shardlab.loop import build_model
+    from shardlab.step import init_state, make_step
+
+    cfg = msgspec.structs.replace(hf_cfg(qwen3_dir), train=msgspec.structs.replace(Config().train, seq_len=32))
+    provider = provider_for(cfg)
+    model, plan, mesh = build_model(cfg, provider=provider)
+    load_hf_weights(model, qwen3_dir, provider.hf_names)
+    state, step = init_state(model, cfg.optim), make_step(cfg, plan, mesh, provider)
+    loader = make_loader(cfg.data, seq_len=32, global_batch=4, vocab_size=512, dp_rank=0, dp_size=1)
+    for _ in range(2):
+        state, _ = step(state, next(loader))
+    save(state, loader, cfg, tmp_path / "checkpoints", provider=provider)
+    moved = msgspec.structs.replace(cfg, model=ModelConfig(hf_path=str(tmp_path / "gone")))  # the directory moved
+    (tmp_path / "checkpoints" / "step-00000002" / "config.json").write_bytes(msgspec.json.encode(moved))
+    export_to_hf(tmp_path, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, provider.forward(model, tokens), atol=1e-5, rtol=0)
+
+
+def test_a_recipe_model_does_not_export(tmp_path):
+    from shardlab.checkpoint import MODEL_FILE, STATE_FILE, export_to_hf
+
+    step = tmp_path / "checkpoints" / "step-00000001"
+    step.mkdir(parents=True)
+    (step / STATE_FILE).write_text("{}")
+    (step / ".metadata").write_bytes(b"")
+    (step / "config.json").write_bytes(msgspec.json.encode(Config()))
+    (step / MODEL_FILE).write_text(json.dumps({"model.factory": "recipe.GPT", "model.dim": 64}))
+    with pytest.raises(ValueError, match=r"holds a recipe's own model \(recipe.GPT\), which has no transformers"):
+        export_to_hf(tmp_path, tmp_path / "hf")
+
+
+@pytest.mark.parametrize("from_scratch", [False, True])
+def test_training_starts_from_the_directory_weights(qwen3_dir, tmp_path, from_scratch):
+    """The first step's loss is the saved model's loss on the first batch, unless model.from_scratch."""
+    import torch.nn.functional as F
+
+    from shardlab.config import LogConfig, TrainConfig
+    from shardlab.data import make_loader
+    from shardlab.loop import train
+
+    cfg = Config(
+        model=ModelConfig(hf_path=str(qwen3_dir), from_scratch=from_scratch),
+        train=TrainConfig(steps=1, global_batch=4, seq_len=32, run_dir=str(tmp_path)),
+        log=LogConfig(wandb="disabled", progress=False),
+    )
+    got = train(cfg, write=False)[0]["loss"]
+    batch = next(make_loader(cfg.data, seq_len=32, global_batch=4, vocab_size=512, dp_rank=0, dp_size=1))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir)
+    with torch.no_grad():
+        want = F.cross_entropy(hf(batch.inputs).logits.flatten(0, 1), batch.labels.flatten()).item()
+    assert (abs(got - want) < 1e-5) != from_scratch, (got, want)
+
+
+def test_checkpoints_transformers_converts_on_load_are_refused(tmp_path):
+    """A Mixtral directory holds per-expert tensors that transformers stacks on load: shardlab says so and points
+    to --model.from-scratch (which, like FSDP, works)."""
+    config = transformers.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    cfg = Config(model=ModelConfig(hf_path=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"transformers converts this model's checkpoints on load.*--model.from-scratch"):
+        check_layout(cfg, provider_for(cfg))
+    scratch = Config(model=ModelConfig(hf_path=str(tmp_path), from_scratch=True), mesh=MeshSpec(dp_shard=1))
+    check_layout(scratch, provider_for(scratch))

@@ -1,0 +1,125 @@
+"""Any model through the whole loop on 4 gloo ranks, each layout reproducing the one-process curve (fp32, 10 steps,
+loss within 1e-5).
+
+transformers causal LMs trained by directory (`model.hf_path`), starting from the directory's safetensors weights,
+their layout derived from transformers' TP plan: Llama, Qwen3 and Mistral (sliding window shorter than the sequence)
+in FSDP 4, HSDP 2x2, FSDP 2 x TP 2 (+SP, loss parallel) and TP 2 x DP 2 without SP (Qwen3 also with full
+activation checkpointing); Qwen2 (q/k/v biases) and Gemma 3
+text (scaled embeddings, four norms per block, sliding layers) in FSDP 2 x TP 2; Phi-3 (fused q/k/v, tp refused) in
+FSDP 4. And recipes/custom_gpt.py's own nn.Module (fused QKV, learned positions, GELU) in FSDP 2 x TP 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from shardlab.config import MeshSpec, ModelConfig
+from shardlab.recipe import load_recipe
+
+from ._harness import run_world
+from .layouts import assert_matches, curves, tiny, with_plan
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = {
+    "llama": lambda c: transformers.LlamaConfig(**c),
+    "qwen3": lambda c: transformers.Qwen3Config(**c, head_dim=16),
+    "mistral": lambda c: transformers.MistralConfig(**c, sliding_window=24),
+    "qwen2": lambda c: transformers.Qwen2Config(**c),
+    "gemma3": lambda c: transformers.Gemma3TextConfig(**c, head_dim=16, sliding_window=24),
+    "phi3": lambda c: transformers.Phi3Config(**c, pad_token_id=None, bos_token_id=None, eos_token_id=None),
+}
+SHAPE = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256,
+)  # fmt: skip
+FSDP_TP = MeshSpec(dp_shard=2, tp=2)
+LAYOUTS = {
+    "llama": ("fsdp4", "hsdp2x2", "fsdp2xtp2", "tp2-no_sp"),
+    "qwen3": ("fsdp4", "hsdp2x2", "fsdp2xtp2", "tp2-no_sp", "fsdp2xtp2-ac_full"),
+    "mistral": ("fsdp4", "hsdp2x2", "fsdp2xtp2", "tp2-no_sp"),
+    "qwen2": ("fsdp2xtp2",),
+    "gemma3": ("fsdp2xtp2",),
+    "phi3": ("fsdp4",),
+}
+
+
+def make_dirs(root: Path) -> dict[str, str]:
+    """A tiny random model of each family saved as transformers saves it (config.json + model.safetensors)."""
+    import torch
+
+    out = {}
+    for name, config in FAMILIES.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config(SHAPE))
+        model.save_pretrained(root / name)
+        out[name] = str(root / name)
+    return out
+
+
+def layout(name: str, hf_path: str):
+    base = tiny()
+    cfg = msgspec.structs.replace(base, model=ModelConfig(hf_path=hf_path))
+    meshes = {
+        "one": MeshSpec(dp_shard=1),
+        "fsdp4": MeshSpec(dp_shard=4),
+        "hsdp2x2": MeshSpec(dp_replicate=2, dp_shard=2),
+        "fsdp2xtp2": FSDP_TP,
+        "tp2-no_sp": MeshSpec(dp_replicate=2, dp_shard=1, tp=2),
+        "fsdp2xtp2-ac_full": FSDP_TP,
+    }
+    cfg = msgspec.structs.replace(cfg, mesh=meshes[name])
+    ac = "full" if name.endswith("ac_full") else "none"
+    return with_plan(cfg, sequence_parallel=name != "tp2-no_sp", loss_parallel=True, activation_checkpoint=ac)
+
+
+def run(rank, world_size, dirs):
+    return {(family, name): curves(layout(name, dirs[family])) for family, names in LAYOUTS.items() for name in names}
+
+
+def small_gpt():
+    """recipes/custom_gpt.py's model at a test's size, and its config."""
+    recipe = load_recipe(Path(__file__).parents[2] / "recipes" / "custom_gpt.py")
+    provider = recipe.model(recipe.config).with_args(vocab_size=512, dim=64, n_layers=2, n_heads=4, max_seq=64)
+    return provider, msgspec.structs.replace(tiny(), model=ModelConfig())
+
+
+def custom(rank, world_size, dirs):
+    provider, cfg = small_gpt()
+    return curves(msgspec.structs.replace(cfg, mesh=FSDP_TP), provider=provider)
+
+
+CHECKS = [run, custom]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return make_dirs(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="module")
+def world4(dirs):
+    return run_world(4, CHECKS, timeout_s=600, dirs=dirs)
+
+
+@pytest.fixture(scope="module")
+def references(dirs):
+    return {family: curves(layout("one", dirs[family])) for family in LAYOUTS}
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("family,name", [(f, n) for f, names in LAYOUTS.items() for n in names])
+def test_transformers_model_matches_one_process(world4, references, family, name):
+    want = references[family]
+    assert want["loss"][-1] < want["loss"][0], f"{family}: the one-process loss should fall"
+    assert_matches(world4.value(run)[family, name], want, f"{family} {name}")
+
+
+@pytest.mark.world
+def test_recipe_model_matches_one_process(world4):
+    provider, cfg = small_gpt()
+    want = curves(cfg, provider=provider)
+    assert want["loss"][-1] < want["loss"][0] - 0.5, "the one-process loss should fall"
+    assert_matches(world4.value(custom), want, "custom_gpt fsdp2xtp2")
