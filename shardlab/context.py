@@ -32,7 +32,8 @@ try:
 except ImportError:  # torch < 2.13 (GPU images that ship an older build) names it all_gather_tensor_autograd
     from torch.distributed._functional_collectives import all_gather_tensor_autograd as all_gather_single_autograd
 
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Attend = Callable[..., torch.Tensor]
+"""attend(q, k, v, positions, *, scale=None, window=None) -> the attention output [b, heads, s, head_dim]."""
 
 
 class ContextPlan(Frozen):
@@ -79,17 +80,30 @@ def all_gather_attention(group: dist.ProcessGroup) -> Attend:
     cp = dist.get_world_size(group)
     gathered: dict[tuple[int, torch.device], torch.Tensor] = {}  # every rank's positions, in rank order
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        scale: float | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """scale: of the scores (default head_dim ** -0.5); window: a query sees only the `window` keys ending at
+        its own position (sliding-window attention), None: all keys at or before it."""
         seq_len = positions.numel() * cp
         k = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=group)
         v = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=group)
         where = (seq_len, positions.device)
         if where not in gathered:
             gathered[where] = torch.cat([cp_positions(seq_len, cp, r, positions.device) for r in range(cp)])
-        mask = gathered[where][None, :] <= positions[:, None]  # [local queries, all keys]
+        behind = positions[:, None] - gathered[where][None, :]  # [local queries, all keys]: how far back each key is
+        mask = (behind >= 0) if window is None else (behind >= 0) & (behind < window)
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=q.shape[-1] ** -0.5)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=q.shape[-1] ** -0.5 if scale is None else scale
+        )
 
     return attend

@@ -19,10 +19,10 @@ from torch import nn
 from shardlab.config import PlanConfig
 from shardlab.hf import has_weights
 from shardlab.metrics import flops_per_token
-from shardlab.models.hf_rules import hf_rules, unsplittable
+from shardlab.models.hf_rules import Decoder, hf_rules, unsplittable
 from shardlab.models.llama import param_seed
 from shardlab.models.provider import ModelProvider
-from shardlab.rules import Rules
+from shardlab.rules import Rules, matches
 
 if TYPE_CHECKING:
     from shardlab.config import Config
@@ -43,6 +43,47 @@ def _transformers() -> Any:
             "model.hf_path needs the transformers package: pip install 'shardlab[hf]' (or transformers>=5)"
         ) from None
     return transformers
+
+
+ATTENTION = "shardlab"
+"""The attention transformers models are built with: transformers' SDPA (and its masks), unless context parallelism
+gave the attention module an `attend` (shardlab.context), which then attends over the whole sequence's keys."""
+
+
+def _attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: q, k, v [b, heads, s, head_dim] in, [b, s, heads, head_dim] out."""
+    attend = getattr(module, "attend", None)
+    if attend is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        kwargs["sliding_window"] = sliding_window
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        raise ValueError(
+            f"{type(module).__name__}: context parallelism needs the tokens' positions, but transformers passed no "
+            "position_ids to the attention"
+        )
+    out = attend(query, key, value, positions.reshape(-1), scale=scaling, window=sliding_window)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention(transformers: Any) -> None:
+    """Make `ATTENTION` a transformers attention implementation, with SDPA's masks (idempotent)."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    transformers.AttentionInterface.register(ATTENTION, _attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 class HFCausalLM(ModelProvider):
@@ -94,13 +135,21 @@ class HFCausalLM(ModelProvider):
         return cls(config, source)
 
     def build(self) -> nn.Module:
+        """transformers' model with shardlab's attention (`ATTENTION`); its attention modules get `attend = None`,
+        the slot context parallelism fills."""
         transformers = _transformers()
+        _register_attention(transformers)
         try:
-            return transformers.AutoModelForCausalLM.from_config(
-                self.config, attn_implementation="sdpa", dtype=torch.float32
+            model = transformers.AutoModelForCausalLM.from_config(
+                self.config, attn_implementation=ATTENTION, dtype=torch.float32
             )
         except (AssertionError, ValueError, TypeError, KeyError, AttributeError) as e:  # a user's config.json
             raise ValueError(f"{self.source}: transformers cannot build {self.name} from it ({e})") from None
+        attention = Decoder(model).attention
+        for fqn, module in model.named_modules():
+            if any(matches(g, fqn) for g in attention):
+                module.attend = None
+        return model
 
     def init_weights(self, model: nn.Module, seed: int) -> None:
         """transformers' own initialisation, module by module, each drawn with a seed of (seed, module name), so a
@@ -177,7 +226,13 @@ class HFCausalLM(ModelProvider):
                 f"{where}: transformers converts this model's checkpoints on load (e.g. per-expert tensors into "
                 "stacked experts), which shardlab does not read yet; train it from the seed with --model.from-scratch"
             )
-        for axis in ("cp", "pp", "ep"):
+        t = self._text
+        if cfg.mesh.cp > 1 and (getattr(t, "attn_logit_softcapping", None) or getattr(t, "attention_dropout", 0)):
+            raise ValueError(
+                f"{where}: mesh.cp={cfg.mesh.cp} with attention logit soft-capping or attention dropout, which "
+                "shardlab's context-parallel attention does not compute; use mesh.cp=1 for this model"
+            )
+        for axis in ("pp", "ep"):
             if getattr(cfg.mesh, axis) > 1:
                 raise ValueError(
                     f"{where}: mesh.{axis}={getattr(cfg.mesh, axis)} is not supported for transformers models yet; "

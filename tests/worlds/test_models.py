@@ -2,11 +2,13 @@
 loss within 1e-5).
 
 transformers causal LMs trained by directory (`model.hf_path`), starting from the directory's safetensors weights,
-their layout derived from transformers' TP plan: Llama, Qwen3 and Mistral (sliding window shorter than the sequence)
-in FSDP 4, HSDP 2x2, FSDP 2 x TP 2 (+SP, loss parallel) and TP 2 x DP 2 without SP (Qwen3 also with full
-activation checkpointing); Qwen2 (q/k/v biases) and Gemma 3
-text (scaled embeddings, four norms per block, sliding layers) in FSDP 2 x TP 2; Phi-3 (fused q/k/v, tp refused) in
-FSDP 4. And recipes/custom_gpt.py's own nn.Module (fused QKV, learned positions, GELU) in FSDP 2 x TP 2."""
+their layout derived from transformers' TP plan:
+- Llama, Qwen3, Mistral (a sliding window shorter than the sequence): FSDP 4, HSDP 2x2, FSDP 2 x TP 2 (+SP, loss
+  parallel), TP 2 x DP 2 without SP; Qwen3 with full activation checkpointing; context parallel: CP 2 x FSDP 2
+  (Qwen3; Mistral, whose window the cp attention honours), CP 2 x TP 2 (+SP) for Llama;
+- Qwen2 (q/k/v biases), Gemma 3 text (scaled embeddings, four norms per block, sliding layers, its own attention
+  scale): FSDP 2 x TP 2; Gemma 3 also CP 2 x FSDP 2; Phi-3 (fused q/k/v, so tp is refused): FSDP 4.
+And recipes/custom_gpt.py's own nn.Module (fused QKV, learned positions, GELU): FSDP 2 x TP 2."""
 
 from __future__ import annotations
 
@@ -37,11 +39,11 @@ SHAPE = dict(
 )  # fmt: skip
 FSDP_TP = MeshSpec(dp_shard=2, tp=2)
 LAYOUTS = {
-    "llama": ("fsdp4", "hsdp2x2", "fsdp2xtp2", "tp2-no_sp"),
-    "qwen3": ("fsdp4", "hsdp2x2", "fsdp2xtp2", "tp2-no_sp", "fsdp2xtp2-ac_full"),
-    "mistral": ("fsdp4", "hsdp2x2", "fsdp2xtp2", "tp2-no_sp"),
+    "llama": ("fsdp4", "hsdp2x2", "fsdp2xtp2", "tp2-no_sp", "cp2xtp2"),
+    "qwen3": ("fsdp4", "hsdp2x2", "fsdp2xtp2", "tp2-no_sp", "fsdp2xtp2-ac_full", "cp2xfsdp2"),
+    "mistral": ("fsdp4", "hsdp2x2", "fsdp2xtp2", "tp2-no_sp", "cp2xfsdp2"),
     "qwen2": ("fsdp2xtp2",),
-    "gemma3": ("fsdp2xtp2",),
+    "gemma3": ("fsdp2xtp2", "cp2xfsdp2"),
     "phi3": ("fsdp4",),
 }
 
@@ -69,6 +71,8 @@ def layout(name: str, hf_path: str):
         "fsdp2xtp2": FSDP_TP,
         "tp2-no_sp": MeshSpec(dp_replicate=2, dp_shard=1, tp=2),
         "fsdp2xtp2-ac_full": FSDP_TP,
+        "cp2xfsdp2": MeshSpec(dp_shard=2, cp=2),
+        "cp2xtp2": MeshSpec(dp_shard=1, cp=2, tp=2),
     }
     cfg = msgspec.structs.replace(cfg, mesh=meshes[name])
     ac = "full" if name.endswith("ac_full") else "none"
