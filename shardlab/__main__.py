@@ -106,6 +106,7 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
         print(estimate_table(estimate(cfg, plan, recipe.rules(cfg), dev, provider), cfg, dev))
         return 0
     _check_data(cfg, provider.vocab_size)
+    _check_run(cfg)
     if world > 1 and not launched:
         print(f"shardlab: launching {world} ranks ({cfg.mesh.describe()}) through torch.distributed.run", flush=True)
         return relaunch(nproc_for(world), [recipe_path, *overrides])
@@ -130,6 +131,22 @@ def _export(source: str, args: list[str]) -> int:
     step = export_to_hf(Path(source), Path(args[1]))
     print(f"shardlab: wrote {step} as a Hugging Face directory {args[1]}")
     return 0
+
+
+def _check_run(cfg) -> None:
+    """What a training run needs beyond the layout, checked before any rank starts (plan and estimate skip it):
+    the checkpoint to resume or start from, and the limits of sharded initialisation."""
+    from pathlib import Path
+
+    from shardlab.checkpoint import resolve_resume
+    from shardlab.hf import read_hf_config
+    from shardlab.loop import check_init
+
+    if cfg.checkpoint.resume not in ("auto", "none"):
+        resolve_resume(cfg.checkpoint.resume, Path(cfg.run_dir) / "checkpoints")
+    if cfg.checkpoint.init_from_hf is not None:
+        read_hf_config(cfg.checkpoint.init_from_hf)
+    check_init(cfg)
 
 
 def _check_data(cfg, vocab_size: int) -> None:

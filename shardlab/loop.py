@@ -55,6 +55,21 @@ def plan_model(
     return model, make_plan(model, cfg.mesh, rules or provider.rules(cfg.plan), cfg.plan, flops)
 
 
+def check_init(cfg: Config, device: torch.device | None = None) -> None:
+    """The limits of train.init='sharded' (checked by the CLI before launch, and again here for library use);
+    device: where the model goes (None: cfg.train.device)."""
+    if cfg.train.init == "sharded" and cfg.mesh.pp > 1:
+        raise ValueError(
+            "train.init='sharded' with mesh.pp > 1 is not supported yet; use train.init='full', which with pp "
+            "allocates and draws only this rank's stages"
+        )
+    if cfg.train.init == "sharded" and (device or resolve_device(cfg.train.device)).type != "cuda":
+        raise ValueError(
+            "train.init='sharded' needs CUDA: torch coordinates DTensor random init across ranks only on CUDA "
+            "meshes (on CPU every shard would draw the same numbers); use train.init='full'"
+        )
+
+
 def build_model(
     cfg: Config,
     rules: Rules | None = None,
@@ -71,16 +86,7 @@ def build_model(
     provider = provider or provider_for(cfg)
     check_layout(cfg, provider)
     device = resolve_device(cfg.train.device) if device is None else torch.device(device)
-    if cfg.train.init == "sharded" and cfg.mesh.pp > 1:
-        raise ValueError(
-            "train.init='sharded' with mesh.pp > 1 is not supported yet; use train.init='full', which with pp "
-            "allocates and draws only this rank's stages"
-        )
-    if cfg.train.init == "sharded" and device.type != "cuda":
-        raise ValueError(
-            "train.init='sharded' needs CUDA: torch coordinates DTensor random init across ranks only on CUDA "
-            "meshes (on CPU every shard would draw the same numbers); use train.init='full'"
-        )
+    check_init(cfg, device)
     model, plan = plan_model(cfg, rules, provider)
     mesh = None
     if plan.fsdp is not None or plan.mesh.tp > 1 or plan.pipeline is not None:

@@ -74,8 +74,7 @@ class MetricsWriter:
         path = run_dir / "metrics.jsonl"
         kept = ""
         if start_step and path.exists():  # a resumed run keeps the lines up to its checkpoint, drops the rest
-            lines = path.read_text().splitlines(keepends=True)
-            kept = "".join(line for line in lines if line.strip() and json.loads(line)["step"] <= start_step)
+            kept = "".join(f"{json.dumps(row)}\n" for row in read_metrics(path) if row["step"] <= start_step)
         self._file = path.open("w")
         self._file.write(kept)
         if log.progress:
@@ -134,6 +133,19 @@ class MetricsWriter:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl, without the torn line a kill in the middle of a write leaves at its end."""
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            break  # the torn tail: nothing was written after it
+        if isinstance(row, dict) and "step" in row:
+            rows.append(row)
+    return rows
 
 
 def format_line(step: int, total_steps: int, values: dict[str, float]) -> str:

@@ -37,6 +37,11 @@ def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"recipe: no file {str(path)!r}; pass the path of a recipe, e.g. recipes/llama_fsdp_tp.py")
+    if path.suffix != ".py":
+        raise ValueError(
+            f"recipe {str(path)!r} is not a Python file; a recipe is a .py file holding `config = Config(...)`, e.g. "
+            "recipes/llama_fsdp_tp.py"
+        )
     spec = importlib.util.spec_from_file_location(f"shardlab_recipe_{path.stem}", path)
     module: ModuleType = importlib.util.module_from_spec(spec)
     try:

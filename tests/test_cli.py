@@ -44,6 +44,11 @@ def error_of(args, capsys) -> str:
         ),
         (["recipes/llama_fsdp_tp.py", "--data.source", "files", "--data.paths", "/nope/x.bin"], r"/nope/x.bin"),
         (["recipes/llama_fsdp_tp.py", "--model.vocab-size", "256", "--model.n-heads", "16"], r"model.vocab_size"),
+        (["recipes/llama_fsdp_tp.py", "--checkpoint.resume", "/no/such/dir"], r"checkpoint.resume='/no/such/dir'"),
+        (["recipes/llama_fsdp_tp.py", "--checkpoint.init-from-hf", "/no/hf"], r"/no/hf: no such directory"),
+        (["recipes/llama3_405b_pp.py", "--world", "512"], r"train.init='sharded' with mesh.pp > 1"),
+        (["recipes/llama_fsdp_tp.py", "--train.init", "sharded", "--train.device", "cpu"], r"needs CUDA"),
+        (["README.md"], r"recipe 'README.md' is not a Python file"),
     ],
 )
 def test_bad_input_is_one_line_before_launch(args, message, capsys, monkeypatch):

@@ -96,3 +96,13 @@ def test_throughput_helpers():
     assert mfu(100.0, 1e9, None) is None
     assert mfu(100.0, 1e9, 1e12) == pytest.approx(0.1)
     assert peak_memory_bytes(torch.device("cpu")) > 2**20
+
+
+def test_a_resumed_run_drops_the_torn_tail_and_the_steps_after_its_checkpoint(tmp_path):
+    """A kill in the middle of a write leaves half a JSON object at the end of metrics.jsonl; resuming from step 2
+    keeps steps 1-2, drops step 3 (after the checkpoint) and the torn line, and appends from step 3 again."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
+    with MetricsWriter(tmp_path, QUIET, total_steps=4, enabled=True, start_step=2) as writer:
+        writer.record(3, {"loss": 1.5})
+    assert [(row["step"], row["loss"]) for row in lines(tmp_path)] == [(1, 4.0), (2, 3.0), (3, 1.5)]

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from shardlab.config import ModelConfig, MoEConfig, RopeScaling
@@ -106,11 +107,11 @@ class Attention(nn.Module):
         self.attend = causal_attention
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        b, s, _ = x.shape
-        # -1, not cfg.n_heads: under tensor parallelism each rank sees only its local heads.
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        s = x.shape[1]
+        # The head count comes from the tensor, not cfg.n_heads: under tensor parallelism a rank has its local heads.
+        q, k, v = (
+            rearrange(p(x), "b s (h d) -> b h s d", d=self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         if positions is None:
             positions = torch.arange(s, device=x.device)
         freqs = torch.outer(positions.to(torch.float32), self.inv_freq.float())
@@ -119,7 +120,7 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = self.attend(q, k, v, positions)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
 
 
 class MLP(nn.Module):
