@@ -162,8 +162,9 @@ def _activations(d: Decoder, model: nn.Module) -> tuple[Activation, ...]:
                                    desired_kwarg_inputs=(("hidden_states", FULL),)))  # fmt: skip
         elif any(p.ndim for p in child.parameters()):  # the MLP
             acts.append(Activation(pattern=fqn, inputs=(RESIDUAL,), desired_inputs=(FULL,)))
+    linears = [f for f, m in model.named_modules() if isinstance(m, nn.Linear)]
     for glob, style in d.tp_plan.items():
-        if style == "rowwise":
+        if style == "rowwise" and any(matches(glob, f) for f in linears):  # not a stacked experts' weight
             acts.append(Activation(pattern=glob, output=RESIDUAL))
         elif style == "replicated_with_grad_allreduce":  # q/k norms on the local heads [b, s, heads, head_dim]
             heads = ("batch", "seq", "kv_heads" if "k_" in glob.rpartition(".")[2] else "heads", None)

@@ -7,7 +7,8 @@ their layout derived from transformers' TP plan:
   parallel), TP 2 x DP 2 without SP; Qwen3 with full activation checkpointing; context parallel: CP 2 x FSDP 2
   (Qwen3; Mistral, whose window the cp attention honours), CP 2 x TP 2 (+SP) for Llama;
 - Qwen2 (q/k/v biases), Gemma 3 text (scaled embeddings, four norms per block, sliding layers, its own attention
-  scale): FSDP 2 x TP 2; Gemma 3 also CP 2 x FSDP 2; Phi-3 (fused q/k/v, so tp is refused): FSDP 4.
+  scale): FSDP 2 x TP 2; Gemma 3 also CP 2 x FSDP 2; Phi-3 (fused q/k/v, so tp is refused): FSDP 4;
+- Mixtral (stacked experts, so tp is refused; from the seed): FSDP 4, HSDP 2x2.
 And recipes/custom_gpt.py's own nn.Module (fused QKV, learned positions, GELU): FSDP 2 x TP 2."""
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ FAMILIES = {
     "qwen2": lambda c: transformers.Qwen2Config(**c),
     "gemma3": lambda c: transformers.Gemma3TextConfig(**c, head_dim=16, sliding_window=24),
     "phi3": lambda c: transformers.Phi3Config(**c, pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    "mixtral": lambda c: transformers.MixtralConfig(**c, num_local_experts=4, num_experts_per_tok=2),
 }
+FROM_SCRATCH = ("mixtral",)
+"""transformers converts these checkpoints on load (per-expert tensors into stacked experts): trained from the seed."""
 SHAPE = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=256,
@@ -45,6 +49,7 @@ LAYOUTS = {
     "qwen2": ("fsdp2xtp2",),
     "gemma3": ("fsdp2xtp2", "cp2xfsdp2"),
     "phi3": ("fsdp4",),
+    "mixtral": ("fsdp4", "hsdp2x2"),
 }
 
 
@@ -63,7 +68,8 @@ def make_dirs(root: Path) -> dict[str, str]:
 
 def layout(name: str, hf_path: str):
     base = tiny()
-    cfg = msgspec.structs.replace(base, model=ModelConfig(hf_path=hf_path))
+    from_scratch = Path(hf_path).name in FROM_SCRATCH
+    cfg = msgspec.structs.replace(base, model=ModelConfig(hf_path=hf_path, from_scratch=from_scratch))
     meshes = {
         "one": MeshSpec(dp_shard=1),
         "fsdp4": MeshSpec(dp_shard=4),
