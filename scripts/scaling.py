@@ -26,9 +26,9 @@ def estimate_rows(recipe: str, worlds: list[int], device_name: str) -> list[dict
     import msgspec
 
     from shardlab.estimate import estimate
+    from shardlab.estimate.roofline import device
     from shardlab.loop import plan_model
     from shardlab.recipe import load_recipe
-    from shardlab.roofline import device
 
     r = load_recipe(recipe)
     base = r.config

@@ -3,6 +3,7 @@
 Config -> MeshSpec -> make_plan (rules, logical axes, PartitionSpecs) -> apply -> step.
 """
 
+from shardlab._device_mesh import make_mesh
 from shardlab.apply import apply, constrain, shard, shard_map
 from shardlab.checkpoint import load, save
 from shardlab.config import (
@@ -19,7 +20,7 @@ from shardlab.config import (
 from shardlab.debug import visualize, visualize_spec
 from shardlab.hf import from_hf, load_hf_weights, to_hf
 from shardlab.loop import build_model, train
-from shardlab.mesh import MeshSpec, make_mesh
+from shardlab.mesh import MeshSpec
 from shardlab.models.custom import CustomModel
 from shardlab.models.hf_causal_lm import HFCausalLM
 from shardlab.models.llama import Llama, llama_config

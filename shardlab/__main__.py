@@ -100,7 +100,7 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
         return 0
     if command == "estimate":
         from shardlab.estimate import estimate, estimate_table
-        from shardlab.roofline import device
+        from shardlab.estimate.roofline import device
 
         dev = device(device_name or "h100")
         print(estimate_table(estimate(cfg, plan, recipe.rules(cfg), dev, provider), cfg, dev))

@@ -1,7 +1,7 @@
 """apply(model, plan, mesh): the one door to torch's parallel APIs, in the order the layout needs.
 
 this rank's pipeline stages (the other stages' modules become nn.Identity) -> activation checkpointing -> TP/SP
-(`parallelize_module`) -> context-parallel attention (`shardlab.context`) -> expert parallelism (`shardlab.experts`)
+(`parallelize_module`) -> context-parallel attention (`shardlab.context_parallel`) -> expert parallelism (`shardlab.expert_parallel`)
 -> compile -> FSDP/HSDP (`fully_shard` per unit, then the root: the model, or each
 StageModule when a rank runs several stages). The pipeline
 schedule itself runs in the step (shardlab.schedule). Also the JAX-like helpers `shard` (device_put with a spec),
@@ -11,6 +11,7 @@ schedule itself runs in the step (shardlab.schedule). Also the JAX-like helpers 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -31,14 +32,18 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement
 
-from shardlab._checkpoint import checkpoint as checkpoint_module
-from shardlab.context import all_gather_attention
-from shardlab.experts import expert_dispatch
-from shardlab.mesh import AXES, FLAT_VIEWS, expert_mesh, flat_view, mesh_spec_of
+from shardlab._activation_checkpoint import checkpoint as checkpoint_module
+from shardlab._device_mesh import expert_mesh, flat_view, mesh_spec_of
+from shardlab.context_parallel import all_gather_attention
+from shardlab.expert_parallel import expert_dispatch
+from shardlab.mesh import AXES, FLAT_VIEWS
 from shardlab.pipeline import StagePlan
 from shardlab.plan import Plan
 from shardlab.spec import P, Spec, check_shape, expand, placements
 from shardlab.styles import ModulePlan
+
+_STAGES: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, ...]] = weakref.WeakKeyDictionary()
+"""The StageModules `apply` built for a model whose rank runs several pipeline stages (the schedule runs them)."""
 
 
 def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Module:
@@ -85,7 +90,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
     roots = (model,)
     if kept is not None and len(kept) > 1:
         roots = tuple(StageModule(model, s, last=s.index == len(plan.pipeline.stages) - 1) for s in kept)
-        model.__dict__["_pipeline_stages"] = roots  # not registered: the model's names and state_dict stay
+        _STAGES[model] = roots  # kept here, not on the model: its names, state_dict and attributes stay its own
     # FSDP goes last: fully_shard must see the TP-sharded DTensors to shard them again over dp.
     if plan.fsdp is not None:
         f = plan.fsdp
@@ -138,7 +143,7 @@ class StageModule(nn.Module):
 
 def _expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, modules: tuple[str, ...]) -> None:
     """Expert weights become DTensors sharded over ep and/or tp as the plan says, each rank keeping its block of
-    the full weight it holds; their modules dispatch rows to them (shardlab.experts)."""
+    the full weight it holds; their modules dispatch rows to them (shardlab.expert_parallel)."""
     e = plan.experts
     axes = (("ep",) if e.ep > 1 else ()) + (("tp",) if e.tensor_parallel else ())
     on = expert_mesh(mesh, axes) if e.ep > 1 else mesh["tp"]
@@ -166,7 +171,7 @@ def _fsdp_dims(model: nn.Module, plan: Plan) -> Callable[[nn.Parameter], Shard |
 def stage_modules(model: nn.Module) -> tuple[nn.Module, ...]:
     """The modules torch's PipelineStage runs for this rank, in model order: the model itself (one stage per rank,
     or no pipeline), else one StageModule per stage, as `apply` built them."""
-    return model.__dict__.get("_pipeline_stages", (model,))
+    return _STAGES.get(model, (model,))
 
 
 def _fsdp_mesh(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:

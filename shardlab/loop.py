@@ -19,12 +19,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardlab import checkpoint
 from shardlab._base import to_json
+from shardlab._device_mesh import make_mesh
 from shardlab.apply import apply, keep_own_stages
 from shardlab.config import Config
 from shardlab.data import make_loader
 from shardlab.hf import initial_weights, load_hf_weights
 from shardlab.launch import resolve_device
-from shardlab.mesh import make_mesh
 from shardlab.metrics import (
     MetricsWriter,
     device_peak_flops,

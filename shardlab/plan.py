@@ -18,8 +18,8 @@ from torch import nn
 from shardlab import _plan_text
 from shardlab._base import Frozen, to_json
 from shardlab.config import PlanConfig
-from shardlab.context import ContextPlan, context_plan
-from shardlab.experts import ExpertPlan, expert_plan, module_of, strip_ep
+from shardlab.context_parallel import ContextPlan, context_plan
+from shardlab.expert_parallel import ExpertPlan, expert_plan, module_of, strip_ep
 from shardlab.mesh import MeshSpec
 from shardlab.pipeline import ZERO_BUBBLE, PipelinePlan, pipeline_plan
 from shardlab.rules import Rules, matches, resolve

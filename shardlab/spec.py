@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from shardlab import _strided
-from shardlab.mesh import AXES, ExpertMeshSpec, MeshSpec, mesh_spec_of
+from shardlab._device_mesh import mesh_spec_of
+from shardlab.mesh import AXES, ExpertMeshSpec, MeshSpec
 
 Entry = str | tuple[str, ...] | None
 Spec = tuple[Entry, ...]

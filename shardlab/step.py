@@ -22,13 +22,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlab._base import Frozen
+from shardlab._device_mesh import flat_view
 from shardlab.config import Config, OptimConfig
-from shardlab.context import cp_positions
+from shardlab.context_parallel import cp_positions
 from shardlab.data import Batch
-from shardlab.mesh import flat_view
-from shardlab.models.moe import Routers, moe_layers
 from shardlab.models.provider import ModelProvider, logits_of, provider_for
 from shardlab.plan import Plan
+from shardlab.routers import Routers, moe_layers
 from shardlab.schedule import PipelineRun
 
 Metrics = dict[str, float | list[int]]
@@ -87,7 +87,7 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
     FSDP averages gradients over the ranks holding different tokens (`batch`: dp_replicate x dp_shard x cp),
     so each micro batch's summed loss is scaled by that count / (tokens in the global batch): the result is
     the global mean. The token count and the reported loss are reduced over `batch`, never over tp. Under
-    context parallelism each cp rank keeps its chunks of every sequence (`shardlab.context.cp_positions`).
+    context parallelism each cp rank keeps its chunks of every sequence (`shardlab.context_parallel.cp_positions`).
     """
     cfg = cfg.resolve(plan.mesh.world_size)
     plan.check_mesh(cfg.mesh)

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from shardlab import Config, LogConfig, ModelConfig, OptimConfig, PlanConfig, TrainConfig
 from shardlab.data import make_loader
+from shardlab.estimate.probe import probe
 from shardlab.loop import build_model, train
-from shardlab.probe import probe
 from shardlab.step import forward_backward, init_state, make_step
 
 pytestmark = pytest.mark.gpu

@@ -12,16 +12,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, TrainConfig
-from shardlab._fake import fake_world
+from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, TrainConfig, make_mesh
 from shardlab.apply import apply
 from shardlab.config import DataConfig, LogConfig, PlanConfig
+from shardlab.estimate._fake import fake_world
 from shardlab.loop import plan_model, train
-from shardlab.mesh import EXPERT_AXES, make_mesh
+from shardlab.mesh import EXPERT_AXES
 from shardlab.models.llama import Llama, materialize
 from shardlab.models.llama_rules import llama_rules
-from shardlab.models.moe import MoE, Routers, balance, update_bias
+from shardlab.models.moe import MoE
 from shardlab.plan import Plan, make_plan
+from shardlab.routers import Routers, balance, update_bias
 from shardlab.rules import Activation, Rule
 
 DIM = 32

@@ -4,14 +4,13 @@ estimate and roofline that hang together. Real ranks check it in tests/worlds/te
 import msgspec
 import pytest
 
-from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig
-from shardlab._fake import fake_world
+from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig, make_mesh
 from shardlab.estimate import estimate
+from shardlab.estimate._fake import fake_world
+from shardlab.estimate.probe import _probe_layers, probe
+from shardlab.estimate.roofline import axis_bandwidth, device
 from shardlab.loop import plan_model
-from shardlab.mesh import make_mesh
 from shardlab.models.provider import LlamaProvider
-from shardlab.probe import _probe_layers, probe
-from shardlab.roofline import axis_bandwidth, device
 
 MOE = MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=64)
 

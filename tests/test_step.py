@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardlab._checkpoint import is_checkpointed
+from shardlab._activation_checkpoint import is_checkpointed
 from shardlab.config import Config, DataConfig, MeshSpec, ModelConfig, OptimConfig, TrainConfig
 from shardlab.data import Batch
 from shardlab.loop import build_model

@@ -40,14 +40,14 @@ def _transformers() -> Any:
         import transformers
     except ImportError:
         raise ValueError(
-            "model.hf_path needs the transformers package: pip install 'shardlab[hf]' (or transformers>=5)"
+            "model.hf_path needs the transformers package: pip install 'shardlab[hf]'"
         ) from None
     return transformers
 
 
 ATTENTION = "shardlab"
 """The attention transformers models are built with: transformers' SDPA (and its masks), unless context parallelism
-gave the attention module an `attend` (shardlab.context), which then attends over the whole sequence's keys."""
+gave the attention module an `attend` (shardlab.context_parallel), which then attends over the whole sequence's keys."""
 
 
 def _attention(

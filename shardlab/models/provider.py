@@ -197,7 +197,7 @@ class LlamaProvider(ModelProvider):
         return to_hf_config(self.cfg)
 
     def hf_names(self, name: str, shape: Sequence[int]) -> HFNames:
-        from shardlab.hf_names import llama_names
+        from shardlab.hf.names import llama_names
 
         return llama_names(name, shape)
 

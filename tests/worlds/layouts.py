@@ -55,9 +55,11 @@ def layout_curves(layouts: dict[str, Config]) -> dict[str, dict[str, list[float]
     return {name: curves(cfg) for name, cfg in layouts.items()}
 
 
-def assert_matches(got: dict[str, list[float]], want: dict[str, list[float]], name: str, tol: float = TOL) -> None:
+def assert_matches(
+    got: dict[str, list[float]], want: dict[str, list[float]], name: str, tol: float = TOL, steps: int = STEPS
+) -> None:
     """Loss of every step within `tol`, and gradient norm within GRAD_NORM_TOL (relative to max(1, |norm|))."""
-    assert len(got["loss"]) == len(want["loss"]) == STEPS, name
+    assert len(got["loss"]) == len(want["loss"]) == steps, name
     loss = max(abs(a - b) for a, b in zip(got["loss"], want["loss"]))
     assert loss <= tol, f"{name}: max |loss diff| {loss:.2e} > {tol}; {got['loss']} vs {want['loss']}"
     norm = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(got["grad_norm"], want["grad_norm"]))

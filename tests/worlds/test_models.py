@@ -1,14 +1,15 @@
-"""Any model through the whole loop on 4 gloo ranks, each layout reproducing the one-process curve (fp32, 10 steps,
-loss within 1e-5).
+"""Any model through the whole loop on 4 gloo ranks, each layout reproducing the one-process curve (fp32, 6 steps,
+loss within 1e-5, grad norm within 1e-4 relative).
 
 transformers causal LMs trained by directory (`model.hf_path`), starting from the directory's safetensors weights,
-their layout derived from transformers' TP plan:
-- Llama, Qwen3, Mistral (a sliding window shorter than the sequence): FSDP 4, HSDP 2x2, FSDP 2 x TP 2 (+SP, loss
-  parallel), TP 2 x DP 2 without SP; Qwen3 with full activation checkpointing; context parallel: CP 2 x FSDP 2
-  (Qwen3; Mistral, whose window the cp attention honours), CP 2 x TP 2 (+SP) for Llama;
+their layout derived from transformers' TP plan; every layout on at least one family, each family in FSDP x TP where
+tp is allowed:
+- Llama: FSDP 2 x TP 2 (+SP, loss parallel), CP 2 x TP 2 (+SP);
+- Qwen3: TP 2 x DP 2 without SP, FSDP 2 x TP 2 with full activation checkpointing, CP 2 x FSDP 2;
+- Mistral (a sliding window shorter than the sequence, honoured by the cp attention): FSDP 2 x TP 2, CP 2 x FSDP 2;
 - Qwen2 (q/k/v biases), Gemma 3 text (scaled embeddings, four norms per block, sliding layers, its own attention
-  scale): FSDP 2 x TP 2; Gemma 3 also CP 2 x FSDP 2; Phi-3 (fused q/k/v, so tp is refused): FSDP 4;
-- Mixtral (stacked experts, so tp is refused; from the seed): FSDP 4, HSDP 2x2.
+  scale): FSDP 2 x TP 2; Gemma 3 also CP 2 x FSDP 2;
+- Phi-3 (fused q/k/v, so tp is refused): FSDP 4; Mixtral (stacked experts, from the seed): HSDP 2x2.
 And recipes/custom_gpt.py's own nn.Module (fused QKV, learned positions, GELU): FSDP 2 x TP 2."""
 
 from __future__ import annotations
@@ -43,14 +44,17 @@ SHAPE = dict(
 )  # fmt: skip
 FSDP_TP = MeshSpec(dp_shard=2, tp=2)
 LAYOUTS = {
-    "llama": ("fsdp4", "hsdp2x2", "fsdp2xtp2", "tp2-no_sp", "cp2xtp2"),
-    "qwen3": ("fsdp4", "hsdp2x2", "fsdp2xtp2", "tp2-no_sp", "fsdp2xtp2-ac_full", "cp2xfsdp2"),
-    "mistral": ("fsdp4", "hsdp2x2", "fsdp2xtp2", "tp2-no_sp", "cp2xfsdp2"),
+    "llama": ("fsdp2xtp2", "cp2xtp2"),
+    "qwen3": ("tp2-no_sp", "fsdp2xtp2-ac_full", "cp2xfsdp2"),
+    "mistral": ("fsdp2xtp2", "cp2xfsdp2"),
     "qwen2": ("fsdp2xtp2",),
     "gemma3": ("fsdp2xtp2", "cp2xfsdp2"),
     "phi3": ("fsdp4",),
-    "mixtral": ("fsdp4", "hsdp2x2"),
+    "mixtral": ("hsdp2x2",),
 }
+"""Every layout on at least one family (FSDP: Phi-3; HSDP: Mixtral), every family in FSDP x TP where tp is allowed."""
+STEPS = 6
+"""Fewer steps than the other worlds (the suite's time budget); every layout still trains through its warmup."""
 
 
 def make_dirs(root: Path) -> dict[str, str]:
@@ -68,6 +72,7 @@ def make_dirs(root: Path) -> dict[str, str]:
 
 def layout(name: str, hf_path: str):
     base = tiny()
+    base = msgspec.structs.replace(base, train=msgspec.structs.replace(base.train, steps=STEPS))
     from_scratch = Path(hf_path).name in FROM_SCRATCH
     cfg = msgspec.structs.replace(base, model=ModelConfig(hf_path=hf_path, from_scratch=from_scratch))
     meshes = {
@@ -93,7 +98,10 @@ def small_gpt():
     """recipes/custom_gpt.py's model at a test's size, and its config."""
     recipe = load_recipe(Path(__file__).parents[2] / "recipes" / "custom_gpt.py")
     provider = recipe.model(recipe.config).with_args(vocab_size=512, dim=64, n_layers=2, n_heads=4, max_seq=64)
-    return provider, msgspec.structs.replace(tiny(), model=ModelConfig())
+    cfg = tiny()
+    return provider, msgspec.structs.replace(
+        cfg, model=ModelConfig(), train=msgspec.structs.replace(cfg.train, steps=STEPS)
+    )
 
 
 def custom(rank, world_size, dirs):
@@ -124,12 +132,12 @@ def references(dirs):
 def test_transformers_model_matches_one_process(world4, references, family, name):
     want = references[family]
     assert want["loss"][-1] < want["loss"][0], f"{family}: the one-process loss should fall"
-    assert_matches(world4.value(run)[family, name], want, f"{family} {name}")
+    assert_matches(world4.value(run)[family, name], want, f"{family} {name}", steps=STEPS)
 
 
 @pytest.mark.world
 def test_recipe_model_matches_one_process(world4):
     provider, cfg = small_gpt()
     want = curves(cfg, provider=provider)
-    assert want["loss"][-1] < want["loss"][0] - 0.5, "the one-process loss should fall"
-    assert_matches(world4.value(custom), want, "custom_gpt fsdp2xtp2")
+    assert want["loss"][-1] < want["loss"][0] - 0.3, "the one-process loss should fall"
+    assert_matches(world4.value(custom), want, "custom_gpt fsdp2xtp2", steps=STEPS)

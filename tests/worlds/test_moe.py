@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from shardlab import P, shard, visualize
+from shardlab._device_mesh import mesh_spec_of
 from shardlab.checkpoint import step_dir
 from shardlab.config import Config, MeshSpec, MoEConfig
 from shardlab.data import make_loader
 from shardlab.loop import build_model, train
-from shardlab.mesh import mesh_spec_of
-from shardlab.models.moe import moe_layers
+from shardlab.routers import moe_layers
 from shardlab.step import forward_backward, init_state, make_step
 
 from ._harness import run_world

@@ -23,12 +23,12 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import Config, MeshSpec, MoEConfig
-from shardlab.context import cp_positions
+from shardlab.context_parallel import cp_positions
 from shardlab.estimate import estimate
+from shardlab.estimate.probe import _axis_names, _param_storages, _Recorder, probe
+from shardlab.estimate.roofline import DP_AXES
 from shardlab.loop import build_model, plan_model
-from shardlab.models.moe import moe_layers
-from shardlab.probe import _axis_names, _param_storages, _Recorder, probe
-from shardlab.roofline import DP_AXES
+from shardlab.routers import moe_layers
 from shardlab.schedule import PipelineRun
 from shardlab.step import IGNORE_INDEX, forward_backward, init_state, match_param_layouts
 

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import Config, ModelConfig
-from shardlab.hf_names import llama_names
+from shardlab.hf.names import llama_names
 from shardlab.models.llama import Llama, from_hf_config, materialize
 from shardlab.models.provider import HFNames, LlamaProvider, ModelProvider, first_difference
 from shardlab.spec import P, block, placed_spec
@@ -109,7 +109,7 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike, names: NameMap | 
     block of each tensor. Everything is checked before anything is copied (names, shapes, dtypes, files),
     so a bad checkpoint leaves the model as it was. A tied parameter is read once, from whichever of its
     names the checkpoint has (HF omits `lm_head.weight` when tied). `names` maps a parameter to its checkpoint
-    tensor(s) (default: shardlab's Llama, `shardlab.hf_names.llama_names`); a stacked expert weight reads the experts of its
+    tensor(s) (default: shardlab's Llama, `shardlab.hf.names.llama_names`); a stacked expert weight reads the experts of its
     block, each from its own tensor.
     """
     root = _dir(path)

@@ -16,13 +16,13 @@ import msgspec
 import torch.distributed as dist
 
 from shardlab._base import Frozen
-from shardlab._fake import fake_world
 from shardlab.config import Config
+from shardlab.estimate._fake import fake_world
+from shardlab.estimate.probe import Collective, probe, stage_boundary
+from shardlab.estimate.roofline import DP_AXES, Device, StepTime, collective_seconds, step_time
 from shardlab.models.provider import ModelProvider, provider_for
 from shardlab.pipeline import in_flight
 from shardlab.plan import ParamPlan, Plan
-from shardlab.probe import Collective, probe, stage_boundary
-from shardlab.roofline import DP_AXES, Device, StepTime, collective_seconds, step_time
 from shardlab.rules import Rules
 from shardlab.schedule import stage_actions
 
@@ -265,7 +265,7 @@ def estimate_table(e: Estimate, cfg: Config, dev: Device | None = None) -> str:
     t = e.time
     if t is not None and dev is not None:
         lines += [
-            f"on {dev.name} (see shardlab/roofline.py for the model): compute {t.compute_s * 1e3:.1f} ms, "
+            f"on {dev.name} (see shardlab/estimate/roofline.py for the model): compute {t.compute_s * 1e3:.1f} ms, "
             f"FSDP comm {t.fsdp_comm_s * 1e3:.1f} ms (overlapped), TP/CP/EP comm {t.tp_comm_s * 1e3:.1f} ms, "
             + (f"PP sends {t.pp_comm_s * 1e3:.1f} ms, bubble {t.bubble_s * 1e3:.1f} ms, " if cfg.mesh.pp > 1 else "")
             + f"optimizer {t.optimizer_s * 1e3:.1f} ms",

@@ -1,5 +1,5 @@
 """Context parallelism as data (issue 5): which positions each cp rank holds, the plan's record of it, and the
-errors at plan time. Runs against one process are in tests/worlds/test_context.py."""
+errors at plan time. Runs against one process are in tests/worlds/test_context_parallel.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardlab import Config, MeshSpec, ModelConfig, PlanConfig, TrainConfig
-from shardlab.context import cp_positions
+from shardlab.context_parallel import cp_positions
 from shardlab.loop import plan_model
 from shardlab.models.llama import Llama, causal_attention
 from shardlab.models.llama_rules import llama_rules

@@ -20,8 +20,8 @@ import math
 from collections.abc import Callable, Sequence
 
 from shardlab._base import Frozen
+from shardlab.estimate.probe import Collective, Probe
 from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec
-from shardlab.probe import Collective, Probe
 
 MATMUL_EFFICIENCY = 0.8
 """Achievable / datasheet bf16 FLOP/s: an 8192^3 bf16 matmul ran at 798 of 989 TFLOP/s on this workplace's H100."""

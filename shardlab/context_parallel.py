@@ -40,10 +40,10 @@ class ContextPlan(Frozen):
     """Context parallelism (mesh.cp > 1): how each cp rank's attention sees the whole sequence."""
 
     attention: Literal["all_gather_kv"]
-    """all_gather_kv: gather K and V over cp and mask by position (shardlab.context; runs on every backend)."""
+    """all_gather_kv: gather K and V over cp and mask by position (shardlab.context_parallel; runs on every backend)."""
     modules: tuple[str, ...]
     """The attention modules whose `attend` is replaced. Each cp rank holds sequence chunks r and 2 cp - 1 - r,
-    so causal attention costs every rank the same (shardlab.context)."""
+    so causal attention costs every rank the same (shardlab.context_parallel)."""
 
 
 def context_plan(modules: dict[str, nn.Module], mesh: MeshSpec, rules: Rules) -> ContextPlan | None:

@@ -36,17 +36,18 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from shardlab._activation_checkpoint import in_backward
 from shardlab._base import Frozen
-from shardlab._checkpoint import in_backward
-from shardlab._fake import fake_tensors, fake_world, forget_dtensor_dispatch, inferring_dtensor_shapes
+from shardlab._device_mesh import _experts_of, flat_view, make_mesh
 from shardlab.apply import apply, stage_modules
 from shardlab.config import Config
-from shardlab.context import cp_positions
-from shardlab.mesh import AXES, FLAT_VIEWS, _experts_of, flat_view, make_mesh
+from shardlab.context_parallel import cp_positions
+from shardlab.estimate._fake import fake_tensors, fake_world, forget_dtensor_dispatch, inferring_dtensor_shapes
+from shardlab.mesh import AXES, FLAT_VIEWS
 from shardlab.metrics import module_flops
-from shardlab.models.moe import moe_layers
 from shardlab.models.provider import ModelProvider, provider_for
 from shardlab.plan import Plan, make_plan
+from shardlab.routers import moe_layers
 from shardlab.rules import Rules
 from shardlab.step import forward_backward
 

@@ -1,0 +1,200 @@
+"""MoE routers in the train step: the load-balancing loss over every data-parallel rank's tokens, the
+auxiliary-loss-free bias update, and the routing metrics (`Routers`), for the MoE layers of `shardlab.models.moe`.
+
+The layers leave each forward's statistics on themselves (`MoE.stats`) and hold no process group; this module
+reduces them over the ranks holding other tokens (and, inside pipeline stages, in forward hooks as the schedule
+runs them).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from shardlab._activation_checkpoint import in_backward
+from shardlab.models.moe import MoE
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+class Balance(NamedTuple):
+    """The router statistics of one global micro batch (this micro batch of every rank holding other tokens)."""
+
+    aux_loss: torch.Tensor
+    """Summed over layers: E x sum_e(share of slots_e x mean score_e); differentiable, the same on every rank."""
+    counts: torch.Tensor
+    """[layers, E] token slots per expert."""
+    dropped: int
+    tokens: int
+    """Tokens of the global micro batch."""
+
+
+def balance(layers: list[MoE], group: dist.ProcessGroup | None) -> Balance:
+    """Reduce the layers' router statistics of one forward over `group` (None: one process) into the Switch
+    balancing loss.
+
+    The score sums go through an autograd-aware all-reduce: each rank's router gets the gradient of the global
+    loss, as one process holding the whole batch would (FSDP then averages what the ranks computed)."""
+    stats = [layer.stats for layer in layers]
+    if any(s is None for s in stats):
+        raise ValueError("moe.balance: a MoE layer has not run a forward since its statistics were read")
+    counts = torch.stack([s.counts for s in stats]).to(torch.float64)
+    score_sum = torch.stack([s.score_sum for s in stats])
+    tokens = torch.tensor(
+        [float(stats[0].tokens), float(sum(s.dropped for s in stats))], dtype=torch.float64, device=counts.device
+    )
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+        dist.all_reduce(tokens, group=group)
+        score_sum = funcol.all_reduce(score_sum, "sum", group)  # differentiable: backward sums the gradients
+    for layer in layers:
+        layer.stats = None
+    n_tokens, dropped = tokens.tolist()
+    k = layers[0].cfg.top_k
+    share = counts / (n_tokens * k)
+    mean_score = score_sum / n_tokens
+    aux = (layers[0].cfg.n_experts * (share.to(mean_score.dtype) * mean_score).sum(-1)).sum()
+    return Balance(aux_loss=aux, counts=counts.round().to(torch.long), dropped=int(dropped), tokens=round(n_tokens))
+
+
+@torch.no_grad()
+def update_bias(layers: list[MoE], counts: torch.Tensor) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3): raise the bias of experts below the mean load, lower it above.
+
+    counts [layers, E]: the step's token slots per expert, over the global batch (the same on every rank)."""
+    for layer, load in zip(layers, counts.to(torch.float32), strict=True):
+        if layer.cfg.balance == "bias":
+            layer.expert_bias += layer.cfg.bias_rate * torch.sign(load.mean() - load).to(layer.expert_bias.device)
+
+
+class Routers:
+    """One step's router bookkeeping for the step: the balancing loss of each global micro batch,
+    the step's loads for the bias update and the metrics.
+
+    Without pipelines the step calls `loss` after each micro batch's forward and backpropagates it with the
+    objective. A pipeline schedule backpropagates each stage from its output, so there (`stage_group`, the pp
+    group) a forward hook on each MoE layer reduces its statistics as it runs and ties the balancing loss's
+    gradient to the layer's output (`_with_balancing_grad`); `after_pipeline` reads them. The metrics sum over
+    stages."""
+
+    def __init__(
+        self,
+        layers: list[MoE],
+        group: dist.ProcessGroup | None,
+        micro_batches: int,
+        stage_group: dist.ProcessGroup | None = None,
+        *,
+        n_experts: int,
+        device: torch.device,
+    ) -> None:
+        self.layers, self.group, self.micro_batches, self.stage_group = layers, group, micro_batches, stage_group
+        self.counts = torch.zeros(len(layers), n_experts, dtype=torch.long, device=device)
+        self.aux, self.dropped = 0.0, 0
+        self._history: list[list[Balance]] = [[] for _ in layers]
+        self._hooks = [
+            layer.register_forward_hook(self._reduce_in_forward(history), prepend=True)
+            for layer, history in zip(layers, self._history)
+            if stage_group is not None
+        ]
+
+    def loss(self) -> torch.Tensor | None:
+        """After a micro batch's forward: what to add to its objective (aux_loss balance), else None."""
+        if not self.layers:  # a pipeline stage without MoE layers (so are the other ranks of its `group`)
+            return None
+        b = balance(self.layers, self.group)
+        self._count(b)
+        if self.layers[0].cfg.balance != "aux_loss":
+            return None
+        return b.aux_loss * (self.layers[0].cfg.aux_loss_coef / self.micro_batches)
+
+    def _count(self, b: Balance) -> None:
+        self.counts = self.counts + b.counts.to(self.counts.device)
+        self.aux += b.aux_loss.item() / self.micro_batches
+        self.dropped += b.dropped
+
+    def _reduce_in_forward(self, history: list[Balance]):
+        """A forward hook for one MoE layer inside a pipeline stage: reduce its statistics over `group` now (every
+        rank of the group runs the same schedule) and keep them; under aux_loss, give its output the loss's
+        gradient. A recomputation in the backward (activation checkpointing) is skipped: its forward was counted."""
+        cfg = self.layers[0].cfg
+        holders = dist.get_world_size(self.group) if self.group is not None else 1
+
+        def reduce(layer: MoE, args: object, output: torch.Tensor) -> torch.Tensor | None:
+            if in_backward():
+                return None
+            score_sum = layer.stats.score_sum if layer.stats is not None else None
+            with torch.no_grad():
+                b = balance([layer], self.group)
+            history.append(b)
+            if cfg.balance != "aux_loss" or score_sum is None:
+                return None
+            # d aux / d (global score sum) = E x share_e / tokens; the loss is the global micro batch's, so each of
+            # the `holders` ranks backpropagates all of it into its own score sum (FSDP then averages them).
+            share = b.counts[0].to(score_sum.dtype) / (b.tokens * cfg.top_k)
+            weight = share * (cfg.n_experts / b.tokens * holders * cfg.aux_loss_coef / self.micro_batches)
+            return _with_balancing_grad(output, score_sum, weight)
+
+        return reduce
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def after_pipeline(self) -> None:
+        """After a pipeline schedule ran every micro batch: count their statistics (the last `micro_batches`
+        forwards of each layer: torch's first step also runs one to infer the stages' shapes)."""
+        self.remove_hooks()
+        m = self.micro_batches
+        if any(len(h) < m for h in self._history):
+            raise ValueError(f"moe: a MoE layer ran fewer than the pipeline's {m} micro batches this step")
+        for history in self._history:
+            for b in history[-m:]:
+                self._count(b)
+
+    def update_bias(self) -> None:
+        update_bias(self.layers, self.counts)
+
+    def metrics(self) -> dict[str, float | list[int]]:
+        """moe_aux_loss (summed over layers, whether or not it is trained on), dropped token slots, the busiest
+        expert's load over the mean (worst layer), and tokens per expert summed over layers (and stages)."""
+        counts = self.counts.to(torch.float64)
+        tokens = counts.sum(0)
+        sums = torch.tensor([self.aux, float(self.dropped)], dtype=torch.float64, device=counts.device)
+        load = counts.max(-1).values / counts.mean(-1)
+        max_load = (load.max() if len(load) else torch.zeros((), dtype=torch.float64, device=counts.device)).reshape(1)
+        if self.stage_group is not None:
+            dist.all_reduce(tokens, group=self.stage_group)
+            dist.all_reduce(sums, group=self.stage_group)
+            dist.all_reduce(max_load, op=dist.ReduceOp.MAX, group=self.stage_group)
+        aux, dropped = sums.tolist()
+        return {
+            "moe_aux_loss": aux,
+            "moe_dropped": dropped,
+            "moe_max_load": max_load.item(),
+            "moe_tokens_per_expert": [round(t) for t in tokens.tolist()],
+        }
+
+
+class _WithBalancingGrad(torch.autograd.Function):
+    """Identity on a layer's output whose backward also sends `weight` (a constant) into `score_sum`: a linear loss
+    term, weight . score_sum, backpropagated with the output. It keeps nothing for the backward but `weight`, so a
+    checkpointed block's recomputation, which skips it, still lines up."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, score_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.weight = weight
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, ctx.weight, None
+
+
+def _with_balancing_grad(output: torch.Tensor, score_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _WithBalancingGrad.apply(output, score_sum, weight)
