@@ -1,11 +1,11 @@
-"""Any model through the whole loop on 4 gloo ranks, each layout reproducing the one-process curve (fp32, 6 steps,
+"""Any model through the whole loop on 4 gloo ranks, each layout reproducing the one-process curve (fp32, 5 steps,
 loss within 1e-5, grad norm within 1e-4 relative).
 
 transformers causal LMs trained by directory (`model.hf_path`), starting from the directory's safetensors weights,
 their layout derived from transformers' TP plan; every layout on at least one family, each family in FSDP x TP where
 tp is allowed:
 - Llama: FSDP 2 x TP 2 (+SP, loss parallel), CP 2 x TP 2 (+SP);
-- Qwen3: TP 2 x DP 2 without SP, FSDP 2 x TP 2 with full activation checkpointing, CP 2 x FSDP 2;
+- Qwen3: FSDP 2 x TP 2 with full activation checkpointing, CP 2 x FSDP 2;
 - Mistral (a sliding window shorter than the sequence, honoured by the cp attention): FSDP 2 x TP 2, CP 2 x FSDP 2;
 - Qwen2 (q/k/v biases), Gemma 3 text (scaled embeddings, four norms per block, sliding layers, its own attention
   scale): FSDP 2 x TP 2; Gemma 3 also CP 2 x FSDP 2;
@@ -45,7 +45,7 @@ SHAPE = dict(
 FSDP_TP = MeshSpec(dp_shard=2, tp=2)
 LAYOUTS = {
     "llama": ("fsdp2xtp2", "cp2xtp2"),
-    "qwen3": ("tp2-no_sp", "fsdp2xtp2-ac_full", "cp2xfsdp2"),
+    "qwen3": ("fsdp2xtp2-ac_full", "cp2xfsdp2"),
     "mistral": ("fsdp2xtp2", "cp2xfsdp2"),
     "qwen2": ("fsdp2xtp2",),
     "gemma3": ("fsdp2xtp2", "cp2xfsdp2"),
@@ -53,7 +53,7 @@ LAYOUTS = {
     "mixtral": ("hsdp2x2",),
 }
 """Every layout on at least one family (FSDP: Phi-3; HSDP: Mixtral), every family in FSDP x TP where tp is allowed."""
-STEPS = 6
+STEPS = 5
 """Fewer steps than the other worlds (the suite's time budget); every layout still trains through its warmup."""
 
 
@@ -139,5 +139,5 @@ def test_transformers_model_matches_one_process(world4, references, family, name
 def test_recipe_model_matches_one_process(world4):
     provider, cfg = small_gpt()
     want = curves(cfg, provider=provider)
-    assert want["loss"][-1] < want["loss"][0] - 0.3, "the one-process loss should fall"
+    assert want["loss"][-1] < want["loss"][0] - 0.2, "the one-process loss should fall"
     assert_matches(world4.value(custom), want, "custom_gpt fsdp2xtp2", steps=STEPS)

@@ -236,7 +236,9 @@ def test_probe_predicts_collectives_and_activations(world4, check):
     # AsyncCollectiveTensor holds a collective's output where the fake kernels (wait_tensor,
     # _wrap_tensor_autograd) allocate new tensors. A constant per micro batch; vocab 8192 keeps it under 10%.
     assert abs(got["live"] - p.activation_bytes) <= 0.10 * p.activation_bytes, (got["live"], p.activation_bytes)
-    assert abs(got["rss_added"] - p.activation_bytes) <= 0.10 * p.activation_bytes, (got, p.activation_bytes)
+    # The process's own memory never grows past the estimate. It can grow less: pages freed since the warm-up step
+    # (the ep dispatch's buffers) are reused, so only `live` is held to the estimate from both sides.
+    assert got["rss_added"] <= 1.10 * p.activation_bytes, (got, p.activation_bytes)
 
 
 @pytest.mark.world
