@@ -4,7 +4,8 @@
     python scripts/bench_vs_torchtitan.py 1 1 1 --dtype bfloat16
     python scripts/bench_vs_torchtitan.py 2 2 1 --skip-torchtitan
 
-Mirrors ../shared/peers/torchtitan/README.md: torchtitan's llama3 debug model (shardlab's default
+Mirrors the torchtitan harness's README (its location in TORCHTITAN_HARNESS: a folder with setup.sh and run.sh):
+torchtitan's llama3 debug model (shardlab's default
 ModelConfig), seq 2048, 8 sequences per data-parallel rank, AdamW 8e-4 with clipping at 1.0, the
 stdlib-docstrings JSONL the peer's setup.sh writes, and tok/s = (STEPS - 2) x global tokens / (time
 of step STEPS - time of step 2). Prints one summary line per run and the ratio.
@@ -21,7 +22,7 @@ from pathlib import Path
 from _shardlab_run import run_shardlab
 
 ROOT = Path(__file__).resolve().parents[1]
-PEER = ROOT.parent / "shared" / "peers" / "torchtitan"
+PEER = Path(harness) if (harness := os.environ.get("TORCHTITAN_HARNESS")) else None
 TT_WORK = Path(os.environ.get("TT_WORK", "/tmp/tt-work"))
 
 
@@ -50,6 +51,10 @@ def bench_shardlab(n: int, dp: int, tp: int, steps: int, dtype: str, ac: str) ->
 
 
 def run_torchtitan(n: int, dp: int, tp: int, steps: int, dtype: str, ac: str) -> dict:
+    if PEER is None:
+        raise SystemExit(
+            "set TORCHTITAN_HARNESS to the torchtitan harness folder (setup.sh, run.sh), or --skip-torchtitan"
+        )
     flags = ["--training.mixed_precision_param", dtype, f"activation_checkpoint:{ac}"]
     out = subprocess.run(
         [str(PEER / "run.sh"), str(n), str(dp), str(tp), str(steps), *flags], capture_output=True, text=True

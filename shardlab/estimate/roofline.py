@@ -24,7 +24,7 @@ from shardlab.estimate.probe import Collective, Probe
 from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec
 
 MATMUL_EFFICIENCY = 0.8
-"""Achievable / datasheet bf16 FLOP/s: an 8192^3 bf16 matmul ran at 798 of 989 TFLOP/s on this workplace's H100."""
+"""Achievable / datasheet bf16 FLOP/s: an 8192^3 bf16 matmul ran at 798 of 989 TFLOP/s on one H100 (BENCHMARKS.md)."""
 HBM_EFFICIENCY = 0.9
 """Achievable / datasheet HBM bandwidth: a device-to-device copy moved 3.0 of 3.35 TB/s on the same H100."""
 GPUS_PER_NODE = 8

@@ -1,6 +1,7 @@
-"""Hugging Face checkpoints: safetensors directories in and out of any model a provider describes (`io`), and the
+"""Hugging Face checkpoints: safetensors directories into (`io`) and out of (`export`) any model a provider describes, and the
 checkpoint names of shardlab's own Llama and MoE parameters (`names`)."""
 
-from shardlab.hf.io import from_hf, has_weights, initial_weights, load_hf_weights, read_hf_config, to_hf
+from shardlab.hf.export import to_hf
+from shardlab.hf.io import from_hf, has_weights, initial_weights, load_hf_weights, read_hf_config
 
 __all__ = ["from_hf", "has_weights", "initial_weights", "load_hf_weights", "read_hf_config", "to_hf"]

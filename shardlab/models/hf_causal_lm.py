@@ -39,9 +39,7 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise ValueError(
-            "model.hf_path needs the transformers package: pip install 'shardlab[hf]'"
-        ) from None
+        raise ValueError("model.hf_path needs the transformers package: pip install 'shardlab[hf]'") from None
     return transformers
 
 
