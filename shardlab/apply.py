@@ -1,17 +1,16 @@
 """apply(model, plan, mesh): the one door to torch's parallel APIs, in the order the layout needs.
 
-this rank's pipeline stages (the other stages' modules become nn.Identity) -> activation checkpointing -> TP/SP
-(`parallelize_module`) -> context-parallel attention (`shardlab.context_parallel`) -> expert parallelism (`shardlab.expert_parallel`)
--> compile -> FSDP/HSDP (`fully_shard` per unit, then the root: the model, or each
-StageModule when a rank runs several stages). The pipeline
-schedule itself runs in the step (shardlab.schedule). Also the JAX-like helpers `shard` (device_put with a spec),
+this rank's pipeline stages (the other stages' modules pass their input on, `shardlab.stages`) -> activation
+checkpointing -> TP/SP (`parallelize_module`) -> context-parallel attention (`shardlab.context_parallel`) -> expert
+parallelism (`shardlab.expert_parallel`) -> compile -> FSDP/HSDP (`fully_shard` per unit, then the root: the model,
+or the module each of this rank's pipeline stages runs). The pipeline schedule itself runs in the step
+(shardlab.schedule). Also the JAX-like helpers `shard` (device_put with a spec),
 `constrain` (with_sharding_constraint for activations) and `shard_map` (code on local blocks, over local_map).
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,10 +39,8 @@ from shardlab.mesh import AXES, FLAT_VIEWS
 from shardlab.pipeline import StagePlan
 from shardlab.plan import Plan
 from shardlab.spec import P, Spec, check_shape, expand, placements
+from shardlab.stages import build_stages, in_stages, keep_own_stages
 from shardlab.styles import ModulePlan
-
-_STAGES: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, ...]] = weakref.WeakKeyDictionary()
-"""The StageModules `apply` built for a model whose rank runs several pipeline stages (the schedule runs them)."""
 
 
 def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Module:
@@ -62,7 +59,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
     kept = keep_own_stages(model, plan, mesh["pp"].get_local_rank()) if plan.pipeline is not None else None
     _check_model(model, plan, kept)
     # Block indices count over the whole model, so selective checkpointing picks the same blocks in every layout.
-    blocks = [(i, model.get_submodule(f)) for i, f in enumerate(plan.blocks) if kept is None or _in_stages(f, kept)]
+    blocks = [(i, model.get_submodule(f)) for i, f in enumerate(plan.blocks) if kept is None or in_stages(f, kept)]
     # Checkpointing before TP: its hook keeps a block's inputs as they come, ahead of any TP hook of the block itself
     # (a transformers model's first block takes its sequence shard), so the recomputation runs that hook again on
     # the same inputs instead of on its output.
@@ -72,25 +69,22 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
         ):
             checkpoint_module(block)
     if plan.mesh.tp > 1:
-        kept_modules = plan.modules if kept is None else [m for m in plan.modules if _in_stages(m.fqn, kept)]
+        kept_modules = plan.modules if kept is None else [m for m in plan.modules if in_stages(m.fqn, kept)]
         parallelize_module(model, mesh["tp"], {m.fqn: _tp_style(m) for m in kept_modules})
         _retie(model, plan)
     if plan.context is not None:
         attend = all_gather_attention(mesh["cp"].get_group())
         for fqn in plan.context.modules:
-            if kept is None or _in_stages(fqn, kept):
+            if kept is None or in_stages(fqn, kept):
                 model.get_submodule(fqn).attend = attend
     experts = ()
     if plan.experts is not None:  # this rank's stages' experts
-        experts = tuple(f for f in plan.experts.modules if kept is None or _in_stages(f, kept))
+        experts = tuple(f for f in plan.experts.modules if kept is None or in_stages(f, kept))
         _expert_parallel(model, plan, mesh, experts)
     if plan.compile:
         for _, block in blocks:
             block.compile()
-    roots = (model,)
-    if kept is not None and len(kept) > 1:
-        roots = tuple(StageModule(model, s, last=s.index == len(plan.pipeline.stages) - 1) for s in kept)
-        _STAGES[model] = roots  # kept here, not on the model: its names, state_dict and attributes stay its own
+    roots = (model,) if kept is None else build_stages(model, plan, kept)
     # FSDP goes last: fully_shard must see the TP-sharded DTensors to shard them again over dp.
     if plan.fsdp is not None:
         f = plan.fsdp
@@ -120,27 +114,6 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
     return model
 
 
-class StageModule(nn.Module):
-    """One pipeline stage of a rank that holds several: runs, in model order, the modules before the blocks (first
-    stage), the stage's blocks, and the modules after them (last stage), each on the previous one's output.
-
-    Its parts are the model's own modules, so the model's parameter names, optimizer and checkpoints stay as they
-    are; with FSDP each StageModule is a root. Assumes what Llama does: the model's forward is that sequence.
-    """
-
-    def __init__(self, model: nn.Module, stage: StagePlan, last: bool) -> None:
-        super().__init__()
-        names = (*stage.blocks, *stage.others) if last else (*stage.others, *stage.blocks)
-        self.parts = nn.ModuleList(model.get_submodule(n) for n in names)
-        self.is_block = tuple(n in stage.blocks for n in names)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """positions: the tokens' places in their sequences, for the blocks (a context-parallel rank's chunks)."""
-        for part, is_block in zip(self.parts, self.is_block):
-            x = part(x, positions=positions) if is_block and positions is not None else part(x)
-        return x
-
-
 def _expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, modules: tuple[str, ...]) -> None:
     """Expert weights become DTensors sharded over ep and/or tp as the plan says, each rank keeping its block of
     the full weight it holds; their modules dispatch rows to them (shardlab.expert_parallel)."""
@@ -168,12 +141,6 @@ def _fsdp_dims(model: nn.Module, plan: Plan) -> Callable[[nn.Parameter], Shard |
     return lambda param: dims.get(id(param))
 
 
-def stage_modules(model: nn.Module) -> tuple[nn.Module, ...]:
-    """The modules torch's PipelineStage runs for this rank, in model order: the model itself (one stage per rank,
-    or no pipeline), else one StageModule per stage, as `apply` built them."""
-    return _STAGES.get(model, (model,))
-
-
 def _fsdp_mesh(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
     """FSDP's mesh: one axis or flattened view (dp_shard, dp_shard_cp), or HSDP's (dp_replicate, shard axis)."""
     if len(axes) == 1:
@@ -188,30 +155,6 @@ def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
     if names != AXES:
         raise ValueError(f"apply: the DeviceMesh has axes {names}, not {AXES}; build it with make_mesh(plan.mesh)")
     plan.check_mesh(mesh_spec_of(mesh))
-
-
-def keep_own_stages(model: nn.Module, plan: Plan, pp_rank: int) -> tuple[StagePlan, ...]:
-    """Replace every block and module of the other ranks' pipeline stages by OtherStage, so this rank holds,
-    builds and checkpoints only its own stages; parameter names stay those of the whole model. On the meta
-    device, before materialising, the other stages are never allocated. Returns this rank's stages."""
-    own = plan.pipeline.stages_of(pp_rank)
-    for s in plan.pipeline.stages:
-        if s.pp_rank != pp_rank:
-            for fqn in (*s.blocks, *s.others):
-                model.set_submodule(fqn, OtherStage())
-    return own
-
-
-class OtherStage(nn.Identity):
-    """What stands in for another pipeline stage's module: passes its input on, whatever keywords come with it
-    (a block's `positions`)."""
-
-    def forward(self, x: torch.Tensor, **_: object) -> torch.Tensor:
-        return x
-
-
-def _in_stages(fqn: str, stages: tuple[StagePlan, ...]) -> bool:
-    return any(fqn == m or fqn.startswith(m + ".") for s in stages for m in (*s.blocks, *s.others))
 
 
 def _check_model(model: nn.Module, plan: Plan, stages: tuple[StagePlan, ...] | None = None) -> None:

@@ -220,7 +220,7 @@ class Config(Frozen):
                 "sequence over tp: change seq_len, or set plan.sequence_parallel=False"
             )
         ep, experts = self.mesh.ep, m.moe.n_experts if m.moe is not None else 0
-        if ep > 1 and (not experts or experts % ep):
+        if ep > 1 and m.hf_path is None and (not experts or experts % ep):  # a transformers model's: its provider
             raise ValueError(
                 f"mesh.ep={ep} needs model.moe with n_experts divisible by it (each ep rank holds n_experts / ep of "
                 f"them), not {experts}; set model.moe, or pick an ep that divides n_experts"

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardlab import checkpoint
 from shardlab._base import to_json
 from shardlab._device_mesh import make_mesh
-from shardlab.apply import apply, keep_own_stages
+from shardlab.apply import apply
 from shardlab.config import Config
 from shardlab.data import make_loader
 from shardlab.hf import initial_weights, load_hf_weights
@@ -35,6 +35,7 @@ from shardlab.metrics import (
 from shardlab.models.provider import ModelProvider, check_layout, provider_for
 from shardlab.plan import Plan, make_plan
 from shardlab.rules import Rules
+from shardlab.stages import keep_own_stages
 from shardlab.step import Metrics, TrainState, init_state, make_step, model_device
 
 
@@ -146,7 +147,7 @@ def train(
     if resume_from is not None:
         state = checkpoint.load(state, loader, resume_from, cfg, provider)
     elif (weights := initial_weights(cfg, provider)) is not None:
-        load_hf_weights(model, weights, provider.hf_names)
+        load_hf_weights(model, weights, provider.hf_names, _elsewhere(plan, mesh))
     is_writer = write and rank == 0
     if is_writer:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -197,3 +198,11 @@ def train(
         if pending is not None:
             pending.commit()
     return history
+
+
+def _elsewhere(plan: Plan, mesh: DeviceMesh | None) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of the parameters other pipeline stages hold (none without a pipeline)."""
+    if plan.pipeline is None:
+        return []
+    own = {s.index for s in plan.pipeline.stages_of(mesh["pp"].get_local_rank())}
+    return [(n, p.shape) for p in plan.params if p.stage not in own for n in (p.fqn, *p.aliases)]

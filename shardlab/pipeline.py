@@ -18,6 +18,10 @@ Schedule = Literal[
     "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
 ]
 Balance = Literal["blocks", "params", "flops"]
+StageCall = Literal["tensor", "transformers"]
+"""How a pipeline stage calls the model (shardlab.stages): "tensor", its forward is the sequence of its parts with a
+tensor in and out (the stage runs its parts); "transformers", a transformers causal LM, whose forward (rotary
+tables, masks) runs whole, fed token ids or the previous stage's hidden states."""
 ONE_STAGE = ("gpipe", "1f1b")
 LOOPED = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
 V_SHAPED = ("zbv_zero_bubble", "dualpipev")
@@ -46,6 +50,7 @@ class PipelinePlan(Frozen):
     microbatches: int
     stages: tuple[StagePlan, ...]
     bubble: float
+    call: StageCall = "tensor"
 
     def stages_of(self, pp_rank: int) -> tuple[StagePlan, ...]:
         """The stages pp rank `pp_rank` runs, in model order."""
@@ -63,13 +68,19 @@ def pipeline_plan(
     balance: Balance,
     split: tuple[int, ...],
     flops: Mapping[str, float] | None = None,
+    call: StageCall = "tensor",
 ) -> tuple[PipelinePlan, dict[str, int]]:
     """Stages for `params` ((name, tied aliases, element count)) cut from `blocks` (module fqns), and each
     parameter's stage. `names`: every parameter name, aliases included, in model order; what precedes the blocks
     goes to the first stage, what follows them to the last. `flops`: training FLOPs per token of each module
-    (by fqn), needed for balance="flops"."""
+    (by fqn), needed for balance="flops". `call`: how a stage calls the model (rules.stage_call)."""
     if not blocks:
         raise ValueError(f"mesh.pp={pp} needs rules.blocks to name the repeated blocks the stages are cut from")
+    if call == "transformers" and stages_per_rank > 1:
+        raise ValueError(
+            f"plan.pp_stages_per_rank={stages_per_rank}: a transformers model's forward runs whole, so each pp rank "
+            "runs one stage; set pp_stages_per_rank=1 with pp_schedule='1f1b' or 'gpipe'"
+        )
     block_of = {b: i for i, b in enumerate(blocks)}
     owner = {n: next((block_of[b] for b in blocks if n.startswith(b + ".")), None) for n in names}
     first_block_at = next((k for k, n in enumerate(names) if owner[n] is not None), len(names))
@@ -84,7 +95,7 @@ def pipeline_plan(
         if len({place(n) for n in (fqn, *aliases)}) > 1:
             raise ValueError(
                 f"mesh.pp={pp}: {fqn} is tied to {aliases[0]}, which another pipeline stage holds; untie them "
-                "(model.tie_embeddings=False)"
+                "(model.tie_embeddings=False; tie_word_embeddings: false in a transformers config.json)"
             )
     sizes: list[float] = [0] * len(blocks)
     ends: dict[str, float] = {"first": 0, "last": 0}
@@ -125,7 +136,7 @@ def pipeline_plan(
     m = microbatches or n_stages
     plan = PipelinePlan(
         schedule=schedule, stages_per_rank=stages_per_rank, microbatches=m, stages=stages,
-        bubble=bubble_fraction(schedule, pp, stages_per_rank, m),
+        bubble=bubble_fraction(schedule, pp, stages_per_rank, m), call=call,
     )  # fmt: skip
     return plan, stage_of
 

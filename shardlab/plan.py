@@ -254,6 +254,7 @@ def make_plan(
             [(p.fqn, p.aliases, math.prod(p.shape)) for p in out],
             [name for name, _ in model.named_parameters(remove_duplicate=False)], blocks, mesh.pp, options.pp_schedule,
             options.pp_stages_per_rank, options.pp_microbatches, options.pp_balance, options.pp_split, flops,
+            rules.stage_call,
         )  # fmt: skip
         out = [msgspec.structs.replace(p, stage=stage_of[p.fqn]) for p in out]
         if fsdp is not None and fsdp.reshard_after_forward and options.pp_schedule in ZERO_BUBBLE:

@@ -11,6 +11,7 @@ import functools
 import re
 
 from shardlab._base import Frozen
+from shardlab.pipeline import StageCall
 from shardlab.spec import Entry, P
 
 LogicalTable = tuple[tuple[str, Entry], ...]
@@ -73,6 +74,9 @@ class Rules(Frozen):
     """Globs of the repeated blocks (activation checkpointing and torch.compile wrap these)."""
     attention: tuple[str, ...] = ()
     """Globs of the attention modules, whose `attend(q, k, v, positions)` context parallelism replaces."""
+    stage_call: StageCall = "tensor"
+    """How a pipeline stage calls the model: "tensor" (its forward is its parts in sequence, tensors in and out) or
+    "transformers" (a transformers causal LM; shardlab.pipeline.StageCall)."""
 
 
 @functools.lru_cache(maxsize=4096)

@@ -21,9 +21,9 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from shardlab.apply import stage_modules
 from shardlab.pipeline import PipelinePlan
 from shardlab.plan import Plan
+from shardlab.stages import stage_modules
 
 SCHEDULE_NAMES = {
     "gpipe": "GPipe",

@@ -11,6 +11,7 @@ LAYERS = [
     {"spec", "rules", "hf.names"},
     {"context_parallel", "expert_parallel", "styles"},
     {"models.moe", "models.llama", "models.llama_rules", "_plan_text", "plan"},
+    {"stages"},
     {
         "apply",
         "debug",

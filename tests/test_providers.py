@@ -100,11 +100,32 @@ def test_tp_must_divide_the_heads(qwen3_dir):
         check_layout(cfg, provider_for(cfg))
 
 
-@pytest.mark.parametrize("axis", ["pp"])
-def test_unsupported_axes_are_refused(qwen3_dir, axis):
-    cfg = hf_cfg(qwen3_dir, MeshSpec(dp_shard=2, **{axis: 2}))
-    with pytest.raises(ValueError, match=rf"mesh.{axis}=2 is not supported for transformers models yet"):
+def test_expert_parallelism_is_refused(qwen3_dir):
+    cfg = hf_cfg(qwen3_dir, MeshSpec(dp_shard=2, ep=2))
+    with pytest.raises(ValueError, match=r"mesh.ep=2 is not supported for transformers models yet"):
         check_layout(cfg, provider_for(cfg))
+
+
+def test_pipelines_take_what_a_stage_can_feed_the_model(qwen3_dir):
+    """A later stage feeds transformers its hidden states as inputs_embeds: one stage per rank, no sequence
+    parallelism (masks are sized by what a stage receives), no forward that changes the hidden states outside its
+    modules (Gemma 2 scales its embeddings there); the plan says how stages call the model."""
+    cfg = hf_cfg(qwen3_dir, MeshSpec(pp=2, dp_shard=1, tp=2))
+    with pytest.raises(ValueError, match=r"mesh.pp=2 with sequence parallelism.*plan.sequence_parallel=False"):
+        check_layout(cfg, provider_for(cfg))
+    ok = hf_cfg(qwen3_dir, MeshSpec(pp=2, dp_shard=1, tp=2), sequence_parallel=False)
+    check_layout(ok, provider_for(ok))
+    _, plan = plan_model(ok)
+    assert plan.pipeline.call == "transformers" and len(plan.pipeline.stages) == 2
+    looped = hf_cfg(
+        qwen3_dir, MeshSpec(pp=2, dp_shard=1), pp_schedule="interleaved_1f1b", pp_stages_per_rank=2
+    )
+    with pytest.raises(ValueError, match=r"plan.pp_stages_per_rank=2: a transformers model's forward runs whole"):
+        plan_model(msgspec.structs.replace(looped, model=ModelConfig(hf_path=str(qwen3_dir))))
+    gemma2 = HFCausalLM.from_dict({"model_type": "gemma2", **SHAPE, "head_dim": 16, "pad_token_id": 0}, "gemma2")
+    with pytest.raises(ValueError, match=r"mesh.pp=2, but the model's forward changes the hidden states"):
+        gemma2.check(Config(mesh=MeshSpec(pp=2, dp_shard=1)))
+    gemma2.check(Config(mesh=MeshSpec(dp_shard=2)))
 
 
 def test_fused_projections_refuse_tensor_parallelism():

@@ -39,7 +39,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from shardlab._activation_checkpoint import in_backward
 from shardlab._base import Frozen
 from shardlab._device_mesh import _experts_of, flat_view, make_mesh
-from shardlab.apply import apply, stage_modules
+from shardlab.apply import apply
 from shardlab.config import Config
 from shardlab.context_parallel import cp_positions
 from shardlab.estimate._fake import fake_tensors, fake_world, forget_dtensor_dispatch, inferring_dtensor_shapes
@@ -49,6 +49,7 @@ from shardlab.models.provider import ModelProvider, provider_for
 from shardlab.plan import Plan, make_plan
 from shardlab.routers import moe_layers
 from shardlab.rules import Rules
+from shardlab.stages import stage_modules
 from shardlab.step import forward_backward
 
 Kind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,7 +99,12 @@ def has_weights(root: Path) -> bool:
     return (root / SINGLE).is_file() or (root / INDEX).is_file()
 
 
-def load_hf_weights(model: nn.Module, path: str | os.PathLike, names: NameMap | None = None) -> None:
+def load_hf_weights(
+    model: nn.Module,
+    path: str | os.PathLike,
+    names: NameMap | None = None,
+    elsewhere: Iterable[tuple[str, tuple[int, ...]]] = (),
+) -> None:
     """Copy a Hugging Face checkpoint into `model` in place, by parameter name.
 
     Parameters may be plain tensors or DTensors (TP, FSDP, HSDP, FSDP x TP); each rank reads only its own
@@ -107,12 +112,13 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike, names: NameMap | 
     so a bad checkpoint leaves the model as it was. A tied parameter is read once, from whichever of its
     names the checkpoint has (HF omits `lm_head.weight` when tied). `names` maps a parameter to its checkpoint
     tensor(s) (default: shardlab's Llama, `shardlab.hf.names.llama_names`); a stacked expert weight reads the experts of its
-    block, each from its own tensor.
+    block, each from its own tensor. `elsewhere`: (name, shape) of the parameters other pipeline stages hold, whose
+    tensors the checkpoint has and this rank does not read.
     """
     root = _dir(path)
     stored = _stored_tensors(root)
     _reshard(model)
-    matched = _match(root, stored, _param_names(model), names or llama_names)
+    matched = _match(root, stored, _param_names(model), names or llama_names, elsewhere)
     jobs = [(names, stacked, *_local_block(param)) for names, stacked, param in matched]
     _check_tied_copies(stored, [(names, local, slices) for names, stacked, local, slices in jobs if not stacked])
     by_file: dict[Path, list[tuple[str, torch.Tensor, tuple[slice, ...]]]] = {}
@@ -196,11 +202,18 @@ def _param_names(model: nn.Module) -> list[tuple[tuple[str, ...], torch.Tensor]]
 
 
 def _match(
-    root: Path, stored: dict[str, _Stored], params: list[tuple[tuple[str, ...], torch.Tensor]], name_map: NameMap
+    root: Path,
+    stored: dict[str, _Stored],
+    params: list[tuple[tuple[str, ...], torch.Tensor]],
+    name_map: NameMap,
+    elsewhere: Iterable[tuple[str, tuple[int, ...]]] = (),
 ) -> list[tuple[tuple[str, ...], bool, torch.Tensor]]:
     """(names in the checkpoint, stacked, parameter) for every parameter, or an error for the first thing that
     does not fit. stacked: the names are the experts of a stacked expert weight, in order."""
     jobs, known = [], set()
+    for name, shape in elsewhere:
+        other = name_map(name, shape)
+        known.update(other if isinstance(other, tuple) else (other,))
     for model_names, param in params:
         experts = name_map(model_names[0], param.shape)
         if isinstance(experts, tuple):

@@ -23,6 +23,7 @@ from shardlab.models.hf_rules import Decoder, hf_rules, unsplittable
 from shardlab.models.llama import param_seed
 from shardlab.models.provider import ModelProvider
 from shardlab.rules import Rules, matches
+from shardlab.stages import OtherStage, TransformersStage, call_causal_lm
 
 if TYPE_CHECKING:
     from shardlab.config import Config
@@ -163,11 +164,7 @@ class HFCausalLM(ModelProvider):
         return hf_rules(self.meta_model(), options)
 
     def forward(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits, with the tokens' positions always given: under sequence parallelism the embeddings the
-        model sees are a sequence shard, from whose length transformers would otherwise count positions."""
-        if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return model(input_ids=tokens, position_ids=positions.unsqueeze(0), use_cache=False).logits
+        return call_causal_lm(model, positions, input_ids=tokens)
 
     @property
     def _text(self) -> Any:
@@ -230,12 +227,45 @@ class HFCausalLM(ModelProvider):
                 f"{where}: mesh.cp={cfg.mesh.cp} with attention logit soft-capping or attention dropout, which "
                 "shardlab's context-parallel attention does not compute; use mesh.cp=1 for this model"
             )
-        for axis in ("pp", "ep"):
-            if getattr(cfg.mesh, axis) > 1:
-                raise ValueError(
-                    f"{where}: mesh.{axis}={getattr(cfg.mesh, axis)} is not supported for transformers models yet; "
-                    "use dp_replicate, dp_shard and tp"
-                )
+        if cfg.mesh.ep > 1:
+            raise ValueError(
+                f"{where}: mesh.ep={cfg.mesh.ep} is not supported for transformers models yet; use dp_replicate, "
+                "dp_shard and tp"
+            )
+        if cfg.mesh.pp > 1:
+            self._check_pipeline(cfg, where)
+
+    def _check_pipeline(self, cfg: Config, where: str) -> None:
+        """A stage after the first feeds the model its hidden states as `inputs_embeds`, so whatever the forward
+        does outside its modules must leave them as they are; and transformers sizes its masks by their length."""
+        if cfg.mesh.tp > 1 and cfg.plan.sequence_parallel:
+            raise ValueError(
+                f"{where}: mesh.pp={cfg.mesh.pp} with sequence parallelism: transformers sizes its masks by the "
+                "hidden states a stage receives, which SP shards; set plan.sequence_parallel=False"
+            )
+        changed = self._changes_hidden_states()
+        if changed:
+            raise ValueError(
+                f"{where}: mesh.pp={cfg.mesh.pp}, but the model's forward {changed} outside its modules, so a "
+                "pipeline stage cannot take the previous stage's hidden states; use mesh.pp=1 for this model"
+            )
+
+    def _changes_hidden_states(self) -> str | None:
+        """What the model's own forward does to `inputs_embeds` once its blocks and every module holding weights
+        pass their input on (a later stage's view of the model), or None when it leaves them unchanged."""
+        model = self.with_layers(1).meta_model()  # a provider of its own: this model is changed below
+        layers = Decoder(model).layers
+        blocks = [f"{layers}.{i}" for i in range(len(model.get_submodule(layers)))]
+        owners = (n.rpartition(".")[0] for n, _ in model.named_parameters(remove_duplicate=False))
+        for fqn in (*blocks, *dict.fromkeys(o for o in owners if not o.startswith(f"{layers}."))):
+            model.set_submodule(fqn, OtherStage(like=model.get_submodule(fqn)))
+        model.to_empty(device="cpu")  # what is left: buffers such as the rotary tables
+        x = torch.randn(1, 3, self.dim, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            y = TransformersStage(model, first=False, last=True)(x)
+        if y.shape != x.shape or y.dtype != x.dtype:
+            return f"turns hidden states of shape {tuple(x.shape)} into {tuple(y.shape)} ({y.dtype})"
+        return None if torch.equal(x, y) else "changes the hidden states (e.g. scales them or soft-caps the logits)"
 
     def _converts_on_load(self) -> bool:
         """Whether transformers' checkpoint conversion reshapes this model's tensors on load (not just renames)."""

@@ -199,4 +199,5 @@ def hf_rules(model: nn.Module, options: PlanConfig = PlanConfig()) -> Rules:
         fsdp_units=units,
         blocks=(d.blocks,),
         attention=d.attention,
+        stage_call="transformers",
     )

@@ -4,9 +4,10 @@ loss within 1e-5, grad norm within 1e-4 relative).
 transformers causal LMs trained by directory (`model.hf_path`), starting from the directory's safetensors weights,
 their layout derived from transformers' TP plan; every layout on at least one family, each family in FSDP x TP where
 tp is allowed:
-- Llama: FSDP 2 x TP 2 (+SP, loss parallel), CP 2 x TP 2 (+SP);
-- Qwen3: FSDP 2 x TP 2 with full activation checkpointing, CP 2 x FSDP 2;
-- Mistral (a sliding window shorter than the sequence, honoured by the cp attention): FSDP 2 x TP 2, CP 2 x FSDP 2;
+- Llama: FSDP 2 x TP 2 (+SP, loss parallel), CP 2 x TP 2 (+SP), PP 2 x TP 2 (1F1B; no SP under pp);
+- Qwen3: FSDP 2 x TP 2 with full activation checkpointing, CP 2 x FSDP 2, PP 2 x FSDP 2;
+- Mistral (a sliding window shorter than the sequence, honoured by the cp attention): FSDP 2 x TP 2, CP 2 x FSDP 2,
+  PP 2 x CP 2 (GPipe);
 - Qwen2 (q/k/v biases), Gemma 3 text (scaled embeddings, four norms per block, sliding layers, its own attention
   scale): FSDP 2 x TP 2; Gemma 3 also CP 2 x FSDP 2;
 - Phi-3 (fused q/k/v, so tp is refused): FSDP 4; Mixtral (stacked experts, from the seed): HSDP 2x2.
@@ -44,9 +45,9 @@ SHAPE = dict(
 )  # fmt: skip
 FSDP_TP = MeshSpec(dp_shard=2, tp=2)
 LAYOUTS = {
-    "llama": ("fsdp2xtp2", "cp2xtp2"),
-    "qwen3": ("fsdp2xtp2-ac_full", "cp2xfsdp2"),
-    "mistral": ("fsdp2xtp2", "cp2xfsdp2"),
+    "llama": ("fsdp2xtp2", "cp2xtp2", "pp2xtp2-no_sp"),
+    "qwen3": ("fsdp2xtp2-ac_full", "cp2xfsdp2", "pp2xfsdp2"),
+    "mistral": ("fsdp2xtp2", "cp2xfsdp2", "pp2xcp2-gpipe"),
     "qwen2": ("fsdp2xtp2",),
     "gemma3": ("fsdp2xtp2", "cp2xfsdp2"),
     "phi3": ("fsdp4",),
@@ -84,10 +85,16 @@ def layout(name: str, hf_path: str):
         "fsdp2xtp2-ac_full": FSDP_TP,
         "cp2xfsdp2": MeshSpec(dp_shard=2, cp=2),
         "cp2xtp2": MeshSpec(dp_shard=1, cp=2, tp=2),
+        "pp2xtp2-no_sp": MeshSpec(pp=2, dp_shard=1, tp=2),
+        "pp2xfsdp2": MeshSpec(pp=2, dp_shard=2),
+        "pp2xcp2-gpipe": MeshSpec(pp=2, dp_shard=1, cp=2),
     }
     cfg = msgspec.structs.replace(cfg, mesh=meshes[name])
     ac = "full" if name.endswith("ac_full") else "none"
-    return with_plan(cfg, sequence_parallel=name != "tp2-no_sp", loss_parallel=True, activation_checkpoint=ac)
+    return with_plan(
+        cfg, sequence_parallel=not name.endswith("no_sp"), loss_parallel=True, activation_checkpoint=ac,
+        pp_schedule="gpipe" if name.endswith("gpipe") else "1f1b",
+    )  # fmt: skip
 
 
 def run(rank, world_size, dirs):
