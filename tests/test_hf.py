@@ -337,3 +337,16 @@ def test_mixtral_of_another_shape_or_missing_an_expert_is_refused_and_nothing_is
     with pytest.raises(ValueError, match=r"no tensor 'model\.layers\.1\.block_sparse_moe\.experts\.3\.w3\.weight' for"):
         load_hf_weights(model, path)
     assert_unchanged(model, before)
+
+
+def test_a_block_of_concatenated_rows_reads_from_each_part():
+    """An expert slice made of two row blocks (transformers' gate, then up): a rank whose block straddles them
+    (FSDP on dim 1) reads the end of one and the start of the other into the right rows."""
+    from shardlab.hf.io import _slice_reads
+
+    into = torch.empty(4, 3)
+    reads = _slice_reads(("gate", "up"), into, (slice(2, 6), slice(0, 3)), rows=8)
+    assert [(n, b) for n, _, b in reads] == [("gate", (slice(2, 4), slice(0, 3))), ("up", (slice(0, 2), slice(0, 3)))]
+    assert reads[0][1].data_ptr() == into[0:2].data_ptr() and reads[1][1].data_ptr() == into[2:4].data_ptr()
+    ((name, dest, block),) = _slice_reads("w2", into, (slice(0, 4),), rows=4)
+    assert name == "w2" and dest.data_ptr() == into.data_ptr() and dest.shape == into.shape and block == (slice(0, 4),)

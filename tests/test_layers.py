@@ -23,6 +23,7 @@ LAYERS = [
         "models.hf_causal_lm",
         "models.custom",
         "hf.io",
+        "hf.transformers_names",
         "hf.export",
         "hf",
     },

@@ -32,6 +32,25 @@ def qwen3_dir(tmp_path_factory):
     return root
 
 
+MOE = {
+    "mixtral": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16
+    ),
+}
+"""MoE families whose checkpoints transformers converts on load (per-expert tensors <-> stacked experts)."""
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory, qwen3_dir):
+    out = {"qwen3": qwen3_dir}
+    for name, config in MOE.items():
+        out[name] = tmp_path_factory.mktemp(name)
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config()).save_pretrained(out[name])
+    return out
+
+
 def hf_cfg(path, mesh: MeshSpec = MeshSpec(dp_shard=1), **plan) -> Config:
     return Config(mesh=mesh, model=ModelConfig(hf_path=str(path)), plan=PlanConfig(**plan))
 
@@ -117,9 +136,7 @@ def test_pipelines_take_what_a_stage_can_feed_the_model(qwen3_dir):
     check_layout(ok, provider_for(ok))
     _, plan = plan_model(ok)
     assert plan.pipeline.call == "transformers" and len(plan.pipeline.stages) == 2
-    looped = hf_cfg(
-        qwen3_dir, MeshSpec(pp=2, dp_shard=1), pp_schedule="interleaved_1f1b", pp_stages_per_rank=2
-    )
+    looped = hf_cfg(qwen3_dir, MeshSpec(pp=2, dp_shard=1), pp_schedule="interleaved_1f1b", pp_stages_per_rank=2)
     with pytest.raises(ValueError, match=r"plan.pp_stages_per_rank=2: a transformers model's forward runs whole"):
         plan_model(msgspec.structs.replace(looped, model=ModelConfig(hf_path=str(qwen3_dir))))
     gemma2 = HFCausalLM.from_dict({"model_type": "gemma2", **SHAPE, "head_dim": 16, "pad_token_id": 0}, "gemma2")
@@ -162,9 +179,12 @@ def test_llama_identity_is_its_model_fields():
     assert first_difference(a, b) == "model.ffn_dim"
 
 
-def test_export_round_trips_a_transformers_model(qwen3_dir, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
+def test_export_round_trips_a_transformers_model(dirs, family, tmp_path):
     """Trained from its directory's weights, saved, exported: transformers loads the export with the trained model's
-    logits, and the export does not need the directory it came from."""
+    logits, and the export does not need the directory it came from. Mixtral's stacked experts are written back
+    as transformers writes them (one w1, w3, w2 per expert)."""
+    qwen3_dir = dirs[family]
     from shardlab.checkpoint import export_to_hf, save
     from shardlab.data import make_loader
     from shardlab.hf import load_hf_weights
@@ -184,7 +204,7 @@ def test_export_round_trips_a_transformers_model(qwen3_dir, tmp_path):
     (tmp_path / "checkpoints" / "step-00000002" / "config.json").write_bytes(msgspec.json.encode(moved))
     export_to_hf(tmp_path, tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    assert type(hf).__name__ == {"qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}[family]
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, provider.forward(model, tokens), atol=1e-5, rtol=0)
@@ -203,9 +223,13 @@ def test_a_recipe_model_does_not_export(tmp_path):
         export_to_hf(tmp_path, tmp_path / "hf")
 
 
-@pytest.mark.parametrize("from_scratch", [False, True])
-def test_training_starts_from_the_directory_weights(qwen3_dir, tmp_path, from_scratch):
-    """The first step's loss is the saved model's loss on the first batch, unless model.from_scratch."""
+@pytest.mark.parametrize(
+    "family,from_scratch", [("qwen3", False), ("qwen3", True), ("mixtral", False), ("qwen3_moe", False)]
+)
+def test_training_starts_from_the_directory_weights(dirs, family, tmp_path, from_scratch):
+    """The first step's loss is the saved model's loss on the first batch, unless model.from_scratch; MoE
+    directories hold per-expert tensors, which become the stacked experts transformers builds."""
+    qwen3_dir = dirs[family]
     import torch.nn.functional as F
 
     from shardlab.config import LogConfig, TrainConfig
@@ -225,15 +249,32 @@ def test_training_starts_from_the_directory_weights(qwen3_dir, tmp_path, from_sc
     assert (abs(got - want) < 1e-5) != from_scratch, (got, want)
 
 
-def test_checkpoints_transformers_converts_on_load_are_refused(tmp_path):
-    """A Mixtral directory holds per-expert tensors that transformers stacks on load: shardlab says so and points
-    to --model.from-scratch (which, like FSDP, works)."""
-    config = transformers.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    cfg = Config(model=ModelConfig(hf_path=str(tmp_path)))
-    with pytest.raises(
-        ValueError, match=r"transformers converts this model's checkpoints on load.*--model.from-scratch"
-    ):
-        check_layout(cfg, provider_for(cfg))
-    scratch = Config(model=ModelConfig(hf_path=str(tmp_path), from_scratch=True), mesh=MeshSpec(dp_shard=1))
-    check_layout(scratch, provider_for(scratch))
+def test_moe_checkpoint_names_are_transformers_own(dirs, tmp_path):
+    """Read off transformers' conversion: each expert's slice of gate_up_proj is its w1 rows, then its w3 rows; a
+    directory missing an expert's tensor fails in one line before launch."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    provider = HFCausalLM.from_dir(dirs["mixtral"])
+    names = provider.hf_names("model.layers.0.mlp.experts.gate_up_proj", (4, 256, 64))
+    prefix = "model.layers.0.block_sparse_moe.experts"
+    assert names[1] == (f"{prefix}.1.w1.weight", f"{prefix}.1.w3.weight")
+    assert provider.hf_names("model.layers.0.mlp.experts.down_proj", (4, 64, 128))[3] == f"{prefix}.3.w2.weight"
+    assert provider.hf_names("model.layers.0.mlp.gate.weight", (4, 64)) == "model.layers.0.block_sparse_moe.gate.weight"
+    shutil.copytree(dirs["mixtral"], tmp_path / "m")
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    del tensors[f"{prefix}.2.w3.weight"]
+    save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    cfg = Config(model=ModelConfig(hf_path=str(tmp_path / "m")), mesh=MeshSpec(dp_shard=1))
+    with pytest.raises(ValueError, match=rf"no tensor '{prefix}.2.w3.weight' for model.layers.0.mlp.experts"):
+        build_and_load(cfg)
+
+
+def build_and_load(cfg: Config) -> None:
+    from shardlab.hf import load_hf_weights
+    from shardlab.loop import build_model
+
+    provider = provider_for(cfg)
+    model, _, _ = build_model(cfg, provider=provider)
+    load_hf_weights(model, cfg.model.hf_path, provider.hf_names)

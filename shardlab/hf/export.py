@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import ModelConfig
-from shardlab.hf.io import INDEX, SINGLE, _reshard
+from shardlab.hf.io import INDEX, SINGLE, _pieces, _reshard
 from shardlab.models.provider import HFNames, LlamaProvider, ModelProvider
 
 
@@ -87,7 +87,7 @@ def to_hf(
                 full = full.detach().to("cpu", copy=not isinstance(t, DTensor))
                 stored = provider.hf_names(name, full.shape)
                 stacked = isinstance(stored, tuple)
-                parts = zip(stored, full.unbind(0)) if stacked else [(stored, full)]
+                parts = _split(stored, full) if stacked else [(stored, full)]
                 buffer.update((n, w.clone() if stacked else w.contiguous()) for n, w in parts)  # no shared storage
             del full
         if writer and error is None:
@@ -154,7 +154,17 @@ def _write_metadata(tmp: Path, hf_config: dict, provider: ModelProvider, tensors
 
 
 def _as_tuple(names: HFNames) -> tuple[str, ...]:
-    return names if isinstance(names, tuple) else (names,)
+    """Every checkpoint tensor a parameter is written to."""
+    return tuple(n for e in (names if isinstance(names, tuple) else (names,)) for n in _pieces(e))
+
+
+def _split(names: tuple[str | tuple[str, ...], ...], full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A stacked weight's tensors: per slice of dim 0 one, or its rows split in equal blocks, one per name."""
+    out = []
+    for entry, piece in zip(names, full.unbind(0), strict=True):
+        parts = _pieces(entry)
+        out.extend(zip(parts, piece.chunk(len(parts), 0), strict=True))
+    return out
 
 
 def _raise_on_every_rank(error: str | None) -> None:

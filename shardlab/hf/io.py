@@ -127,7 +127,8 @@ def load_hf_weights(
             continue
         if stacked:  # the experts of this rank's block (none: an FSDP shard that is all padding)
             experts = range(slices[0].start, slices[0].stop)
-            reads = [(names[e], local[e - slices[0].start], slices[1:]) for e in experts]
+            rows = stored[_pieces(names[0])[0]].shape[0] * len(_pieces(names[0]))
+            reads = [r for e in experts for r in _slice_reads(names[e], local[e - slices[0].start], slices[1:], rows)]
         else:
             reads = [(names[0], local, slices)]
         for name, into, block_ in reads:
@@ -213,11 +214,11 @@ def _match(
     jobs, known = [], set()
     for name, shape in elsewhere:
         other = name_map(name, shape)
-        known.update(other if isinstance(other, tuple) else (other,))
+        known.update(n for e in (other if isinstance(other, tuple) else (other,)) for n in _pieces(e))
     for model_names, param in params:
         experts = name_map(model_names[0], param.shape)
         if isinstance(experts, tuple):
-            known.update(experts)
+            known.update(n for e in experts for n in _pieces(e))
             jobs.append((_match_experts(root, stored, experts, model_names[0], param), True, param))
             continue
         names = tuple(name_map(n, param.shape) for n in model_names)
@@ -251,22 +252,46 @@ def _match(
 
 
 def _match_experts(
-    root: Path, stored: dict[str, _Stored], experts: tuple[str, ...], name: str, param: torch.Tensor
-) -> tuple[str, ...]:
-    """The checkpoint's tensors of a stacked expert weight: one per expert, each of the shape of one slice."""
-    missing = [e for e in experts if e not in stored]
+    root: Path, stored: dict[str, _Stored], experts: tuple[str | tuple[str, ...], ...], name: str, param: torch.Tensor
+) -> tuple[str | tuple[str, ...], ...]:
+    """The checkpoint's tensors of a stacked expert weight: per expert one tensor of the shape of one slice, or
+    several whose rows, concatenated, make it (transformers' gate_up_proj: each expert's gate and up)."""
+    missing = [n for e in experts for n in _pieces(e) if n not in stored]
     if missing:
         raise ValueError(
             f"{root}: no tensor {missing[0]!r} for {name} ({len(experts)} experts); load a checkpoint of this "
-            "architecture (model.moe.n_experts as the checkpoint's num_local_experts)"
+            "architecture (as many experts as the checkpoint's config.json says)"
         )
-    bad = next((e for e in experts if stored[e].shape != tuple(param.shape[1:])), None)
-    if bad is not None:
-        raise ValueError(
-            f"{stored[bad].file}: tensor {bad!r} has shape {stored[bad].shape} but each expert of {name} is "
-            f"{tuple(param.shape[1:])}; build the model from the checkpoint's config.json (read_hf_config)"
-        )
+    for e in experts:
+        parts = _pieces(e)
+        want = (param.shape[1] // len(parts), *param.shape[2:])
+        bad = next((n for n in parts if stored[n].shape != tuple(want)), None)
+        if bad is not None:
+            raise ValueError(
+                f"{stored[bad].file}: tensor {bad!r} has shape {stored[bad].shape} but each expert of {name} needs "
+                f"{tuple(want)} from it; build the model from the checkpoint's config.json (read_hf_config)"
+            )
     return experts
+
+
+def _pieces(entry: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The names of one expert's slice: one tensor, or the row blocks concatenated into it."""
+    return (entry,) if isinstance(entry, str) else entry
+
+
+def _slice_reads(
+    entry: str | tuple[str, ...], into: torch.Tensor, block_: tuple[slice, ...], rows: int
+) -> list[tuple[str, torch.Tensor, tuple[slice, ...]]]:
+    """(name, destination, block of that tensor) for this rank's `block_` of one expert slice of `rows` rows."""
+    parts = _pieces(entry)
+    size = rows // len(parts)
+    out = []
+    for j, name in enumerate(parts):
+        lo, hi = max(block_[0].start, j * size), min(block_[0].stop, (j + 1) * size)
+        if lo < hi:
+            into_rows = into[lo - block_[0].start : hi - block_[0].start]
+            out.append((name, into_rows, (slice(lo - j * size, hi - j * size), *block_[1:])))
+    return out
 
 
 def _check_tied_copies(stored: dict[str, _Stored], jobs: list) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from shardlab.hf import has_weights
 from shardlab.metrics import flops_per_token
 from shardlab.models.hf_rules import Decoder, hf_rules, unsplittable
 from shardlab.models.llama import param_seed
-from shardlab.models.provider import ModelProvider
+from shardlab.models.provider import HFNames, ModelProvider
 from shardlab.rules import Rules, matches
 from shardlab.stages import OtherStage, TransformersStage, call_causal_lm
 
@@ -216,11 +217,12 @@ class HFCausalLM(ModelProvider):
                     "parallelism cannot split by heads exactly; use mesh.tp=1 (FSDP/HSDP) for this model"
                 )
         loads = cfg.model.hf_path is not None and not cfg.model.from_scratch and has_weights(Path(cfg.model.hf_path))
-        if loads and self._converts_on_load():
-            raise ValueError(
-                f"{where}: transformers converts this model's checkpoints on load (e.g. per-expert tensors into "
-                "stacked experts), which shardlab does not read yet; train it from the seed with --model.from-scratch"
-            )
+        if loads:
+            try:
+                for name, p in self.meta_model().named_parameters():
+                    self.hf_names(name, p.shape)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}; or train it from the seed with --model.from-scratch") from None
         t = self._text
         if cfg.mesh.cp > 1 and (getattr(t, "attn_logit_softcapping", None) or getattr(t, "attention_dropout", 0)):
             raise ValueError(
@@ -267,13 +269,6 @@ class HFCausalLM(ModelProvider):
             return f"turns hidden states of shape {tuple(x.shape)} into {tuple(y.shape)} ({y.dtype})"
         return None if torch.equal(x, y) else "changes the hidden states (e.g. scales them or soft-caps the logits)"
 
-    def _converts_on_load(self) -> bool:
-        """Whether transformers' checkpoint conversion reshapes this model's tensors on load (not just renames)."""
-        from transformers.conversion_mapping import extract_weight_conversions_for_model
-
-        conversions = extract_weight_conversions_for_model(self.meta_model()) or ()
-        return any(type(c).__name__ != "WeightRenaming" for c in conversions)
-
     def with_layers(self, n_layers: int) -> HFCausalLM:
         config = copy.deepcopy(self.config)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -293,6 +288,13 @@ class HFCausalLM(ModelProvider):
     def hf_config(self) -> dict[str, Any]:
         d = {k: v for k, v in self.config.to_dict().items() if k not in ("torch_dtype", "dtype")}
         return d | {"use_cache": True}
+
+    def hf_names(self, name: str, shape: Sequence[int]) -> HFNames:
+        """As transformers' `save_pretrained` writes it (its own conversion, reverted: Mixtral's per-expert
+        `w1`/`w3`/`w2` for the stacked `gate_up_proj` and `down_proj`)."""
+        from shardlab.hf.transformers_names import checkpoint_names
+
+        return checkpoint_names(self.meta_model(), name, shape)
 
     def hf_tied(self) -> bool:
         return bool(getattr(self._text, "tie_word_embeddings", False))

@@ -26,8 +26,9 @@ from shardlab.rules import Rules
 if TYPE_CHECKING:
     from shardlab.config import Config
 
-HFNames = str | tuple[str, ...]
-"""The checkpoint tensor(s) holding a parameter: one name, or one per slice of dim 0 (a stacked expert weight)."""
+HFNames = str | tuple[str | tuple[str, ...], ...]
+"""The checkpoint tensor(s) holding a parameter: one name, or per slice of dim 0 (a stacked expert weight) one name
+or the names of equal row blocks concatenated into that slice (transformers' gate_up_proj: gate, then up)."""
 
 
 class ModelProvider(abc.ABC):

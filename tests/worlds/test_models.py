@@ -10,7 +10,8 @@ tp is allowed:
   PP 2 x CP 2 (GPipe);
 - Qwen2 (q/k/v biases), Gemma 3 text (scaled embeddings, four norms per block, sliding layers, its own attention
   scale): FSDP 2 x TP 2; Gemma 3 also CP 2 x FSDP 2;
-- Phi-3 (fused q/k/v, so tp is refused): FSDP 4; Mixtral (stacked experts, from the seed): HSDP 2x2.
+- Phi-3 (fused q/k/v, so tp is refused): FSDP 4; Mixtral (stacked experts, read from per-expert
+  tensors): HSDP 2x2.
 And recipes/custom_gpt.py's own nn.Module (fused QKV, learned positions, GELU): FSDP 2 x TP 2."""
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ FAMILIES = {
     "phi3": lambda c: transformers.Phi3Config(**c, pad_token_id=None, bos_token_id=None, eos_token_id=None),
     "mixtral": lambda c: transformers.MixtralConfig(**c, num_local_experts=4, num_experts_per_tok=2),
 }
-FROM_SCRATCH = ("mixtral",)
-"""transformers converts these checkpoints on load (per-expert tensors into stacked experts): trained from the seed."""
 SHAPE = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=256,
@@ -74,8 +73,7 @@ def make_dirs(root: Path) -> dict[str, str]:
 def layout(name: str, hf_path: str):
     base = tiny()
     base = msgspec.structs.replace(base, train=msgspec.structs.replace(base.train, steps=STEPS))
-    from_scratch = Path(hf_path).name in FROM_SCRATCH
-    cfg = msgspec.structs.replace(base, model=ModelConfig(hf_path=hf_path, from_scratch=from_scratch))
+    cfg = msgspec.structs.replace(base, model=ModelConfig(hf_path=hf_path))
     meshes = {
         "one": MeshSpec(dp_shard=1),
         "fsdp4": MeshSpec(dp_shard=4),
