@@ -142,7 +142,7 @@ def save(
         tmp.mkdir(parents=True)
     _barrier()
     files = {  # written by rank 0 at the commit, beside the DCP files
-        STATE_FILE: json.dumps({"step": state.step, "data": loader.state_dict(), **_rng_state()}).encode(),
+        STATE_FILE: json.dumps({"step": state.step, "skipped": state.skipped, "data": loader.state_dict(), **_rng_state()}).encode(),
         "config.json": to_json(cfg),
         MODEL_FILE: json.dumps((provider or provider_for(cfg)).identity(), indent=2).encode(),
     }
@@ -216,7 +216,7 @@ def load(
     set_model_state_dict(state.model, tensors["model"])
     set_optimizer_state_dict(state.model, state.optim, tensors["optim"], options=OPTIM_OPTIONS)
     _set_rng_state(meta)
-    return state.__class__(model=state.model, optim=state.optim, step=meta["step"])
+    return state.__class__(model=state.model, optim=state.optim, step=meta["step"], skipped=meta.get("skipped", 0))
 
 
 def saved_identity(path: Path) -> dict | None:

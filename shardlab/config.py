@@ -145,6 +145,9 @@ class TrainConfig(Frozen):
     """auto: CUDA when available (NCCL), else CPU (gloo)."""
     run_dir: str = "runs/{name}"
     """Output directory (config.json, plan.json, metrics.jsonl); {name} is replaced by Config.name."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose loss or gradient norm is not finite: stop (an error naming the step, before the update, so no
+    checkpoint holds the broken state) or skip (no update; counted as `skipped_steps` in the metrics)."""
 
     def grad_accum(self, dp: int) -> int:
         """Accumulation steps for a data-parallel size `dp` (validated by Config.resolve)."""

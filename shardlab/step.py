@@ -42,6 +42,12 @@ class TrainState(Frozen):
     model: nn.Module
     optim: torch.optim.Optimizer
     step: int = 0
+    skipped: int = 0
+    """Steps whose update was dropped for a non-finite loss or gradient (train.on_nonfinite='skip')."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's loss or gradient norm is not finite and train.on_nonfinite is 'stop'."""
 
 
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
@@ -104,6 +110,7 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
 
     provider = provider or provider_for(cfg)
     moe, forward = provider.moe, provider.forward
+    skip_nonfinite = cfg.train.on_nonfinite == "skip"
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         model, opt = state.model, state.optim
@@ -148,15 +155,27 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
                 loss_sum += _local(loss).to(torch.float64)
         match_param_layouts(model)
         grad_norm = clip_grad_norm(model, max_norm, stage_group)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if routers is not None:
-            routers.update_bias()
         loss_total = _all_reduce(_all_reduce(loss_sum, stage_group), group)  # only the last stage has a loss
-        metrics = {"loss": (loss_total / tokens).item(), "grad_norm": grad_norm, "lr": lr}
+        loss = (loss_total / tokens).item()  # the step's one read of the loss, before the update it may veto
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)  # both the same on every rank (all-reduced)
+        if not finite and skip_nonfinite is False:
+            opt.zero_grad(set_to_none=True)
+            raise NonFiniteError(
+                f"step {state.step + 1}: loss {loss}, gradient norm {grad_norm}; stopped before the update (lower "
+                "optim.lr, raise optim.warmup_steps, or set train.on_nonfinite='skip' to drop such steps)"
+            )
+        if finite:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        if routers is not None and finite:
+            routers.update_bias()
+        skipped = state.skipped + (not finite)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        if skip_nonfinite:
+            metrics["skipped_steps"] = skipped
         if routers is not None:
             metrics |= routers.metrics()
-        return msgspec.structs.replace(state, step=state.step + 1), metrics
+        return msgspec.structs.replace(state, step=state.step + 1, skipped=skipped), metrics
 
     return step
 

@@ -132,3 +132,49 @@ def test_single_process_applies_activation_checkpointing(mode, want):
     model, _, mesh = build_model(cfg)
     assert mesh is None
     assert [is_checkpointed(block) for block in model.model.layers] == want
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_a_nonfinite_step_stops_or_is_skipped_before_the_update(mode):
+    """An inf in the weights makes step 2's loss non-finite: 'stop' names the step, 'skip' leaves weights and
+    optimizer state as they were and counts it; either way no update of the broken step reaches the weights."""
+    cfg = tiny()
+    cfg = msgspec.structs.replace(cfg, train=msgspec.structs.replace(cfg.train, on_nonfinite=mode))
+    model, plan, mesh = build_model(cfg)
+    step, state = make_step(cfg, plan, mesh), init_state(model, cfg.optim)
+    state, first = step(state, batch(0))
+    assert first.get("skipped_steps", 0) == 0 and math.isfinite(first["loss"])
+    weight = model.get_parameter("model.norm.weight")
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight[0] = math.inf
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    adam = [s["step"].item() for s in state.optim.state.values()]
+    if mode == "stop":
+        with pytest.raises(FloatingPointError, match=r"step 2: loss nan, gradient norm nan; stopped before the update"):
+            step(state, batch(1))
+    else:
+        state, metrics = step(state, batch(1))
+        assert metrics["skipped_steps"] == 1 and state.skipped == 1 and state.step == 2
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=0, equal_nan=True)
+    assert [s["step"].item() for s in state.optim.state.values()] == adam
+    assert all(p.grad is None for p in model.parameters())
+    if mode == "skip":  # the run goes on once the weights are finite again
+        with torch.no_grad():
+            weight.copy_(saved)
+        state, third = step(state, batch(2))
+        assert math.isfinite(third["loss"]) and third["skipped_steps"] == 1
+
+
+def test_the_count_of_skipped_steps_is_checkpointed(tmp_path):
+    from shardlab.checkpoint import load, save
+    from shardlab.data import make_loader
+
+    cfg = tiny()
+    model, _, _ = build_model(cfg)
+    loader = make_loader(cfg.data, seq_len=16, global_batch=4, vocab_size=300, dp_rank=0, dp_size=1)
+    state = msgspec.structs.replace(init_state(model, cfg.optim), step=3, skipped=2)
+    path = save(state, loader, cfg, tmp_path).commit()
+    restored = load(init_state(build_model(cfg)[0], cfg.optim), loader, path, cfg)
+    assert (restored.step, restored.skipped) == (3, 2)
