@@ -1,7 +1,7 @@
 """python -m shardlab [plan] RECIPE [overrides]: recipe + tyro overrides -> Config -> checks -> launch -> train.
 
 Every check (config, mesh vs world size, rules vs model, unsupported axes) runs here, in the first
-process, before torchrun starts anything.
+process, before torchrun starts anything; what fails later, on the ranks, comes back as one line too.
 """
 
 from __future__ import annotations
@@ -56,9 +56,22 @@ def main(argv: list[str] | None = None) -> int:
         if command == "export":
             return _export(recipe_path, overrides)
         return _run(command, recipe_path, overrides)
-    except ValueError as err:
+    except Exception as err:
+        return _fail(err)
+
+
+def _fail(err: Exception) -> int:
+    """A rank that `relaunch` started leaves one line for the first process to print and exits quietly; any
+    other process prints a ValueError as one line (a bad value) and lets anything else raise."""
+    from shardlab._torchrun import ERROR_FILE_ENV, report
+
+    error_file = os.environ.get(ERROR_FILE_ENV)
+    if error_file and "LOCAL_RANK" in os.environ:
+        return report(err, error_file, int(os.environ.get("RANK", "0")))
+    if isinstance(err, ValueError):
         print(f"error: {err}", file=sys.stderr)
         return 2
+    raise err
 
 
 def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
@@ -160,4 +173,9 @@ def _check_data(cfg, vocab_size: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from shardlab._torchrun import ERROR_FILE_ENV, leave
+
+    if code != 0 and os.environ.get(ERROR_FILE_ENV):  # a failed rank of a world that `relaunch` started
+        leave(code)
+    sys.exit(code)

@@ -3,6 +3,7 @@
 environment -> (relaunch through torchrun | Dist). The first process finds no launcher (`under_launcher()` is
 False), asks `nproc_for(world_size)` and `relaunch`es itself through `torch.distributed.run`; every child then
 calls `init_distributed`. torch is imported inside `init_distributed` only, so the relaunching parent stays light.
+A failure on the ranks comes back as one line (see `shardlab._torchrun`).
 """
 
 from __future__ import annotations
@@ -11,14 +12,20 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from shardlab._torchrun import ERROR_FILE_ENV
+
 if TYPE_CHECKING:
     import torch
+
+TORCHRUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torchrun.py")
+"""torch.distributed.run with one line per failure (`shardlab._torchrun`), as the script the first process runs."""
 
 
 @dataclass(frozen=True)
@@ -89,11 +96,12 @@ def relaunch_command(nproc: int, argv: list[str], env: Mapping[str, str], module
     """The torchrun command line that re-runs `python -m <module> <argv>` as `nproc` processes on this node.
 
     One node (env NNODES unset or 1) uses `--standalone`; several use c10d rendezvous at MASTER_ADDR:MASTER_PORT
-    (port default 29500), with NODE_RANK naming this node.
+    (port default 29500), with NODE_RANK naming this node. torchrun runs as `shardlab/_torchrun.py` (by path: the
+    agent needs torch's launcher, not all of shardlab), which takes torchrun's arguments and keeps its logs quiet.
     """
     if nproc < 1:
         raise ValueError(f"nproc={nproc} must be at least 1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    cmd = [sys.executable, TORCHRUN, f"--nproc-per-node={nproc}"]
     nnodes = _env_number(env, "NNODES", 1)
     if nnodes == 1:
         cmd.append("--standalone")
@@ -122,18 +130,25 @@ def relaunch(nproc_per_node: int, argv: list[str], module: str = "shardlab") -> 
     """Run `python -m <module> <argv>` through torchrun as `nproc_per_node` processes; return its exit code.
 
     A subprocess, not `torch.distributed.run.main` in this process: the parent imports nothing twice, and torchrun's
-    own exit code comes back (1 if any rank failed; 128 + N if torchrun was killed by signal N). SIGINT and SIGTERM
-    are forwarded to torchrun, which stops its workers (a second copy of Ctrl-C from the terminal is harmless).
+    own exit code comes back (1 if any rank failed; 128 + N if torchrun was stopped by signal N). A failure prints
+    one line to stderr, `error: rank R: ...`, from the first rank that failed. SIGINT and SIGTERM are forwarded to
+    torchrun, which stops its workers (a second copy of Ctrl-C from the terminal is harmless).
     """
     cmd = relaunch_command(nproc_per_node, argv, os.environ, module)
-    proc = subprocess.Popen(cmd, env=relaunch_env(nproc_per_node, os.environ))
-    forwarded = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
-    previous = {sig: signal.signal(sig, lambda signum, _: proc.send_signal(signum)) for sig in forwarded}
-    try:
-        code = proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with tempfile.TemporaryDirectory(prefix="shardlab-") as tmp:
+        error_file = os.path.join(tmp, "error")
+        env = {**relaunch_env(nproc_per_node, os.environ), ERROR_FILE_ENV: error_file}
+        proc = subprocess.Popen(cmd, env=env)
+        forwarded = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+        previous = {sig: signal.signal(sig, lambda signum, _: proc.send_signal(signum)) for sig in forwarded}
+        try:
+            code = proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if code != 0 and os.path.isfile(error_file):
+            with open(error_file) as f:
+                print(f"error: {f.read().strip()}", file=sys.stderr, flush=True)
     return code if code >= 0 else 128 - code
 
 

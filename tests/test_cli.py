@@ -1,9 +1,10 @@
 """The CLI: bad input is a one-line error before any process starts; a real run trains and writes its run dir.
 
-Run: pytest tests/test_cli.py (the two end-to-end runs are marked slow: ~10 s and ~25 s on 2 cores).
+Run: pytest tests/test_cli.py (the end-to-end runs are marked slow: ~10 s, ~15 s and ~25 s on 2 cores).
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -54,6 +55,57 @@ def error_of(args, capsys) -> str:
 def test_bad_input_is_one_line_before_launch(args, message, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert re.search(message, error_of(args, capsys))
+
+
+def test_a_launched_rank_leaves_its_error_for_the_first_process(tmp_path, capsys, monkeypatch):
+    """On a rank that `relaunch` started, an error is one line in the error file and nothing on the terminal."""
+    from shardlab._torchrun import ERROR_FILE_ENV
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv(ERROR_FILE_ENV, str(tmp_path / "error"))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "3")
+    assert main(["recipes/nope.py"]) == 2
+    assert capsys.readouterr().err == ""
+    assert (tmp_path / "error").read_text().startswith("rank 3: recipe: no file 'recipes/nope.py'; pass the path")
+
+
+FAILS_ON_RANK_1 = """
+import torch.distributed as dist
+from shardlab import Config, DataConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
+
+config = Config(
+    mesh=MeshSpec(dp_shard=2),
+    model=ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300),
+    train=TrainConfig(steps=2, seq_len=32, global_batch=4),
+    log=LogConfig(wandb="disabled", progress=False),
+    data=DataConfig(source="synthetic"),
+)
+
+
+def rules(cfg):
+    if dist.is_initialized() and dist.get_rank() == 1:  # after launch, on one rank: rank 0 waits in a barrier
+        raise ValueError("rules: rank 1 cannot lay out this model")
+    return None
+"""
+
+
+@pytest.mark.slow
+def test_an_error_after_launch_is_one_line(tmp_path):
+    """An error one rank raises after launch: one line from that rank, no traceback, no torchrun report, and no
+    "Connection closed by peer" from the rank that waited for it (~15 s)."""
+    recipe = tmp_path / "fails.py"
+    recipe.write_text(FAILS_ON_RANK_1)
+    env = {k: v for k, v in os.environ.items() if k != "SHARDLAB_TRACEBACK"}
+    run = subprocess.run(
+        [sys.executable, "-m", "shardlab", str(recipe), "--train.run-dir", str(tmp_path / "run")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert run.stdout.splitlines() == [
+        "shardlab: launching 2 ranks (dp_shard=2 (2 ranks)) through torch.distributed.run"
+    ]
+    assert run.stderr.splitlines() == ["error: rank 1: rules: rank 1 cannot lay out this model"]
 
 
 def test_plan_accepts_axes_that_apply_cannot_run_yet(capsys, monkeypatch):

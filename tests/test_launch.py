@@ -1,17 +1,29 @@
-"""shardlab.launch: launcher detection, nproc per node, the torchrun command line, and one real 2-process run.
+"""shardlab.launch: launcher detection, nproc per node, the torchrun command line, one line per failure on the
+ranks, and real 2-process runs.
 
-The pure tests pass an env dict; the two real runs start torchrun with 2 CPU ranks (~5 s each).
+The pure tests pass an env dict; the real runs start torchrun with 2 CPU ranks (~5 s each, ~10 s with a kill).
 """
 
 import os
+import signal
 import sys
 import textwrap
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from shardlab.launch import init_distributed, nproc_for, relaunch, relaunch_command, relaunch_env, under_launcher
+from shardlab._torchrun import EXIT_PEER_LOST, TRACEBACK_ENV, describe, report
+from shardlab.launch import (
+    TORCHRUN,
+    init_distributed,
+    nproc_for,
+    relaunch,
+    relaunch_command,
+    relaunch_env,
+    under_launcher,
+)
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS")
 
@@ -81,7 +93,7 @@ def test_nproc_for_errors(env, message):
 def test_relaunch_command_single_node():
     cmd = relaunch_command(4, ["recipes/llama_debug.py", "--train.steps", "3"], {"MASTER_ADDR": "ignored"})
     assert cmd == [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
+        sys.executable, TORCHRUN, "--nproc-per-node=4", "--standalone",
         "-m", "shardlab", "recipes/llama_debug.py", "--train.steps", "3",
     ]  # fmt: skip
 
@@ -89,7 +101,7 @@ def test_relaunch_command_single_node():
 def test_relaunch_command_multi_node():
     env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29400"}
     assert relaunch_command(8, ["r.py"], env, module="mytool") == [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=8", "--nnodes=2", "--node-rank=1",
+        sys.executable, TORCHRUN, "--nproc-per-node=8", "--nnodes=2", "--node-rank=1",
         "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.5:29400", "-m", "mytool", "r.py",
     ]  # fmt: skip
     assert "--rdzv-endpoint=10.0.0.5:29500" in relaunch_command(8, [], {**env, "MASTER_PORT": "29500"})
@@ -168,8 +180,58 @@ def test_auto_picks_cuda(no_launcher):
     assert (d.device, d.backend) == (torch.device("cuda", 0), None)
 
 
+def test_the_first_failing_rank_writes_the_line(tmp_path, monkeypatch):
+    """A ValueError is its first line (exit 2, as before launch); anything else is named, with the traceback hint
+    (exit 1); a later rank's failure does not overwrite the first."""
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    first, other = tmp_path / "first", tmp_path / "other"
+    assert report(ValueError("train.steps: bad\nwhy it is bad"), str(first), 3) == 2
+    assert report(RuntimeError("later"), str(first), 0) == 1
+    assert first.read_text() == "rank 3: train.steps: bad\n"
+    assert report(KeyError("w1"), str(other), 1) == 1
+    assert other.read_text() == "rank 1: KeyError: 'w1'; rerun with SHARDLAB_TRACEBACK=1 for the traceback\n"
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:13708. This is"),
+        RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection reset by peer"),
+    ],
+)
+def test_a_rank_that_lost_its_peer_writes_nothing(tmp_path, err):
+    assert report(err, str(tmp_path / "error"), 0) == EXIT_PEER_LOST
+    assert not (tmp_path / "error").exists()
+
+
+def test_a_broken_pipe_of_its_own_is_a_failure(tmp_path):
+    assert report(BrokenPipeError(32, "Broken pipe"), str(tmp_path / "error"), 0) == 1
+    assert (tmp_path / "error").read_text().startswith("rank 0: BrokenPipeError: [Errno 32] Broken pipe; rerun")
+
+
+def failures(*codes: int) -> dict[int, ProcessFailure]:
+    return {rank: ProcessFailure(rank, 100 + rank, code, "/no/error/file") for rank, code in enumerate(codes)}
+
+
+@pytest.mark.parametrize(
+    ("codes", "line"),
+    [
+        ((-signal.SIGTERM, -signal.SIGKILL), "rank 1: killed by SIGKILL (often the out-of-memory killer)"),
+        ((EXIT_PEER_LOST, -signal.SIGSEGV), "rank 1: killed by SIGSEGV"),
+        ((EXIT_PEER_LOST, -signal.SIGTERM, 17), "rank 2: exited with code 17 and reported no error"),
+        ((-signal.SIGKILL, 1), "rank 1: exited with code 1 and reported no error"),
+        ((EXIT_PEER_LOST, -signal.SIGTERM), "rank 0: lost its connection to a rank that failed first (on another"),
+        ((-signal.SIGTERM, -signal.SIGTERM), "rank 0: killed by SIGTERM"),
+    ],
+)
+def test_describe_names_the_rank_that_failed_first(codes, line):
+    """Without a rank's own line: its own exit code, then a signal other than the agent's SIGTERM to the rest."""
+    assert describe(failures(*codes)).startswith(line)
+
+
 TINY = r"""
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -182,26 +244,48 @@ line = f"rank {d.rank}/{d.world_size} backend={d.backend} threads={torch.get_num
 os.write(1, line.encode())  # one write: print() can split the text and the newline, and the ranks interleave
 if d.rank == 1 and "{fail}" == "yes":
     raise SystemExit("rank 1 gives up")
+if "{fail}" == "kill":
+    from shardlab._torchrun import ERROR_FILE_ENV, leave, report
+
+    try:
+        if d.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(t)  # rank 0: gloo's "Connection closed by peer", the echo of rank 1's death
+    except Exception as err:
+        leave(report(err, os.environ[ERROR_FILE_ENV], d.rank))
 dist.destroy_process_group()
 """
 
 
 @pytest.fixture
 def tiny_module(tmp_path, monkeypatch, no_launcher):
-    for fail in ("no", "yes"):
+    for fail in ("no", "yes", "kill"):
         (tmp_path / f"tiny_{fail}.py").write_text(textwrap.dedent(TINY.replace("{fail}", fail)))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
 
 
 @pytest.mark.world
 def test_relaunch_runs_two_ranks(tiny_module, capfd):
     assert relaunch(2, [], module="tiny_no") == 0
-    lines = sorted(line for line in capfd.readouterr().out.splitlines() if line.startswith("rank "))
+    out = capfd.readouterr()
+    lines = sorted(line for line in out.out.splitlines() if line.startswith("rank "))
     assert lines == ["rank 0/2 backend=gloo threads=1 sum=3.0", "rank 1/2 backend=gloo threads=1 sum=3.0"]
+    assert out.err == ""
 
 
 @pytest.mark.world
 def test_relaunch_returns_the_failure_exit_code(tiny_module, capfd):
+    """The rank's own output stays; torchrun adds nothing but one line naming the rank."""
     assert relaunch(2, [], module="tiny_yes") == 1
-    assert "rank 1 gives up" in capfd.readouterr().err
+    assert capfd.readouterr().err.splitlines() == [
+        "rank 1 gives up",
+        "error: rank 1: exited with code 1 and reported no error",
+    ]
+
+
+@pytest.mark.world
+def test_a_killed_rank_is_one_line_and_its_peers_echo_is_not(tiny_module, capfd):
+    assert relaunch(2, [], module="tiny_kill") == 1
+    assert capfd.readouterr().err.splitlines() == ["error: rank 1: killed by SIGKILL (often the out-of-memory killer)"]

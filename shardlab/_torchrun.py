@@ -1,0 +1,130 @@
+"""One problem, one line: how a failure on the ranks that `relaunch` started comes back to the user.
+
+rank raises -> `report` writes "rank R: <message>" to the error file (the first rank wins: O_EXCL) -> the rank
+`leave`s quietly -> the elastic agent, run by `main` here with its logging off, stops the other ranks -> if no
+rank wrote a line (a rank killed by a signal, or one that called os._exit), `main` writes one from the agent's
+failures -> the first process prints the file as `error: ...`. A rank that fails only because a peer died writes
+nothing: its "Connection closed by peer" is the echo of the first failure, not the cause. SHARDLAB_TRACEBACK=1
+keeps every rank's traceback and the agent's log.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+ERROR_FILE_ENV = "SHARDLAB_ERROR_FILE"
+"""Where the ranks of one node write their first failure; set by `relaunch` for the ranks it starts."""
+TRACEBACK_ENV = "SHARDLAB_TRACEBACK"
+"""Set to 1 to see every failing rank's full traceback and torch.distributed.run's own report."""
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+)
+"""Message fragments of the RuntimeErrors gloo and NCCL raise on a rank whose peer died: echoes, never the cause."""
+EXIT_PEER_LOST = 3
+"""A rank's exit code when it failed only because a peer died."""
+HINT = f"; rerun with {TRACEBACK_ENV}=1 for the traceback"
+
+
+def tracebacks_wanted(env: Mapping[str, str] | None = None) -> bool:
+    return (os.environ if env is None else env).get(TRACEBACK_ENV, "") not in ("", "0")
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (a shardlab error's summary; a longer explanation follows it)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def write_first(path: str, line: str) -> bool:
+    """Write `line` to `path` unless a line is already there (O_EXCL: of several failing ranks the first wins)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(line + "\n")
+    return True
+
+
+def report(err: Exception, path: str, rank: int) -> int:
+    """On a launched rank: record `err` as this node's one line (unless a rank was first); return the exit code:
+    2 for a ValueError (a bad value, as before launch), 1 for anything else, EXIT_PEER_LOST for an echo."""
+    if tracebacks_wanted():
+        traceback.print_exception(err, file=sys.stderr)
+    message = first_line(err)
+    if isinstance(err, RuntimeError) and any(fragment in message for fragment in PEER_LOST):
+        return EXIT_PEER_LOST
+    if not isinstance(err, ValueError):
+        message = f"{type(err).__name__}: {message}{'' if tracebacks_wanted() else HINT}"
+    write_first(path, f"rank {rank}: {message}")
+    return 2 if isinstance(err, ValueError) else 1
+
+
+def leave(code: int) -> None:
+    """Exit a failed rank now: with a peer gone, the process group's destructors can abort the process (gloo:
+    "terminate called without an active exception", then SIGABRT) or hang, and their output is noise."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def describe(failures: Mapping[int, ProcessFailure]) -> str:
+    """One line for the rank whose death caused the others': an exit code of its own first, then a signal other
+    than the SIGTERM the agent sends the survivors, then any."""
+
+    def cause(item: tuple[int, ProcessFailure]) -> tuple[int, int]:
+        rank, failure = item
+        code = failure.exitcode
+        if code > 0 and code != EXIT_PEER_LOST:
+            return (0, rank)
+        if code < 0 and failure.signal_name() != "SIGTERM":
+            return (1, rank)
+        return (2, rank)
+
+    rank, failure = min(failures.items(), key=cause)
+    if failure.exitcode == EXIT_PEER_LOST:
+        return f"rank {rank}: lost its connection to a rank that failed first (on another node: see its output)"
+    if failure.exitcode < 0:
+        name = failure.signal_name()
+        return f"rank {rank}: killed by {name}" + (" (often the out-of-memory killer)" if name == "SIGKILL" else "")
+    return f"rank {rank}: exited with code {failure.exitcode} and reported no error"
+
+
+def main(argv: list[str]) -> int:
+    """torch.distributed.run with `argv`, quiet: exit 0, or 1 with this node's one line in the error file."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not tracebacks_wanted():
+        logging.disable(logging.CRITICAL)  # this process runs only the agent; the ranks are other processes
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as err:
+        if path is not None:
+            write_first(path, describe(err.failures))
+        return 1
+    except SignalException as err:  # SIGINT/SIGTERM: the agent has stopped the ranks
+        return 128 + int(err.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    # Run by path (see `relaunch_command`), so the agent imports torch's launcher without all of shardlab (~2 s).
+    # Python puts this file's directory first on sys.path, where config.py, data.py, ... would shadow other modules.
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.pop(0)
+    sys.exit(main(sys.argv[1:]))
