@@ -148,7 +148,8 @@ def _export(source: str, args: list[str]) -> int:
 
 def _check_run(cfg) -> None:
     """What a training run needs beyond the layout, checked before any rank starts (plan and estimate skip it):
-    the checkpoint to resume or start from, and the limits of sharded initialisation."""
+    the checkpoint to resume or start from (its files' presence and sizes; the ranks read the bytes), and the limits
+    of sharded initialisation."""
     from pathlib import Path
 
     from shardlab.checkpoint import resolve_resume
@@ -156,7 +157,7 @@ def _check_run(cfg) -> None:
     from shardlab.loop import check_init
 
     if cfg.checkpoint.resume not in ("auto", "none"):
-        resolve_resume(cfg.checkpoint.resume, Path(cfg.run_dir) / "checkpoints")
+        resolve_resume(cfg.checkpoint.resume, Path(cfg.run_dir) / "checkpoints", checksums=False)
     if cfg.checkpoint.init_from_hf is not None:
         read_hf_config(cfg.checkpoint.init_from_hf)
     check_init(cfg)

@@ -1,10 +1,12 @@
 """TrainState <-> torch.distributed.checkpoint, committed atomically, reshardable across meshes.
 
 A step directory `checkpoints/step-00000010/` holds the DCP files (model and optimizer as DTensor
-shards, so any other mesh can load them), `train_state.json` (step, data position, RNG) and the
-resolved `config.json`. Ranks write into `step-00000010.tmp/`; only when every rank has written
-and the metadata is in place does rank 0 rename it: a crash at any moment leaves the previous
-checkpoint loadable, and the partial one is deleted on the next start.
+shards, so any other mesh can load them), `train_state.json` (step, data position, RNG), the
+resolved `config.json` and `manifest.json` (every file's size and CRC-32). Ranks write into
+`step-00000010.tmp/`; only when every rank has written and the metadata and manifest are in place
+does rank 0 rename it: a crash at any moment leaves the previous checkpoint loadable, and the
+partial one is deleted on the next start. A resume checks the manifest first: `auto` falls back
+past a damaged checkpoint to the newest intact one.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -26,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from shardlab import _manifest
 from shardlab._base import to_json
 from shardlab.config import Config
 from shardlab.data import TokenLoader
@@ -57,19 +62,63 @@ def complete(checkpoints: Path) -> list[Path]:
     return sorted(p for p in found if (p / STATE_FILE).is_file() and (p / ".metadata").is_file())
 
 
-def resolve_resume(resume: str, checkpoints: Path) -> Path | None:
-    """`auto`: the newest committed checkpoint (None when there is none); `none`; or a path."""
+def resolve_resume(resume: str, checkpoints: Path, *, checksums: bool = True) -> Path | None:
+    """`auto`: the newest committed checkpoint that matches its manifest, skipping damaged ones with a warning
+    (None when there is none; an error when every one is damaged); `none`; or a path, which must be intact.
+
+    checksums: False checks only each file's presence and size (a stat; the CLI does this before launch). In a
+    process group this is collective: each rank reads its share of the files (see `damage`).
+    """
     if resume == "none":
         return None
     if resume == "auto":
-        found = complete(checkpoints)
-        return found[-1] if found else None
+        skipped: list[str] = []
+        for path in reversed(complete(checkpoints)):
+            problem = damage(path, checksums)
+            if problem is None:
+                for line in skipped:
+                    _warn(f"checkpoint.resume=auto skips {line}; resuming from {path.name}")
+                return path
+            skipped.append(f"{path.name}: {problem}")
+        if skipped:
+            raise ValueError(
+                f"checkpoint.resume=auto: no intact checkpoint in {str(checkpoints)!r} (newest {skipped[0]}); "
+                "set checkpoint.resume=none to start fresh"
+            )
+        return None
     path = Path(resume)
     if not (path / ".metadata").is_file() or not (path / STATE_FILE).is_file():
         raise ValueError(
             f"checkpoint.resume={resume!r}: not a complete shardlab checkpoint (no .metadata or {STATE_FILE}); give a step directory"
         )
+    problem = damage(path, checksums)
+    if problem is not None:
+        raise ValueError(f"checkpoint.resume={resume!r}: {problem}; resume from another step")
     return path
+
+
+def damage(path: Path, checksums: bool = True) -> str | None:
+    """What is wrong with a committed checkpoint, per its manifest: None when its files match it, or when it has
+    none (written before manifests: trusted, as before). Collective in a process group: each rank checksums
+    every world_size-th file, so a resume reads the checkpoint once more, split over the ranks."""
+    try:
+        files = _manifest.read(path)
+    except ValueError as err:
+        return str(err)
+    if files is None:
+        return None
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    found = _manifest.problems(path, files, sorted(files)[rank::world] if checksums else ())
+    if dist.is_initialized():
+        every: list[dict[str, str]] = [{} for _ in range(world)]
+        dist.all_gather_object(every, found)
+        found = {name: why for part in every for name, why in part.items()}
+    return found[min(found)] if found else None
+
+
+def _warn(message: str) -> None:
+    if _rank() == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def remove_partial(checkpoints: Path) -> list[Path]:
@@ -102,20 +151,39 @@ def _barrier() -> None:
 
 
 class PendingSave:
-    """An async save whose files are still being written; `commit()` waits for them, then commits."""
+    """An async save whose files are still being written; `commit()` waits for them, then commits.
 
-    def __init__(self, future, tmp: Path, final: Path, files: dict[str, bytes], keep: int | None) -> None:
-        self.future, self.tmp, self.final, self.files, self.keep = future, tmp, final, files, keep
+    own: this rank's manifest entries (its own data files), computed in the background after an async write."""
+
+    def __init__(self, own: Future, tmp: Path, final: Path, files: dict[str, bytes], keep: int | None) -> None:
+        self.own, self.tmp, self.final, self.files, self.keep = own, tmp, final, files, keep
         self.committed = False
 
     def commit(self) -> Path:
         """Wait for the files, then commit (a collective: every rank calls it); a second call does nothing."""
         if not self.committed:
-            if self.future is not None:
-                self.future.result()
-            _commit(self.tmp, self.final, self.files, self.keep)
+            _commit(self.tmp, self.final, self.files, self.keep, self.own.result())
             self.committed = True
         return self.final
+
+
+def _own_entries(tmp: Path, rank: int) -> dict[str, dict[str, int]]:
+    """Manifest entries of the data files this rank wrote (DCP names them `__<rank in its group>_<n>.distcp`),
+    checksummed by their writer while they are likely still in its page cache."""
+    return _manifest.entries(tmp, sorted(p.name for p in tmp.glob(f"__{rank}_*.distcp")))
+
+
+def _after(future, tmp: Path, rank: int) -> Future:
+    """`_own_entries` once an async write is done, on a thread of its own: checksums do not block training."""
+
+    def written_then_summed() -> dict[str, dict[str, int]]:
+        future.result()
+        return _own_entries(tmp, rank)
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardlab-manifest")
+    out = pool.submit(written_then_summed)
+    pool.shutdown(wait=False)  # the thread ends with its one task
+    return out
 
 
 def save(
@@ -150,7 +218,13 @@ def save(
     no_dist = not dist.is_initialized()  # one process: DCP needs no process group
     write = dcp.async_save if async_save else dcp.save
     future = write(tensors, checkpoint_id=str(tmp), no_dist=no_dist, process_group=group)
-    pending = PendingSave(future if async_save else None, tmp, final, files, cfg.checkpoint.keep)
+    rank = dist.get_rank(group) if dist.is_initialized() else 0  # the rank DCP names this rank's files by
+    if async_save:
+        own = _after(future, tmp, rank)
+    else:
+        own = Future()
+        own.set_result(_own_entries(tmp, rank))
+    pending = PendingSave(own, tmp, final, files, cfg.checkpoint.keep)
     if not async_save:
         pending.commit()
     return pending
@@ -175,11 +249,18 @@ def checkpoint_group() -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo") if dist.is_initialized() else None
 
 
-def _commit(tmp: Path, final: Path, files: dict[str, bytes], keep: int | None) -> None:
-    _barrier()  # every rank has written its shards; rank 0 wrote .metadata inside dcp.save
+def _commit(tmp: Path, final: Path, files: dict[str, bytes], keep: int | None, own: dict) -> None:
+    # gathering doubles as the barrier: every rank has written its shards, and rank 0 .metadata inside dcp.save
+    every: list[dict] | None = [own]
+    if dist.is_initialized():
+        every = [{} for _ in range(dist.get_world_size())] if _rank() == 0 else None
+        dist.gather_object(own, every, dst=0)
     if _rank() == 0:
         for name, data in files.items():
             (tmp / name).write_bytes(data)
+        entries = {name: entry for part in every for name, entry in part.items()}
+        unlisted = sorted(p.name for p in tmp.iterdir() if p.name not in entries and p.name != _manifest.MANIFEST_FILE)
+        _manifest.write(tmp, {**entries, **_manifest.entries(tmp, unlisted)})  # commits with the files it lists
         _fault_point(f"save:{json.loads(files[STATE_FILE])['step']}")
         if final.exists():
             shutil.rmtree(final)
@@ -272,6 +353,8 @@ def export_to_hf(source: Path, out: Path) -> Path:
     from shardlab.hf import to_hf
 
     step = source if (source / STATE_FILE).is_file() else resolve_resume("auto", source / "checkpoints")
+    if step == source and (problem := damage(step)) is not None:
+        raise ValueError(f"export: {str(step)!r}: {problem}; export another step")
     if step is None:
         raise ValueError(
             f"export: {str(source)!r} holds no committed checkpoint (no checkpoints/step-*); give a run or step directory"

@@ -1,15 +1,20 @@
 """Checkpoints on one process: a kill during a save loses nothing, partial saves are cleaned up, the newest
-K are kept, and a checkpoint of another model or a bad path is a clear error before anything is loaded."""
+K are kept, and a checkpoint of another model or a bad path is a clear error before anything is loaded; every
+checkpoint carries a manifest, and a resume falls back past (auto) or refuses (a path) one that does not match it."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import msgspec
 import pytest
 
+from shardlab.__main__ import main
+from shardlab._manifest import MANIFEST_FILE
 from shardlab.checkpoint import FAULT_ENV, complete, resolve_resume, step_dir
 from shardlab.config import CheckpointConfig, Config, DataConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
 from shardlab.config import MoEConfig as MoE
@@ -184,3 +189,97 @@ def test_resuming_with_another_global_batch_says_what_differs(tmp_path):
     other = msgspec.structs.replace(other, train=msgspec.structs.replace(other.train, global_batch=8))
     with pytest.raises(ValueError, match="global_batch"):
         train(other, write=False)
+
+
+def damage(file: Path, how: str) -> None:
+    """Damage a file as a disk, a copy or a kill might: shorter, one byte changed (same size), or gone."""
+    data = file.read_bytes()
+    if how == "truncate":
+        file.write_bytes(data[: len(data) // 2])
+    elif how == "flip":
+        middle = len(data) // 2
+        file.write_bytes(data[:middle] + bytes([data[middle] ^ 0x01]) + data[middle + 1 :])
+    else:
+        file.unlink()
+
+
+def two_checkpoints(run_dir: Path) -> tuple[Path, Path]:
+    """Steps 2 and 4 of the 6-step run, saved."""
+    train(tiny(run_dir, every=2), write=False, until=4)
+    return step_dir(run_dir / "checkpoints", 2), step_dir(run_dir / "checkpoints", 4)
+
+
+def test_every_checkpoint_carries_a_manifest_of_its_files(tmp_path):
+    _, step = two_checkpoints(tmp_path)
+    files = json.loads((step / MANIFEST_FILE).read_text())["files"]
+    on_disk = sorted(p.name for p in step.iterdir() if p.name != MANIFEST_FILE)
+    assert sorted(files) == on_disk and {".metadata", "__0_0.distcp", "train_state.json"} <= set(files)
+    for name, entry in files.items():
+        data = (step / name).read_bytes()
+        assert entry == {"size": len(data), "crc32": zlib.crc32(data)}, name
+
+
+MESSAGE = {
+    "truncate": r"data file __0_0\.distcp is truncated \(\d+ of \d+ bytes\)",
+    "flip": r"data file __0_0\.distcp is corrupt \(CRC-32 [0-9a-f]{8}, the manifest says [0-9a-f]{8}\)",
+    "delete": r"data file __0_0\.distcp is missing",
+}
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "delete"])
+def test_resume_auto_falls_back_past_a_damaged_checkpoint(tmp_path, capsys, how):
+    """The newest checkpoint's data file is damaged: auto says so, resumes from the one before, and the run's
+    losses are those of an uninterrupted run, bitwise."""
+    straight = [m["loss"] for m in train(tiny(tmp_path / "straight", every=None), write=False)]
+    _, newest = two_checkpoints(tmp_path / "run")
+    capsys.readouterr()
+    damage(newest / "__0_0.distcp", how)
+    resumed = [m["loss"] for m in train(tiny(tmp_path / "run", every=2), write=False)]
+    assert resumed == straight[2:]
+    warning = capsys.readouterr().err.strip()
+    assert "\n" not in warning, warning
+    assert re.fullmatch(
+        rf"warning: checkpoint\.resume=auto skips step-00000004: {MESSAGE[how]}; resuming from step-00000002", warning
+    ), warning
+
+
+def test_an_unreadable_manifest_is_damage_too(tmp_path, capsys):
+    _, newest = two_checkpoints(tmp_path)
+    (newest / MANIFEST_FILE).write_text('{"files": {"__0_0.distcp": ')
+    assert resolve_resume("auto", tmp_path / "checkpoints") == step_dir(tmp_path / "checkpoints", 2)
+    assert "skips step-00000004: manifest.json is unreadable (JSONDecodeError: " in capsys.readouterr().err
+
+
+def test_a_checkpoint_without_a_manifest_is_trusted(tmp_path, capsys):
+    """Checkpoints written before manifests existed load as they always did."""
+    _, newest = two_checkpoints(tmp_path)
+    (newest / MANIFEST_FILE).unlink()
+    assert len(train(tiny(tmp_path, every=2), write=False)) == 2  # steps 5 and 6, from step 4
+    assert capsys.readouterr().err == ""
+
+
+def test_no_intact_checkpoint_is_an_error(tmp_path):
+    older, newest = two_checkpoints(tmp_path)
+    damage(older / "train_state.json", "flip")
+    damage(newest / "__0_0.distcp", "truncate")
+    with pytest.raises(
+        ValueError,
+        match=r"^checkpoint\.resume=auto: no intact checkpoint in '.*checkpoints' \(newest step-00000004: data file "
+        r"__0_0\.distcp is truncated \(\d+ of \d+ bytes\)\); set checkpoint\.resume=none to start fresh$",
+    ):
+        train(tiny(tmp_path, every=2), write=False)
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_an_explicit_damaged_checkpoint_is_a_one_line_error(tmp_path, capsys, monkeypatch, how):
+    """A truncated file is found before launch (a stat); a changed byte by the ranks, before anything loads."""
+    _, newest = two_checkpoints(tmp_path / "run")
+    damage(newest / "__0_0.distcp", how)
+    monkeypatch.chdir(ROOT)
+    args = ["recipes/llama_debug.py", *TINY, "--train.run-dir", str(tmp_path / "again"), "--data.source", "synthetic",
+            "--train.global-batch", "4", "--checkpoint.resume", str(newest)]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(
+        rf"error: checkpoint\.resume='.*step-00000004': {MESSAGE[how]}; resume from another step", err
+    ), err

@@ -1,14 +1,18 @@
 """Checkpoints across layouts (gloo): bitwise resume on the same layout; a checkpoint saved by one layout
 continues on another (dp_shard 2 x tp 2 -> dp_shard 4, -> FSDP 2 on 2 ranks, -> one process, and one
-process -> dp_shard 2 x tp 2) with the loss curve of an uninterrupted run within 1e-5; async saves commit."""
+process -> dp_shard 2 x tp 2) with the loss curve of an uninterrupted run within 1e-5; async saves commit with a
+manifest of every rank's files; resume=auto falls back past a checkpoint whose bytes no longer match it."""
 
 import functools
+import json
 from pathlib import Path
 
 import msgspec
 import pytest
+import torch.distributed as dist
 
-from shardlab.checkpoint import complete, step_dir
+from shardlab._manifest import MANIFEST_FILE
+from shardlab.checkpoint import complete, damage, step_dir
 from shardlab.config import Config, MeshSpec
 
 from ._harness import run_world
@@ -52,7 +56,29 @@ def async_save(rank, world_size, tmp):
     cfg = tiny(MeshSpec(dp_shard=2, tp=2))
     first = curves(ckpt(cfg, tmp / "async", every=4, async_save=True), until=12)["loss"]
     second = curves(ckpt(cfg, tmp / "async", every=4, async_save=True))["loss"]
-    return {"losses": first + second, "committed": [p.name for p in complete(tmp / "async" / "checkpoints")]}
+    last = complete(tmp / "async" / "checkpoints")[-1]
+    return {
+        "losses": first + second,
+        "committed": [p.name for p in complete(tmp / "async" / "checkpoints")],
+        "manifest": sorted(json.loads((last / MANIFEST_FILE).read_text())["files"]),
+        "on_disk": sorted(p.name for p in last.iterdir() if p.name != MANIFEST_FILE),
+        "damage": damage(last),  # collective: every rank checksums its share
+    }
+
+
+def fallback(rank, world_size, tmp):
+    """Steps 3 and 6 saved by dp_shard 2 x tp 2, then one byte of rank 1's file of step 6 changed (rank 2
+    checksums that file when 4 ranks resume): auto resumes from step 3 (steps 4 to 10 run), and every rank agrees."""
+    tmp = Path(tmp)
+    cfg = tiny(MeshSpec(dp_shard=2, tp=2))
+    curves(ckpt(cfg, tmp / "fallback", every=3), until=6)
+    if rank == 0:
+        file = step_dir(tmp / "fallback" / "checkpoints", 6) / "__1_0.distcp"
+        data = bytearray(file.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        file.write_bytes(bytes(data))
+    dist.barrier()
+    return curves(ckpt(cfg, tmp / "fallback", every=None), until=10)["loss"]
 
 
 def to_fsdp2(rank, world_size, tmp):
@@ -69,7 +95,7 @@ def tmp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world4(tmp):
-    return run_world(4, [layouts, async_save], timeout_s=600, tmp=str(tmp))
+    return run_world(4, [layouts, async_save, fallback], timeout_s=600, tmp=str(tmp))
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +143,13 @@ def test_async_saves_commit_and_resume_bitwise(world4):
     out, straight = world4.value(async_save), world4.value(layouts)["straight"]
     assert out["losses"] == straight
     assert out["committed"] == ["step-00000012", "step-00000016", "step-00000020"]  # keep=3
+    assert out["manifest"] == out["on_disk"] and "__3_0.distcp" in out["manifest"]
+    assert out["damage"] is None
+
+
+@pytest.mark.world
+def test_resume_auto_falls_back_past_a_corrupt_checkpoint_on_4_ranks(world4):
+    assert world4.value(fallback) == world4.value(layouts)["straight"][3:10]
 
 
 @pytest.mark.world
