@@ -46,8 +46,9 @@ class TrainState(Frozen):
     """Steps whose update was dropped for a non-finite loss or gradient (train.on_nonfinite='skip')."""
 
 
-class NonFiniteError(FloatingPointError):
-    """A step's loss or gradient norm is not finite and train.on_nonfinite is 'stop'."""
+class NonFiniteError(ValueError):
+    """A step's loss or gradient norm is not finite and train.on_nonfinite is 'stop' (a ValueError: a value the
+    run cannot go on with, reported in one line like a bad setting)."""
 
 
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
