@@ -166,10 +166,11 @@ def _check_run(cfg) -> None:
 def _check_data(cfg, vocab_size: int) -> None:
     """Open the data once here, so a missing file or a too-small vocabulary fails before any rank starts."""
     from shardlab.data import make_loader
+    from shardlab.tokenizer import run_tokenizer
 
     make_loader(
         cfg.data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=vocab_size,
-        dp_rank=0, dp_size=1,
+        dp_rank=0, dp_size=1, tokenizer=run_tokenizer(cfg),
     )  # fmt: skip
 
 

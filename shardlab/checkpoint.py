@@ -36,6 +36,8 @@ from shardlab.config import Config
 from shardlab.data import TokenLoader
 from shardlab.models.provider import LlamaProvider, ModelProvider, first_difference, provider_for
 from shardlab.step import TrainState
+from shardlab.tokenizer import FILES as TOKENIZER_FILES
+from shardlab.tokenizer import run_tokenizer
 
 STEP_PREFIX = "step-"
 TMP_SUFFIX = ".tmp"
@@ -210,10 +212,14 @@ def save(
         tmp.mkdir(parents=True)
     _barrier()
     files = {  # written by rank 0 at the commit, beside the DCP files
-        STATE_FILE: json.dumps({"step": state.step, "skipped": state.skipped, "data": loader.state_dict(), **_rng_state()}).encode(),
+        STATE_FILE: json.dumps(
+            {"step": state.step, "skipped": state.skipped, "data": loader.state_dict(), **_rng_state()}
+        ).encode(),
         "config.json": to_json(cfg),
         MODEL_FILE: json.dumps((provider or provider_for(cfg)).identity(), indent=2).encode(),
     }
+    if (tokenizer := run_tokenizer(cfg)) is not None:  # what the ids mean travels with the weights
+        files |= tokenizer.files()
     tensors = _tensors(state)
     no_dist = not dist.is_initialized()  # one process: DCP needs no process group
     write = dcp.async_save if async_save else dcp.save
@@ -372,7 +378,8 @@ def export_to_hf(source: Path, out: Path) -> Path:
     verify(step, tensors["model"])
     dcp.load(tensors, checkpoint_id=str(step), no_dist=True)
     set_model_state_dict(model, tensors["model"])
-    to_hf(model, out, provider=provider)
+    tokenizer = {name: (step / name).read_bytes() for name in TOKENIZER_FILES if (step / name).is_file()}
+    to_hf(model, out, provider=provider, extra_files=tokenizer)
     return step
 
 

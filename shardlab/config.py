@@ -114,6 +114,9 @@ class DataConfig(Frozen):
     """Field holding the text in each JSONL line."""
     bin_dtype: Literal["uint16", "uint32"] = "uint16"
     """Token dtype of .bin files."""
+    tokenizer: str | None = None
+    """A local tokenizer for text (a transformers tokenizer directory or a tokenizer.json; never downloaded). None:
+    the transformers model directory's own tokenizer when it has one (model.hf_path), else byte-level tokens."""
     seed: int = 1234
     """Seed of the data order (and of synthetic tokens)."""
 
@@ -122,6 +125,14 @@ class DataConfig(Frozen):
             raise ValueError("data.paths is empty but data.source='files'; pass --data.paths FILE [FILE ...]")
         if self.source != "files" and self.paths:
             raise ValueError(f"data.paths is set but data.source={self.source!r}; set --data.source files")
+        if self.tokenizer is not None and self.source == "synthetic":
+            raise ValueError(
+                "data.tokenizer is set but data.source='synthetic' draws random ids; drop --data.tokenizer"
+            )
+        if self.tokenizer is not None and self.paths and all(p.endswith(".bin") for p in self.paths):
+            raise ValueError(
+                "data.tokenizer is set but every file in data.paths is pre-tokenized .bin; drop --data.tokenizer"
+            )
 
 
 class TrainConfig(Frozen):

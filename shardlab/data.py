@@ -15,13 +15,19 @@ import os
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from shardlab.config import DataConfig
+
+if TYPE_CHECKING:
+    from shardlab.tokenizer import Tokenizer
+
+Encoder = Callable[[list[str]], list[np.ndarray]]
+"""Texts -> one token array per document (bytes, or a tokenizer's ids)."""
 
 BOS = 256
 EOS = 257
@@ -127,7 +133,7 @@ class TokenLoader:
         if state.get("fingerprint") != self.fingerprint:
             raise ValueError(
                 f"data: the checkpoint's token stream (fingerprint {state.get('fingerprint')}) differs from this run's "
-                f"({self.fingerprint}); resume with the same data files, data.seed and model.vocab_size"
+                f"({self.fingerprint}); resume with the same data files, data.seed, data.tokenizer and model.vocab_size"
             )
         step = state.get("step")
         if not isinstance(step, int) or step < 0:
@@ -146,9 +152,11 @@ def make_loader(
     dp_rank: int,
     dp_size: int,
     micro_batches: int = 1,
+    tokenizer: Tokenizer | None = None,
 ) -> TokenLoader:
     """The loader for data-parallel rank `dp_rank` of `dp_size`, positioned at step 0. micro_batches: per step on
-    each rank (`Config.micro_batches`); it decides which rows a rank gets, not which rows a step has."""
+    each rank (`Config.micro_batches`); it decides which rows a rank gets, not which rows a step has. tokenizer:
+    what turns text into ids (`shardlab.tokenizer`; None: byte-level tokens)."""
     if global_batch % dp_size:
         raise ValueError(
             f"train.global_batch={global_batch} is not divisible by the data-parallel size {dp_size}; "
@@ -167,12 +175,22 @@ def make_loader(
             return np.random.default_rng([seed, i]).integers(0, vocab_size, seq_len + 1, dtype=np.int64)
 
     else:
-        if vocab_size < BYTE_VOCAB and (data.source == "stdlib" or any(not p.endswith(".bin") for p in data.paths)):
+        texts = data.source == "stdlib" or any(not p.endswith(".bin") for p in data.paths)
+        if tokenizer is None and vocab_size < BYTE_VOCAB and texts:
             raise ValueError(
                 f"model.vocab_size={vocab_size} is too small for the byte-level tokens of data.source={data.source!r} "
                 f"(256 bytes + BOS + EOS); set model.vocab_size >= {BYTE_VOCAB}"
             )
-        corpus = _Corpus(_stdlib_documents() if data.source == "stdlib" else _file_documents(data, vocab_size), seed)
+        if tokenizer is not None and tokenizer.vocab_size > vocab_size:
+            raise ValueError(
+                f"data.tokenizer={tokenizer.path!r} has {tokenizer.vocab_size} tokens but model.vocab_size is "
+                f"{vocab_size}; use the model's own tokenizer"
+            )
+        if tokenizer is not None and texts:
+            digest.update(f" tokenizer {tokenizer.fingerprint()}".encode())
+        encoder = tokenizer.encode if tokenizer is not None else _byte_encode
+        docs = _stdlib_documents(encoder) if data.source == "stdlib" else _file_documents(data, vocab_size, encoder)
+        corpus = _Corpus(docs, seed)
         digest.update(corpus.lengths.tobytes())
         for doc in corpus.docs:  # text documents are hashed whole, .bin memmaps by their ends
             digest.update(np.ascontiguousarray(_ends(doc) if isinstance(doc, np.memmap) else doc).tobytes())
@@ -229,25 +247,30 @@ class _Corpus:
         return out
 
 
-def _stdlib_documents() -> list[np.ndarray]:
-    """This Python's stdlib `*.py` sources in sorted path order, one document each, up to STDLIB_MAX_BYTES."""
+def _byte_encode(texts: list[str]) -> list[np.ndarray]:
+    return [encode(t) for t in texts]
+
+
+def _stdlib_documents(encoder: Encoder) -> list[np.ndarray]:
+    """This Python's stdlib `*.py` sources in sorted path order, one document each, up to STDLIB_MAX_BYTES of
+    UTF-8 text."""
     root = sysconfig.get_paths()["stdlib"]
     paths = []
     for directory, subdirs, files in os.walk(root):
         subdirs[:] = [d for d in subdirs if d not in _STDLIB_SKIP_DIRS]
         paths += [os.path.join(directory, f) for f in files if f.endswith(".py")]
-    docs, total = [], 0
+    texts, total = [], 0
     for path in sorted(paths):
         if total >= STDLIB_MAX_BYTES:
             break
-        docs.append(encode(Path(path).read_text(encoding="utf-8", errors="replace")))
-        total += docs[-1].size
-    if not docs:
+        texts.append(Path(path).read_text(encoding="utf-8", errors="replace"))
+        total += len(texts[-1].encode("utf-8")) + 2
+    if not texts:
         raise ValueError(f"data.source='stdlib': no *.py files under {root}; use data.source='synthetic' or 'files'")
-    return docs
+    return encoder(texts)
 
 
-def _file_documents(data: DataConfig, vocab_size: int) -> list[np.ndarray]:
+def _file_documents(data: DataConfig, vocab_size: int, encoder: Encoder) -> list[np.ndarray]:
     """.txt: one document per file; .jsonl: one per line; .bin: the file's tokens as one document (a memmap)."""
     docs: list[np.ndarray] = []
     for name in data.paths:
@@ -264,7 +287,7 @@ def _file_documents(data: DataConfig, vocab_size: int) -> list[np.ndarray]:
                     f"data.paths: {name} is not valid UTF-8 ({err.reason} at byte {err.start}); re-encode it"
                 ) from None
             texts = [text] if path.suffix == ".txt" else _jsonl_texts(name, text, data.jsonl_field)
-            docs += [encode(t) for t in texts]
+            docs += encoder(texts)
         else:
             raise ValueError(f"data.paths: {name} has suffix {path.suffix!r}; use .txt, .jsonl or .bin")
     if not docs:

@@ -37,6 +37,7 @@ from shardlab.plan import Plan, make_plan
 from shardlab.rules import Rules
 from shardlab.stages import keep_own_stages
 from shardlab.step import Metrics, TrainState, init_state, make_step, model_device
+from shardlab.tokenizer import run_tokenizer
 
 
 def plan_model(
@@ -133,9 +134,10 @@ def train(
     dp_rank = cfg.mesh.group_index(rank, ("dp",))
     step = make_step(cfg, plan, mesh, provider)
     state: TrainState = init_state(model, cfg.optim)
+    tokenizer = run_tokenizer(cfg)
     loader = make_loader(
         cfg.data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=provider.vocab_size,
-        dp_rank=dp_rank, dp_size=dp, micro_batches=cfg.micro_batches,
+        dp_rank=dp_rank, dp_size=dp, micro_batches=cfg.micro_batches, tokenizer=tokenizer,
     )  # fmt: skip
     run_dir = Path(cfg.run_dir)
     checkpoints = run_dir / "checkpoints"

@@ -18,6 +18,7 @@ LAYERS = [
         "data",
         "metrics",
         "launch",
+        "tokenizer",
         "models.provider",
         "models.hf_rules",
         "models.hf_causal_lm",

@@ -31,6 +31,7 @@ def to_hf(
     config: ModelConfig | None = None,
     provider: ModelProvider | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> None:
     """Write a Hugging Face directory (config.json + safetensors) that transformers' `from_pretrained` loads.
 
@@ -38,7 +39,8 @@ def to_hf(
     (default: shardlab's Llama of `config`, which defaults to `model.cfg`). Collective: with a process group every rank calls it (each DTensor is gathered
     with `full_tensor()`, one at a time) and rank 0 writes. Files above `max_shard_bytes` are split into
     `model-0000i-of-0000n.safetensors` plus an index. The directory appears whole or not at all (written
-    next to `path`, then renamed); `path` may exist only as an empty directory.
+    next to `path`, then renamed); `path` may exist only as an empty directory. `extra_files`: name -> bytes written
+    beside the weights (a tokenizer's files).
     """
     if provider is None:
         config = config or getattr(model, "cfg", None)
@@ -99,6 +101,8 @@ def to_hf(
     if writer and error is None:
         try:
             _write_metadata(tmp, hf_config, provider, tensors, files, shards)
+            for name, data in (extra_files or {}).items():
+                (tmp / name).write_bytes(data)
             os.replace(tmp, target)
         except OSError as e:
             error = f"{target}: cannot finish the export ({e}); check the disk and permissions"
