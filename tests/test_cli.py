@@ -108,8 +108,8 @@ def test_an_error_after_launch_is_one_line(tmp_path):
     assert run.stderr.splitlines() == ["error: rank 1: rules: rank 1 cannot lay out this model"]
 
 
-def test_plan_accepts_axes_that_apply_cannot_run_yet(capsys, monkeypatch):
-    """pp is planned (and printed) even though apply refuses it until issue 4."""
+def test_plan_prints_a_pipelined_layout(capsys, monkeypatch):
+    """A layout with pp is planned and printed without any process group."""
     monkeypatch.chdir(ROOT)
     assert main(["plan", "recipes/llama_fsdp_tp.py", "--mesh.pp", "2"]) == 0
     assert "pp=2 x dp_shard=2 x tp=2 (8 ranks)" in capsys.readouterr().out

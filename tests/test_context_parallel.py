@@ -1,4 +1,4 @@
-"""Context parallelism as data (issue 5): which positions each cp rank holds, the plan's record of it, and the
+"""Context parallelism as data: which positions each cp rank holds, the plan's record of it, and the
 errors at plan time. Runs against one process are in tests/worlds/test_context_parallel.py."""
 
 from __future__ import annotations

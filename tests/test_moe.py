@@ -1,4 +1,4 @@
-"""The MoE block (issue 5): routing against a per-token reference, capacity, scores and bias, the balancing
+"""The MoE block: routing against a per-token reference, capacity, scores and bias, the balancing
 loss, the bias update, the plan and the step's metrics. Runs against one process are in tests/worlds/test_moe.py."""
 
 from __future__ import annotations

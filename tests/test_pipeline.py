@@ -1,4 +1,4 @@
-"""Pipeline stages as data (issue 4): splits, ranks, schedules, bubbles, the plan's stages and their errors.
+"""Pipeline stages as data: splits, ranks, schedules, bubbles, the plan's stages and their errors.
 Pure: no process group. Runs against one process are in tests/worlds/test_pipeline.py."""
 
 from __future__ import annotations

@@ -20,13 +20,13 @@ from .layouts import TOL, continue_from, curves
 from .layouts import ckpt as ckpt_every
 from .layouts import tiny as tiny10
 
-HALF = 10
+HALF = 4
 ckpt = functools.partial(ckpt_every, every=HALF)
 """Checkpoints every HALF steps unless told otherwise."""
 
 
 def tiny(mesh: MeshSpec = MeshSpec(dp_shard=1)) -> Config:
-    """The parity model, run for 20 steps: the issue's "20 straight vs 10, stop, resume, 10 more"."""
+    """The parity model, run for 2 x HALF steps: straight, or HALF, stop, resume, HALF more."""
     cfg = tiny10(mesh)
     return msgspec.structs.replace(cfg, train=msgspec.structs.replace(cfg.train, steps=2 * HALF))
 
@@ -54,8 +54,8 @@ def layouts(rank, world_size, tmp):
 def async_save(rank, world_size, tmp):
     tmp = Path(tmp)
     cfg = tiny(MeshSpec(dp_shard=2, tp=2))
-    first = curves(ckpt(cfg, tmp / "async", every=4, async_save=True), until=12)["loss"]
-    second = curves(ckpt(cfg, tmp / "async", every=4, async_save=True))["loss"]
+    first = curves(ckpt(cfg, tmp / "async", every=2, async_save=True), until=HALF)["loss"]
+    second = curves(ckpt(cfg, tmp / "async", every=2, async_save=True))["loss"]
     last = complete(tmp / "async" / "checkpoints")[-1]
     return {
         "losses": first + second,
@@ -68,7 +68,7 @@ def async_save(rank, world_size, tmp):
 
 def fallback(rank, world_size, tmp):
     """Steps 3 and 6 saved by dp_shard 2 x tp 2, then one byte of rank 1's file of step 6 changed (rank 2
-    checksums that file when 4 ranks resume): auto resumes from step 3 (steps 4 to 10 run), and every rank agrees."""
+    checksums that file when 4 ranks resume): auto resumes from step 3 (steps 4 to 8 run), and every rank agrees."""
     tmp = Path(tmp)
     cfg = tiny(MeshSpec(dp_shard=2, tp=2))
     curves(ckpt(cfg, tmp / "fallback", every=3), until=6)
@@ -78,7 +78,7 @@ def fallback(rank, world_size, tmp):
         data[len(data) // 2] ^= 0x01
         file.write_bytes(bytes(data))
     dist.barrier()
-    return curves(ckpt(cfg, tmp / "fallback", every=None), until=10)["loss"]
+    return curves(ckpt(cfg, tmp / "fallback", every=None), until=8)["loss"]
 
 
 def to_fsdp2(rank, world_size, tmp):
@@ -142,14 +142,14 @@ def test_dp2_tp2_checkpoint_continues_on_one_process(world4, tmp):
 def test_async_saves_commit_and_resume_bitwise(world4):
     out, straight = world4.value(async_save), world4.value(layouts)["straight"]
     assert out["losses"] == straight
-    assert out["committed"] == ["step-00000012", "step-00000016", "step-00000020"]  # keep=3
+    assert out["committed"] == ["step-00000004", "step-00000006", "step-00000008"]  # keep=3
     assert out["manifest"] == out["on_disk"] and "__3_0.distcp" in out["manifest"]
     assert out["damage"] is None
 
 
 @pytest.mark.world
 def test_resume_auto_falls_back_past_a_corrupt_checkpoint_on_4_ranks(world4):
-    assert world4.value(fallback) == world4.value(layouts)["straight"][3:10]
+    assert world4.value(fallback) == world4.value(layouts)["straight"][3:8]
 
 
 @pytest.mark.world

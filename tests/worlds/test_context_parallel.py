@@ -1,4 +1,4 @@
-"""Context parallelism against one process (issue 5): fp32, same seed and global batch, 10 steps; loss and
+"""Context parallelism against one process: fp32, same seed and global batch, layouts.STEPS steps; loss and
 gradient norm of every step within tolerance. cp 2 on 2 ranks; cp 2 x FSDP 2, cp 2 x TP 2 (+SP, loss
 parallel), HSDP (2 replicas) x cp 2 and pp 2 x cp 2 (cp inside pipeline stages) on 4. Placements are the plan's; a cp 2 checkpoint continues on one
 process. Each cp rank holds sequence chunks r and 2 cp - 1 - r; attention all-gathers K and V."""
@@ -11,7 +11,7 @@ from shardlab.checkpoint import step_dir
 from shardlab.config import MeshSpec
 
 from ._harness import run_world
-from .layouts import TOL, assert_matches, ckpt, continue_from, layout_curves, placements_match_plan, tiny
+from .layouts import MID, TOL, assert_matches, ckpt, continue_from, layout_curves, placements_match_plan, tiny
 
 LAYOUTS_2 = {"cp2": tiny(MeshSpec(dp_shard=1, cp=2))}
 LAYOUTS_4 = {
@@ -33,11 +33,11 @@ def placements(rank, world_size, tmp):
 
 
 def cp2_checkpoint(rank, world_size, tmp):
-    """cp 2 saves at step 5 (committed), for one process to continue."""
-    curves_cfg = ckpt(LAYOUTS_2["cp2"], Path(tmp) / "cp2", every=5)
+    """cp 2 saves at step MID (committed), for one process to continue."""
+    curves_cfg = ckpt(LAYOUTS_2["cp2"], Path(tmp) / "cp2", every=MID)
     from .layouts import curves
 
-    return curves(curves_cfg, until=5)["loss"]
+    return curves(curves_cfg, until=MID)["loss"]
 
 
 @pytest.fixture(scope="module")
@@ -70,5 +70,5 @@ def test_placements_match_plan(world2, world4):
 @pytest.mark.world
 def test_cp2_checkpoint_continues_on_one_process(world2, tmp, reference):
     world2.raise_for(cp2_checkpoint)
-    got = continue_from(tiny(), tmp / "one", step_dir(tmp / "cp2" / "checkpoints", 5))
-    assert max(abs(a - b) for a, b in zip(got, reference["loss"][5:], strict=True)) <= TOL, (got, reference["loss"])
+    got = continue_from(tiny(), tmp / "one", step_dir(tmp / "cp2" / "checkpoints", MID))
+    assert max(abs(a - b) for a, b in zip(got, reference["loss"][MID:], strict=True)) <= TOL, (got, reference["loss"])

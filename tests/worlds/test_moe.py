@@ -1,5 +1,5 @@
-"""The MoE model on data- and expert-parallel layouts against one process (issue 5): fp32, same seed and global
-batch, 10 steps; loss and gradient norm within tolerance. The balancing loss and the bias update use the router
+"""The MoE model on data- and expert-parallel layouts against one process: fp32, same seed and global
+batch, layouts.STEPS steps; loss and gradient norm within tolerance. The balancing loss and the bias update use the router
 statistics of the global batch, so they are the same in every layout: FSDP 2 (auxiliary loss; bias balancing;
 sigmoid scores with a shared expert) on 2 ranks; on 4, HSDP 2 x 2, CP 2 x FSDP 2, expert parallelism (ep 2 and
 ep 4 of FSDP 4, ep 2 of HSDP 2 x 2, ep 4 across CP 2 x FSDP 2; 2 experts over FSDP 4 and ep 2 of FSDP 4,
@@ -28,6 +28,7 @@ from shardlab.step import forward_backward, init_state, make_step
 
 from ._harness import run_world
 from .layouts import (
+    MID,
     TOL,
     assert_matches,
     ckpt,
@@ -124,10 +125,12 @@ def placements(rank, world_size, tmp=None):
 
 
 def ep_change(rank, world_size, tmp):
-    """ep 2 (bias balancing) saves at step 5; ep 4 continues from it: the losses of steps 6-10."""
-    ep2 = ckpt(moe("bias", MeshSpec(dp_shard=4, ep=2)), Path(tmp) / "ep2", every=5)
-    curves(ep2, until=5)
-    return continue_from(LAYOUTS_4["fsdp4_ep4-bias"], Path(tmp) / "ep4", step_dir(Path(tmp) / "ep2" / "checkpoints", 5))
+    """ep 2 (bias balancing) saves at step MID; ep 4 continues from it: the losses of steps after it."""
+    ep2 = ckpt(moe("bias", MeshSpec(dp_shard=4, ep=2)), Path(tmp) / "ep2", every=MID)
+    curves(ep2, until=MID)
+    return continue_from(
+        LAYOUTS_4["fsdp4_ep4-bias"], Path(tmp) / "ep4", step_dir(Path(tmp) / "ep2" / "checkpoints", MID)
+    )
 
 
 def idle_experts(rank, world_size, tmp=None):
@@ -159,10 +162,10 @@ def idle_experts(rank, world_size, tmp=None):
 
 
 def bias_resume(rank, world_size, tmp):
-    """FSDP 2 with bias balancing stopped after step 5 (saving it), then resumed: the losses of all 10 steps.
+    """FSDP 2 with bias balancing stopped after step MID (saving it), then resumed: the losses of all steps.
     The expert biases are state (buffers) and come back from the checkpoint."""
-    cfg = ckpt(LAYOUTS_2["fsdp2-bias"], Path(tmp) / "bias", every=5)
-    return curves(cfg, until=5)["loss"] + curves(cfg)["loss"]
+    cfg = ckpt(LAYOUTS_2["fsdp2-bias"], Path(tmp) / "bias", every=MID)
+    return curves(cfg, until=MID)["loss"] + curves(cfg)["loss"]
 
 
 @pytest.fixture(scope="module")
@@ -206,10 +209,10 @@ def test_expert_weights_are_placed_as_planned(world4):
 @pytest.mark.world
 def test_checkpoint_moves_across_ep_degrees(world4, tmp, references):
     """ep 2 -> ep 4 on 4 ranks, then ep 2's checkpoint -> one process: both continue the reference curve."""
-    want = references["bias"]["loss"][5:]
+    want = references["bias"]["loss"][MID:]
     got = world4.value(ep_change)
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= TOL, (got, want)
-    one = continue_from(moe("bias"), tmp / "one", step_dir(tmp / "ep2" / "checkpoints", 5))
+    one = continue_from(moe("bias"), tmp / "one", step_dir(tmp / "ep2" / "checkpoints", MID))
     assert max(abs(a - b) for a, b in zip(one, want, strict=True)) <= TOL, (one, want)
 
 

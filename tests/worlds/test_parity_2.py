@@ -1,4 +1,4 @@
-"""Parity on 2 CPU ranks (gloo) against one process: fp32, same seed and global batch, 10 steps; loss and
+"""Parity on 2 CPU ranks (gloo) against one process: fp32, same seed and global batch, layouts.STEPS steps; loss and
 gradient norm of every step within 1e-5. FSDP 2, TP 2, TP 2 + SP, activation checkpointing none / full /
 selective, loss parallel on and off, tied embeddings; the predicted placements are the real ones."""
 

@@ -1,4 +1,4 @@
-"""Parity on 4 CPU ranks (gloo) against one process (fp32, 10 steps, loss and grad norm within 1e-5):
+"""Parity on 4 CPU ranks (gloo) against one process (fp32, layouts.STEPS steps, loss and grad norm within 1e-5):
 HSDP 2x2 and FSDP 2 x TP 2 (+SP, loss parallel), activation checkpointing none / full / selective,
 gradient accumulation, FSDP 4; bf16 mixed precision stays close; sharded init is refused on CPU."""
 

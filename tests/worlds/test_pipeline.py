@@ -1,9 +1,9 @@
-"""Pipeline parallelism against one process (issue 4, slice 2): fp32, same seed and global batch, 10 steps;
+"""Pipeline parallelism against one process: fp32, same seed and global batch, layouts.STEPS steps;
 loss and gradient norm of every step within 1e-5. pp 2 with GPipe and 1F1B (2, 4 and 8 micro batches, with
 activation checkpointing) and, with 2 stages per rank, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
 ZBVZeroBubble and DualPipeV; pp 2 x FSDP 2 (also interleaved and ZB-V, with one FSDP root per stage) and pp 2 x TP 2
 (+SP, loss parallel) on 4 ranks, the latter also interleaved; pp 2 x dp_shard 2 x tp 2 on 8. Each rank holds only its stages' parameters.
-Checkpoints: a pp 2 run stopped at step 5 and resumed is bitwise the uninterrupted one; its checkpoint
+Checkpoints: a pp 2 run stopped at step MID and resumed is bitwise the uninterrupted one; its checkpoint
 continues on one process, and a one-process checkpoint continues on pp 2, within 1e-5."""
 
 from pathlib import Path
@@ -16,7 +16,7 @@ from shardlab.config import Config, MeshSpec
 from shardlab.loop import build_model
 
 from ._harness import run_world
-from .layouts import TOL, assert_matches, ckpt, continue_from, curves, layout_curves, tiny
+from .layouts import MID, TOL, assert_matches, ckpt, continue_from, curves, layout_curves, tiny
 
 PP2, PP2_FSDP2 = MeshSpec(pp=2, dp_shard=1), MeshSpec(pp=2, dp_shard=2)
 
@@ -61,12 +61,12 @@ LAYOUTS_8 = {"pp2_fsdp2_tp2_sp-1f1b-mb2": tiny(MeshSpec(pp=2, dp_shard=2, tp=2))
 
 
 def pp2_checkpoint(rank, world_size, tmp):
-    """Stop after step 5 (saving it), then resume on pp 2: the losses of all 10 steps. Also continue a one-process
-    checkpoint of step 5 (written by the test before the world starts) on pp 2: the losses of steps 6-10."""
-    cfg = ckpt(LAYOUTS_2["pp2-1f1b-mb4"], Path(tmp) / "pp2", every=5)
-    split = curves(cfg, until=5)["loss"] + curves(cfg)["loss"]
+    """Stop after step MID (saving it), then resume on pp 2: the losses of all steps. Also continue a one-process
+    checkpoint of step MID (written by the test before the world starts) on pp 2: the losses of steps after it."""
+    cfg = ckpt(LAYOUTS_2["pp2-1f1b-mb4"], Path(tmp) / "pp2", every=MID)
+    split = curves(cfg, until=MID)["loss"] + curves(cfg)["loss"]
     from_one = continue_from(
-        LAYOUTS_2["pp2-1f1b-mb4"], Path(tmp) / "from_one", step_dir(Path(tmp) / "one" / "checkpoints", 5)
+        LAYOUTS_2["pp2-1f1b-mb4"], Path(tmp) / "from_one", step_dir(Path(tmp) / "one" / "checkpoints", MID)
     )
     return {"split": split, "from_one": from_one}
 
@@ -90,7 +90,7 @@ def tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def world2(tmp):
-    curves(ckpt(tiny(), tmp / "one", every=5), until=5)  # a one-process checkpoint for pp 2 to continue
+    curves(ckpt(tiny(), tmp / "one", every=MID), until=MID)  # a one-process checkpoint for pp 2 to continue
     return run_world(2, [stage_params, run, pp2_checkpoint], timeout_s=400, tmp=str(tmp))
 
 
@@ -127,11 +127,11 @@ def test_pp2_resume_is_bitwise(world2):
 @pytest.mark.world
 def test_one_process_checkpoint_continues_on_pp2(world2, reference):
     got = world2.value(pp2_checkpoint)["from_one"]
-    assert max(abs(a - b) for a, b in zip(got, reference["loss"][5:], strict=True)) <= TOL, (got, reference["loss"])
+    assert max(abs(a - b) for a, b in zip(got, reference["loss"][MID:], strict=True)) <= TOL, (got, reference["loss"])
 
 
 @pytest.mark.world
 def test_pp2_checkpoint_continues_on_one_process(world2, tmp, reference):
     world2.raise_for(pp2_checkpoint)
-    got = continue_from(tiny(), tmp / "one", step_dir(tmp / "pp2" / "checkpoints", 5))
-    assert max(abs(a - b) for a, b in zip(got, reference["loss"][5:], strict=True)) <= TOL, (got, reference["loss"])
+    got = continue_from(tiny(), tmp / "one", step_dir(tmp / "pp2" / "checkpoints", MID))
+    assert max(abs(a - b) for a, b in zip(got, reference["loss"][MID:], strict=True)) <= TOL, (got, reference["loss"])
