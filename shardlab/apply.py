@@ -34,7 +34,7 @@ from torch.distributed.tensor.placement_types import Placement
 from shardlab._activation_checkpoint import checkpoint as checkpoint_module
 from shardlab._device_mesh import expert_mesh, flat_view, mesh_spec_of
 from shardlab.context_parallel import all_gather_attention
-from shardlab.expert_parallel import expert_dispatch
+from shardlab.expert_parallel import StackedExpertsParallel, expert_dispatch
 from shardlab.mesh import AXES, FLAT_VIEWS
 from shardlab.pipeline import StagePlan
 from shardlab.plan import Plan
@@ -192,6 +192,8 @@ def _tp_style(m: ModulePlan) -> ParallelStyle:
     if m.style in ("rowwise", "embedding_rowwise"):
         default_in = Replicate() if m.style == "embedding_rowwise" else None
         return RowwiseParallel(input_layouts=inp or default_in, output_layouts=out, use_local_output=m.local_output)
+    if m.style == "stacked_experts":
+        return StackedExpertsParallel()
     if m.style == "sequence_parallel":
         return SequenceParallel(sequence_dim=inp.dim, use_local_output=m.local_output)
     if m.style == "prepare_input_output":

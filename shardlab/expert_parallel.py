@@ -12,14 +12,17 @@ reverse. Routing statistics (the balancing loss, the bias update) are unchanged:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardlab._base import Frozen
 from shardlab.mesh import MeshSpec
@@ -165,8 +168,73 @@ def _tensor_parallel(compute: Compute, tp_mesh: DeviceMesh) -> Compute:
     rows' gradients are summed over tp (the partial sums of each rank's slice), the outputs are summed forward."""
 
     def run(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        rows = DTensor.from_local(rows, tp_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-        partial = compute(rows, counts)
-        return DTensor.from_local(partial, tp_mesh, [Partial()]).redistribute(tp_mesh, [Replicate()]).to_local()
+        return summed(compute(with_summed_grad(rows, tp_mesh), counts), tp_mesh)
 
     return run
+
+
+def with_summed_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """`x`, the same on every rank of `mesh`, whose gradient is summed over it (each rank computes a part)."""
+    return DTensor.from_local(x, mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def summed(partial: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The sum over `mesh` of each rank's `partial` (an all-reduce; its gradient reaches every rank whole)."""
+    return DTensor.from_local(partial, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
+
+
+class StackedExpertsParallel(ParallelStyle):
+    """A transformers experts module (stacked weights [E, ...], `num_experts`, called with the tokens, each
+    token's top-k expert ids and weights) split by experts over tp: every tp rank holds the same tokens and E / tp
+    experts, runs the module's own forward on the tokens routed to its experts, and the partial outputs are summed.
+
+    transformers' experts skip an id equal to `num_experts` (the sentinel its expert parallelism uses), so ids of
+    other ranks' experts become that sentinel, with zero weight; the tokens' and weights' gradients are summed
+    over tp. Communication is that of tensor parallelism (one all-reduce forward, one backward), without splitting
+    the fused gate/up weight."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        experts = module.num_experts
+        if experts % device_mesh.size():
+            raise ValueError(
+                f"{type(module).__name__}: {experts} experts do not split over tp={device_mesh.size()}; pick a tp "
+                "that divides them"
+            )
+        for name, param in list(module.named_parameters(recurse=False)):
+            local = distribute_tensor(param.detach(), device_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(local, requires_grad=param.requires_grad))
+        module.register_forward_pre_hook(functools.partial(_enter, device_mesh, experts), with_kwargs=True)
+        module.register_forward_hook(functools.partial(_leave, device_mesh, experts))
+        return module
+
+
+_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def _enter(
+    mesh: DeviceMesh, experts: int, module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[tuple, dict[str, Any]]:
+    """Before the forward: this rank's experts (local weights, renumbered ids, others' ids the sentinel)."""
+    bound = dict(zip(_ARGS, args)) | {k: v for k, v in kwargs.items() if k in _ARGS}
+    hidden, index, weights = (bound[k] for k in _ARGS)
+    local = experts // mesh.size()
+    first = mesh.get_local_rank() * local
+    mine = (index >= first) & (index < first + local)
+    weights = with_summed_grad(weights, mesh) * mine
+    index = torch.where(mine, index - first, torch.full_like(index, local))
+    for name, param in module.named_parameters(recurse=False):
+        module.__dict__[name] = param.to_local()  # the forward reads plain tensors; gradients reach the DTensors
+    module.num_experts = local
+    if hasattr(module, "_is_expert_parallel"):  # transformers' kernels (grouped_mm) then mask the sentinel rows
+        module._is_expert_parallel = True
+    rest = {k: v for k, v in kwargs.items() if k not in _ARGS}
+    return (with_summed_grad(hidden, mesh), index, weights), rest
+
+
+def _leave(mesh: DeviceMesh, experts: int, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    for name, _ in module.named_parameters(recurse=False):
+        module.__dict__.pop(name, None)
+    module.num_experts = experts
+    if hasattr(module, "_is_expert_parallel"):
+        module._is_expert_parallel = False
+    return summed(output, mesh)

@@ -150,7 +150,7 @@ def test_fused_projections_refuse_tensor_parallelism():
         {"model_type": "phi3", **SHAPE, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}, "phi3"
     )
     cfg = Config(mesh=MeshSpec(dp_shard=2, tp=2))
-    with pytest.raises(ValueError, match=r"qkv_proj is a fused or stacked weight.*use mesh.tp=1"):
+    with pytest.raises(ValueError, match=r"qkv_proj is a fused weight.*use mesh.tp=1"):
         p.check(cfg)
     p.check(Config(mesh=MeshSpec(dp_shard=4)))  # FSDP is fine
 
@@ -184,7 +184,9 @@ def test_export_round_trips_a_transformers_model(dirs, family, tmp_path):
     """Trained from its directory's weights, saved, exported: transformers loads the export with the trained model's
     logits, and the export does not need the directory it came from. Mixtral's stacked experts are written back
     as transformers writes them (one w1, w3, w2 per expert)."""
-    qwen3_dir = dirs[family]
+    import shutil
+
+    qwen3_dir = shutil.copytree(dirs[family], tmp_path / "source")  # removed before the export
     from shardlab.checkpoint import export_to_hf, save
     from shardlab.data import make_loader
     from shardlab.hf import load_hf_weights
@@ -200,8 +202,7 @@ def test_export_round_trips_a_transformers_model(dirs, family, tmp_path):
     for _ in range(2):
         state, _ = step(state, next(loader))
     save(state, loader, cfg, tmp_path / "checkpoints", provider=provider)
-    moved = msgspec.structs.replace(cfg, model=ModelConfig(hf_path=str(tmp_path / "gone")))  # the directory moved
-    (tmp_path / "checkpoints" / "step-00000002" / "config.json").write_bytes(msgspec.json.encode(moved))
+    shutil.rmtree(qwen3_dir)
     export_to_hf(tmp_path, tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(hf).__name__ == {"qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}[family]
@@ -278,3 +279,15 @@ def build_and_load(cfg: Config) -> None:
     provider = provider_for(cfg)
     model, _, _ = build_model(cfg, provider=provider)
     load_hf_weights(model, cfg.model.hf_path, provider.hf_names)
+
+
+def test_stacked_experts_split_by_experts_over_tp(dirs):
+    """Mixtral's experts are planned whole per expert, E / tp on each tp rank; tp must divide the experts."""
+    cfg = hf_cfg(dirs["mixtral"], MeshSpec(dp_shard=2, tp=2))
+    check_layout(cfg, provider_for(cfg))
+    _, plan = plan_model(cfg)
+    assert plan.param("model.layers.0.mlp.experts.gate_up_proj").spec[0] == ("tp", "dp_shard")  # experts: tp, then FSDP
+    assert {m.fqn: m.style for m in plan.modules}["model.layers.0.mlp.experts"] == "stacked_experts"
+    odd = HFCausalLM.from_dict({"model_type": "mixtral", **SHAPE, "num_local_experts": 3}, "mixtral")
+    with pytest.raises(ValueError, match=r"num_local_experts=3 is not divisible by mesh.tp=2"):
+        check_layout(Config(mesh=MeshSpec(dp_shard=2, tp=2)), odd)

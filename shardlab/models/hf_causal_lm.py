@@ -202,7 +202,7 @@ class HFCausalLM(ModelProvider):
         where = f"{self.source} "
         out = {f"{where}num_attention_heads": t.num_attention_heads}
         out[f"{where}num_key_value_heads"] = getattr(t, "num_key_value_heads", None) or t.num_attention_heads
-        for key in ("intermediate_size", "vocab_size"):
+        for key in ("intermediate_size", "vocab_size", "num_local_experts", "num_experts"):
             if getattr(t, key, None):
                 out[f"{where}{key}"] = getattr(t, key)
         return out
@@ -213,7 +213,7 @@ class HFCausalLM(ModelProvider):
             whole = unsplittable(self.meta_model())
             if whole:
                 raise ValueError(
-                    f"{where}: mesh.tp={cfg.mesh.tp}, but {whole[0]} is a fused or stacked weight that tensor "
+                    f"{where}: mesh.tp={cfg.mesh.tp}, but {whole[0]} is a fused weight that tensor "
                     "parallelism cannot split by heads exactly; use mesh.tp=1 (FSDP/HSDP) for this model"
                 )
         loads = cfg.model.hf_path is not None and not cfg.model.from_scratch and has_weights(Path(cfg.model.hf_path))

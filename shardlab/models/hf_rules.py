@@ -6,8 +6,10 @@ class's own `_tp_plan` for the head): module globs -> "colwise", "rowwise", "rep
 `hf_rules(model, options)` turns it into shardlab `Rules` over logical axes, and adds what the plan does not say:
 the vocabulary-parallel embedding, the loss-parallel head, sequence-parallel norms (the residual stream split over
 tp between the projections), the blocks (FSDP units, checkpointing, compile) and the attention modules. Fused
-projections that transformers shards by gathering their output (Phi-3's `qkv_proj`, `gate_up_proj`) and stacked
-experts are kept whole over tp; `unsplittable` names them so a layout with tp > 1 is refused in one line.
+projections that transformers shards by gathering their output (Phi-3's `qkv_proj`, `gate_up_proj`) are kept whole
+over tp; `unsplittable` names them so a layout with tp > 1 is refused in one line. Stacked experts (Mixtral,
+Qwen3-MoE) are split by experts over tp (`shardlab.expert_parallel.StackedExpertsParallel`), their MoE block
+taking the whole sequence and handing back its shard.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ WHOLE_STYLES = (
 def logical_table(options: PlanConfig) -> LogicalTable:
     """shardlab's Llama table (the same logical names, so a user's overrides read the same for every model), plus
     the dims that stay whole: a q/k norm's head_dim and the weights kept whole over tp."""
-    return llama_logical_table(options) + (("head_dim", None), ("whole", None))
+    return llama_logical_table(options) + (("head_dim", None), ("whole", None), ("stacked_experts", "tp"))
 
 
 class Decoder:
@@ -121,6 +123,8 @@ def _param_axes(d: Decoder, model: nn.Module) -> Iterator[tuple[str, tuple[str |
                 yield pattern, (name, "embed") if colwise else ("embed", name)
             else:
                 yield pattern, (name,) if colwise else ("embed",)
+        elif style == EXPERTS and _stacked_experts(module):  # split by experts over tp (StackedExpertsParallel)
+            yield pattern, ("stacked_experts",) + (None,) * (param.ndim - 1)
         elif style == "replicated_with_grad_allreduce" or "norm" in type(module).__name__.lower():
             yield pattern, (("head_dim",) if style else ("embed",)) + (None,) * (param.ndim - 1)
         elif style is None or style in WHOLE_STYLES:
@@ -133,10 +137,38 @@ def _param_axes(d: Decoder, model: nn.Module) -> Iterator[tuple[str, tuple[str |
 
 
 def unsplittable(model: nn.Module) -> tuple[str, ...]:
-    """Modules whose weights tensor parallelism cannot split by heads exactly (fused q/k/v or gate/up projections,
-    stacked experts): transformers' plan gathers or packs them; shardlab refuses tp > 1 for these models."""
+    """Modules whose weights tensor parallelism cannot split by heads exactly (fused q/k/v or gate/up projections):
+    transformers' plan gathers them; shardlab refuses tp > 1 for these models. Stacked experts split by experts."""
     d = Decoder(model)
-    return tuple(g for g, s in d.tp_plan.items() if s in WHOLE_STYLES and not matches(g, d.head))
+    experts = _experts_globs(d, model)
+    return tuple(
+        g for g, s in d.tp_plan.items()
+        if s in WHOLE_STYLES and not matches(g, d.head) and not any(g == e or g.startswith(e + ".") for e in experts)
+    )  # fmt: skip
+
+
+EXPERTS = "moe_tp_experts"
+"""transformers' plan style of a stacked-experts module."""
+
+
+def _stacked_experts(module: nn.Module) -> bool:
+    """transformers' experts convention: `num_experts` and every weight stacked along dim 0 by expert."""
+    n = getattr(module, "num_experts", None)
+    params = list(module.parameters(recurse=False))
+    return isinstance(n, int) and bool(params) and all(p.ndim >= 2 and p.shape[0] == n for p in params)
+
+
+def _experts_globs(d: Decoder, model: nn.Module) -> tuple[str, ...]:
+    """The plan's globs of stacked-experts modules that shardlab splits by experts."""
+    block = f"{d.layers}.0"
+    out = []
+    for glob, style in d.tp_plan.items():
+        if style != EXPERTS:
+            continue
+        hits = [m for f, m in model.named_modules() if f.startswith(block + ".") and matches(glob, f)]
+        if hits and all(_stacked_experts(m) for m in hits):
+            out.append(glob)
+    return tuple(out)
 
 
 def _activations(d: Decoder, model: nn.Module) -> tuple[Activation, ...]:
@@ -148,6 +180,7 @@ def _activations(d: Decoder, model: nn.Module) -> tuple[Activation, ...]:
     The embeddings leave the embedding whole and the first block takes its sequence shard: transformers builds
     positions and attention masks from the embeddings' length, which must be the whole sequence's."""
     block = model.get_submodule(f"{d.layers}.0")
+    experts = _experts_globs(d, model)
     acts = [
         Activation(pattern=d.embed, output=FULL),
         Activation(pattern=f"{d.layers}.0", inputs=(FULL,), desired_inputs=(RESIDUAL,), local_output=True),
@@ -160,6 +193,9 @@ def _activations(d: Decoder, model: nn.Module) -> tuple[Activation, ...]:
         elif fqn in d.attention:
             acts.append(Activation(pattern=fqn, kwarg_inputs=(("hidden_states", RESIDUAL),),
                                    desired_kwarg_inputs=(("hidden_states", FULL),)))  # fmt: skip
+        elif any(f"{fqn}.{n}" == e for e in experts for n, _ in child.named_modules()):  # an MoE block: its
+            acts.append(Activation(pattern=fqn, inputs=(RESIDUAL,), desired_inputs=(FULL,),  # experts sum over tp
+                                   output=FULL, desired_output=RESIDUAL))  # fmt: skip
         elif any(p.ndim for p in child.parameters()):  # the MLP
             acts.append(Activation(pattern=fqn, inputs=(RESIDUAL,), desired_inputs=(FULL,)))
     linears = [f for f, m in model.named_modules() if isinstance(m, nn.Linear)]

@@ -31,7 +31,7 @@ CASES: dict[str, tuple[str, MeshSpec]] = {
     # hf-<family>: a small transformers model of the family (HF_CONFIGS), rules derived from its TP plan
     **{
         f"hf-{f}__dp_shard2xtp2": (f"hf-{f}", MeshSpec(dp_shard=2, tp=2))
-        for f in ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+        for f in ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "mixtral", "qwen3_moe")
     },
     "hf-phi3__dp_shard4": ("hf-phi3", MeshSpec(dp_shard=4)),
 }
@@ -46,6 +46,8 @@ HF_CONFIGS = {
     "mistral": {"sliding_window": 24},
     "gemma3_text": {"head_dim": 16, "sliding_window": 24},
     "phi3": {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16},
 }
 """config.json values per model_type on top of HF_SHAPE (the version of transformers is pinned by the dev extra)."""
 

@@ -10,8 +10,9 @@ tp is allowed:
   PP 2 x CP 2 (GPipe);
 - Qwen2 (q/k/v biases), Gemma 3 text (scaled embeddings, four norms per block, sliding layers, its own attention
   scale): FSDP 2 x TP 2; Gemma 3 also CP 2 x FSDP 2;
-- Phi-3 (fused q/k/v, so tp is refused): FSDP 4; Mixtral (stacked experts, read from per-expert
-  tensors): HSDP 2x2.
+- Phi-3 (fused q/k/v, so tp is refused): FSDP 4;
+- MoE (stacked experts read from per-expert tensors, split by experts over tp): Mixtral HSDP 2x2 and FSDP 2 x TP 2
+  (+SP), Qwen3-MoE TP 2 x DP 2.
 And recipes/custom_gpt.py's own nn.Module (fused QKV, learned positions, GELU): FSDP 2 x TP 2."""
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ FAMILIES = {
     "gemma3": lambda c: transformers.Gemma3TextConfig(**c, head_dim=16, sliding_window=24),
     "phi3": lambda c: transformers.Phi3Config(**c, pad_token_id=None, bos_token_id=None, eos_token_id=None),
     "mixtral": lambda c: transformers.MixtralConfig(**c, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": lambda c: transformers.Qwen3MoeConfig(
+        **c, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16
+    ),
 }
 SHAPE = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -50,7 +54,8 @@ LAYOUTS = {
     "qwen2": ("fsdp2xtp2",),
     "gemma3": ("fsdp2xtp2", "cp2xfsdp2"),
     "phi3": ("fsdp4",),
-    "mixtral": ("hsdp2x2",),
+    "mixtral": ("hsdp2x2", "fsdp2xtp2"),
+    "qwen3_moe": ("tp2-no_sp",),
 }
 """Every layout on at least one family (FSDP: Phi-3; HSDP: Mixtral), every family in FSDP x TP where tp is allowed."""
 STEPS = 5
