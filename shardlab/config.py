@@ -181,6 +181,18 @@ class LogConfig(Frozen):
     """Per-device peak TFLOP/s for the MFU estimate; None looks known GPUs up (bf16 dense), no MFU on CPU."""
 
 
+class EvalConfig(Frozen):
+    """A held-out loss while training: every `every` steps, `steps` global batches that training never sees."""
+
+    every: NonNegative = 0
+    """Evaluate after every N-th step (and after the last); 0 turns evaluation off."""
+    steps: Positive = 10
+    """Global batches per evaluation (the same ones each time, so evaluations compare)."""
+    paths: tuple[str, ...] = ()
+    """Held-out files (.txt, .jsonl, .bin, read as data.paths are); empty: the last 1% of the training documents
+    (at least one; a single document gives its last 1% of tokens), which training then leaves out."""
+
+
 class CheckpointConfig(Frozen):
     """Checkpoints of the whole TrainState in run_dir/checkpoints (DCP: reshardable to any mesh)."""
 
@@ -223,6 +235,8 @@ class Config(Frozen):
     """Logging."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpointing."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation."""
 
     def check(self) -> None:
         m, tp = self.model, self.mesh.tp

@@ -15,7 +15,7 @@ import os
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from shardlab.config import DataConfig
 if TYPE_CHECKING:
     from shardlab.tokenizer import Tokenizer
 
+Split = Literal["all", "train", "held_out"]
 Encoder = Callable[[list[str]], list[np.ndarray]]
 """Texts -> one token array per document (bytes, or a tokenizer's ids)."""
 
@@ -153,10 +154,12 @@ def make_loader(
     dp_size: int,
     micro_batches: int = 1,
     tokenizer: Tokenizer | None = None,
+    split: Split = "all",
 ) -> TokenLoader:
     """The loader for data-parallel rank `dp_rank` of `dp_size`, positioned at step 0. micro_batches: per step on
     each rank (`Config.micro_batches`); it decides which rows a rank gets, not which rows a step has. tokenizer:
-    what turns text into ids (`shardlab.tokenizer`; None: byte-level tokens)."""
+    what turns text into ids (`shardlab.tokenizer`; None: byte-level tokens). split: every document ("all"), all
+    but the held-out ones ("train"), or only those ("held_out": `hold_out`)."""
     if global_batch % dp_size:
         raise ValueError(
             f"train.global_batch={global_batch} is not divisible by the data-parallel size {dp_size}; "
@@ -168,11 +171,14 @@ def make_loader(
         )
     seed = data.seed % 2**64  # numpy seeds must be >= 0
     digest = hashlib.blake2b(f"{data.source} {seed}".encode(), digest_size=8)
+    if split != "all":
+        digest.update(f" {split}".encode())
     if data.source == "synthetic":
         digest.update(f" {vocab_size}".encode())
+        key = [seed, 1] if split == "held_out" else [seed]  # an endless stream: held out by its own seed
 
         def sequence(i: int) -> np.ndarray:
-            return np.random.default_rng([seed, i]).integers(0, vocab_size, seq_len + 1, dtype=np.int64)
+            return np.random.default_rng([*key, i]).integers(0, vocab_size, seq_len + 1, dtype=np.int64)
 
     else:
         texts = data.source == "stdlib" or any(not p.endswith(".bin") for p in data.paths)
@@ -190,7 +196,7 @@ def make_loader(
             digest.update(f" tokenizer {tokenizer.fingerprint()}".encode())
         encoder = tokenizer.encode if tokenizer is not None else _byte_encode
         docs = _stdlib_documents(encoder) if data.source == "stdlib" else _file_documents(data, vocab_size, encoder)
-        corpus = _Corpus(docs, seed)
+        corpus = _Corpus(hold_out(docs, split), seed)
         digest.update(corpus.lengths.tobytes())
         for doc in corpus.docs:  # text documents are hashed whole, .bin memmaps by their ends
             digest.update(np.ascontiguousarray(_ends(doc) if isinstance(doc, np.memmap) else doc).tobytes())
@@ -245,6 +251,28 @@ class _Corpus:
             filled += take
             pos += take
         return out
+
+
+HELD_OUT = 0.01
+"""The share of the documents (or of a single document's tokens) an evaluation holds out of training."""
+
+
+def hold_out(docs: list[np.ndarray], split: Split) -> list[np.ndarray]:
+    """The documents of `split`: the last HELD_OUT of them (at least one) are held out; a single document is cut
+    at its last HELD_OUT of tokens. Cut in file order, before any shuffling, so the split never depends on seeds."""
+    if split == "all":
+        return docs
+    if len(docs) >= 2:
+        k = max(1, int(len(docs) * HELD_OUT))
+        return docs[:-k] if split == "train" else docs[-k:]
+    (doc,) = docs
+    cut = int(doc.size * (1 - HELD_OUT))
+    if cut < 1 or doc.size - cut < 2:
+        raise ValueError(
+            f"data: one document of {doc.size} tokens is too short to hold out an evaluation slice; pass "
+            "--eval.paths with held-out files"
+        )
+    return [doc[:cut]] if split == "train" else [doc[cut:]]
 
 
 def _byte_encode(texts: list[str]) -> list[np.ndarray]:

@@ -23,6 +23,7 @@ from shardlab._device_mesh import make_mesh
 from shardlab.apply import apply
 from shardlab.config import Config
 from shardlab.data import make_loader
+from shardlab.evaluate import eval_loader, make_eval, train_split
 from shardlab.hf import initial_weights, load_hf_weights
 from shardlab.launch import resolve_device
 from shardlab.metrics import (
@@ -137,8 +138,15 @@ def train(
     tokenizer = run_tokenizer(cfg)
     loader = make_loader(
         cfg.data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=provider.vocab_size,
-        dp_rank=dp_rank, dp_size=dp, micro_batches=cfg.micro_batches, tokenizer=tokenizer,
+        dp_rank=dp_rank, dp_size=dp, micro_batches=cfg.micro_batches, tokenizer=tokenizer, split=train_split(cfg),
     )  # fmt: skip
+    evaluate, held_out = None, None
+    if cfg.eval.every:
+        evaluate = make_eval(cfg, plan, mesh, provider)
+        held_out = eval_loader(
+            cfg, vocab_size=provider.vocab_size, dp_rank=dp_rank, dp_size=dp, micro_batches=cfg.micro_batches,
+            tokenizer=tokenizer,
+        )  # fmt: skip
     run_dir = Path(cfg.run_dir)
     checkpoints = run_dir / "checkpoints"
     if rank == 0:
@@ -178,6 +186,8 @@ def train(
             start = time.perf_counter()  # the step time includes loading the batch, as torchtitan's does
             state, metrics = step(state, next(loader))
             elapsed = time.perf_counter() - start
+            if evaluate is not None and (state.step % cfg.eval.every == 0 or state.step == cfg.train.steps):
+                metrics |= evaluate(state.model, held_out)
             if every is not None and (state.step % every == 0 or state.step == cfg.train.steps):
                 saving = time.perf_counter()
                 if pending is not None:

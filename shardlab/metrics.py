@@ -26,6 +26,8 @@ _LINE_FORMATS = {
     "peak_memory_bytes": "mem {:.2f} GiB",
     "grad_norm": "grad_norm {:.3f}",
     "lr": "lr {:.2e}",
+    "eval_loss": "eval_loss {:.4f}",
+    "eval_ppl": "eval_ppl {:.2f}",
 }
 """Keys the log line knows, in print order; other values follow as `key value`."""
 

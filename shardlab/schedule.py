@@ -121,6 +121,21 @@ class PipelineRun:
         schedule.step(*args, **kwargs)
         return torch.zeros((), dtype=torch.float64, device=device)
 
+    def evaluate(
+        self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Forward only (torch's `schedule.eval`): the summed loss of the batch on the last stage, else 0."""
+        schedule = self._schedule_for(model, inputs.device)
+        self.scale, self._summed = 1.0, []
+        args = (inputs,) if self.is_first else ()
+        kwargs = {"positions": positions} if positions is not None else {}
+        if not self.is_last:
+            schedule.eval(*args, **kwargs)
+            return torch.zeros((), dtype=torch.float64, device=inputs.device)
+        with loss_parallel() if self.vocab_parallel else contextlib.nullcontext():
+            schedule.eval(*args, target=labels, **kwargs)
+        return torch.stack(self._summed[-self.pipeline.microbatches :]).to(torch.float64).sum()
+
 
 def stage_actions(pipeline: PipelinePlan, pp_rank: int, group: dist.ProcessGroup) -> dict[int, str]:
     """Each stage pp rank `pp_rank` runs -> its compute actions in the order torch's schedule runs them: F

@@ -30,6 +30,7 @@ LAYERS = [
     },
     {"schedule", "routers"},
     {"step"},
+    {"evaluate"},
     {"estimate.probe"},
     {"estimate.roofline"},
     {"estimate", "checkpoint"},

@@ -1,12 +1,13 @@
 """Parity on 4 CPU ranks (gloo) against one process (fp32, layouts.STEPS steps, loss and grad norm within 1e-5):
 HSDP 2x2 and FSDP 2 x TP 2 (+SP, loss parallel), activation checkpointing none / full / selective,
-gradient accumulation, FSDP 4; bf16 mixed precision stays close; sharded init is refused on CPU."""
+gradient accumulation, FSDP 4; bf16 mixed precision stays close; sharded init is refused on CPU. Held-out
+evaluation gives the one-process numbers on FSDP 2 x TP 2 (+SP, loss parallel) and PP 2 x FSDP 2."""
 
 import msgspec
 import pytest
 
-from shardlab.config import MeshSpec
-from shardlab.loop import build_model
+from shardlab.config import EvalConfig, MeshSpec
+from shardlab.loop import build_model, train
 
 from ._harness import run_world
 from .layouts import assert_matches, curves, placements_match_plan, tied, tiny, with_micro_batch
@@ -45,7 +46,24 @@ def sharded_init_needs_cuda(rank, world_size):
         build_model(cfg)
 
 
-CHECKS = [placements, run, run_bf16, sharded_init_needs_cuda]
+EVAL = {"fsdp2xtp2": FSDP_TP, "pp2xfsdp2": MeshSpec(pp=2, dp_shard=2)}
+"""Layouts whose held-out evaluation (every 2 steps, 2 batches of the training data's last documents) is checked."""
+
+
+def evaluated(mesh: MeshSpec = MeshSpec(dp_shard=1)):
+    cfg = tiny(mesh)
+    return msgspec.structs.replace(cfg, eval=EvalConfig(every=2, steps=2))
+
+
+def run_eval(rank, world_size):
+    out = {}
+    for name, mesh in EVAL.items():
+        history = train(evaluated(mesh), write=False)
+        out[name] = {key: [m[key] for m in history if key in m] for key in ("loss", "eval_loss")}
+    return out
+
+
+CHECKS = [placements, run, run_bf16, sharded_init_needs_cuda, run_eval]
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +97,15 @@ def test_bf16_mixed_precision_stays_close(world4, reference):
 @pytest.mark.world
 def test_sharded_init_is_refused_on_cpu(world4):
     world4.raise_for(sharded_init_needs_cuda)
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("layout", list(EVAL))
+def test_evaluation_matches_single_process(world4, layout):
+    history = train(evaluated(), write=False)
+    want = {key: [m[key] for m in history if key in m] for key in ("loss", "eval_loss")}
+    got = world4.value(run_eval)[layout]
+    assert len(got["eval_loss"]) == len(want["eval_loss"]) == 3
+    for key in want:
+        diff = max(abs(a - b) for a, b in zip(got[key], want[key], strict=True))
+        assert diff <= 1e-5, f"{layout} {key}: {got[key]} vs {want[key]}"

@@ -1,0 +1,99 @@
+"""Held-out evaluation: every `eval.every` steps, the mean token loss (and perplexity) of the same `eval.steps`
+global batches of text that training never sees.
+
+Forward only, without gradients and with the model in eval mode; the training state, its data position and
+torch's random state are untouched, so evaluation never changes the training curve. Each rank sums its rows'
+token losses; the sums are reduced over the ranks holding different tokens (and over pipeline stages), so the
+numbers are the same in every layout. The held-out text is `eval.paths`, or the training data's last documents
+(`shardlab.data.hold_out`), which training then leaves out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from shardlab._device_mesh import flat_view
+from shardlab.config import Config
+from shardlab.context_parallel import cp_positions
+from shardlab.data import Split, TokenLoader, make_loader
+from shardlab.models.provider import ModelProvider
+from shardlab.plan import Plan
+from shardlab.schedule import PipelineRun
+from shardlab.step import IGNORE_INDEX, _all_reduce, model_device
+from shardlab.tokenizer import Tokenizer
+
+Evaluate = Callable[[nn.Module, TokenLoader], dict[str, float]]
+
+
+def train_split(cfg: Config) -> Split:
+    """What training reads: everything, or all but the held-out documents when they are the evaluation's."""
+    return "train" if cfg.eval.every and not cfg.eval.paths else "all"
+
+
+def eval_loader(
+    cfg: Config, *, vocab_size: int, dp_rank: int, dp_size: int, micro_batches: int, tokenizer: Tokenizer | None
+) -> TokenLoader:
+    """This rank's rows of the evaluation's global batches (the training batch's shape)."""
+    data = cfg.data
+    if cfg.eval.paths:
+        data = msgspec.structs.replace(data, source="files", paths=cfg.eval.paths)
+    return make_loader(
+        data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=vocab_size,
+        dp_rank=dp_rank, dp_size=dp_size, micro_batches=micro_batches, tokenizer=tokenizer,
+        split="all" if cfg.eval.paths else "held_out",
+    )  # fmt: skip
+
+
+def make_eval(cfg: Config, plan: Plan, mesh: DeviceMesh | None, provider: ModelProvider) -> Evaluate:
+    """evaluate(model, loader) -> {"eval_loss", "eval_ppl"} over the loader's first `eval.steps` batches."""
+    cfg = cfg.resolve(plan.mesh.world_size)
+    group = flat_view(mesh, "batch").get_group() if mesh is not None and plan.mesh.size("batch") > 1 else None
+    positions = None
+    if plan.context is not None:
+        positions = cp_positions(cfg.train.seq_len, plan.mesh.cp, mesh["cp"].get_local_rank())
+    pipeline = PipelineRun(plan, mesh, IGNORE_INDEX) if plan.pipeline is not None else None
+    stage_group = pipeline.group if pipeline is not None else None
+    micro_batches = cfg.micro_batches
+
+    @torch.no_grad()
+    def evaluate(model: nn.Module, loader: TokenLoader) -> dict[str, float]:
+        device = model_device(model)
+        at = positions.to(device) if positions is not None else None
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        tokens = torch.zeros((), dtype=torch.float64, device=device)
+        training = model.training
+        model.train(False)
+        try:
+            for k in range(cfg.eval.steps):
+                batch = loader.batch(k)
+                inputs, labels = batch.inputs.to(device), batch.labels.to(device)
+                if at is not None:
+                    inputs, labels = inputs[:, at], labels[:, at]
+                tokens += (labels != IGNORE_INDEX).sum()
+                if pipeline is not None:
+                    loss_sum += pipeline.evaluate(model, inputs, labels, positions=at)
+                    continue
+                for x, y in zip(inputs.chunk(micro_batches), labels.chunk(micro_batches)):
+                    with loss_parallel() if plan.loss_parallel else contextlib.nullcontext():
+                        logits = provider.forward(model, x, at)
+                        loss = F.cross_entropy(
+                            logits.flatten(0, 1).float(), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+                        )
+                    loss_sum += (loss.full_tensor() if isinstance(loss, DTensor) else loss).to(torch.float64)
+        finally:
+            model.train(training)
+        total = _all_reduce(_all_reduce(loss_sum, stage_group), group)  # only the last stage has a loss
+        mean = (total / _all_reduce(tokens, group)).item()
+        return {"eval_loss": mean, "eval_ppl": math.exp(min(mean, 700.0))}
+
+    return evaluate
