@@ -109,7 +109,9 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
     check_layout(cfg, provider)
     _, plan = plan_model(cfg, recipe.rules(cfg), provider)
     if command == "plan":
-        print(plan.table())
+        from shardlab.step import group_names
+
+        print(plan.table(groups=group_names([p.fqn for p in plan.params], cfg.optim)))
         return 0
     if command == "estimate":
         from shardlab.estimate import estimate, estimate_table

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -42,15 +43,21 @@ def explain(plan: Plan, fqn: str) -> str:
     return "\n".join(lines)
 
 
-def table(plan: Plan, collapse: bool = True) -> str:
-    """Readable table; with `collapse`, parameters of repeated blocks are shown once (`layers.*`)."""
+def table(plan: Plan, collapse: bool = True, groups: Mapping[str, str] | None = None) -> str:
+    """Readable table; with `collapse`, parameters of repeated blocks are shown once (`layers.*`); `groups`:
+    each parameter's optimizer group, shown as a column."""
     head = (
         f"Plan for mesh {plan.mesh.describe()}  "
         f"params {sum(math.prod(p.shape) for p in plan.params):,}  "
         f"{plan.bytes_per_rank / 2**20:,.1f} MiB/rank (params)"
     )
     staged = plan.pipeline is not None
-    rows = [("parameter", "shape", "spec", "placements", "local", "MiB/rank", "rule", *(("stage",) if staged else ()))]
+    rows = [
+        (
+            "parameter", "shape", "spec", "placements", "local", "MiB/rank", "rule", *(("stage",) if staged else ()),
+            *(("optimizer",) if groups else ()),
+        )
+    ]  # fmt: skip
     for fqn, p, count in _collapsed(plan.params, collapse):
         rows.append(
             (
@@ -62,6 +69,7 @@ def table(plan: Plan, collapse: bool = True) -> str:
                 f"{p.bytes_per_rank / 2**20:.2f}",
                 "-" if p.rule is None else str(p.rule),
                 *((str(p.stage),) if staged else ()),
+                *((groups[p.fqn],) if groups else ()),
             )
         )
     out = [head, _columns(rows)]

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from shardlab._base import Frozen, revalidate
+from shardlab._glob import glob_regex
 from shardlab.mesh import MeshSpec
 from shardlab.model_config import ModelConfig as ModelConfig  # the run's model, re-exported with its parts
 from shardlab.model_config import MoEConfig as MoEConfig
@@ -83,9 +84,14 @@ class OptimConfig(Frozen):
     eps: float = 1e-8
     """Adam epsilon."""
     weight_decay: float = 0.1
-    """Decoupled weight decay, applied to every parameter."""
+    """Decoupled weight decay, applied to every parameter but those `no_decay` names."""
     max_norm: float | None = 1.0
     """Clip gradients to this global L2 norm; None disables clipping."""
+    no_decay: tuple[str, ...] = ()
+    """Parameter globs (the rules' globs: `*` within a name part, `**` across parts) without weight decay, e.g.
+    `'**.bias' '**norm.weight' '**.embed_tokens.weight'`; empty: decay everywhere, as torchtitan."""
+    lr_scales: tuple[tuple[str, float], ...] = ()
+    """(glob, factor) pairs: the first glob a parameter matches scales its learning rate by that factor."""
 
     def check(self) -> None:
         if self.lr <= 0:
@@ -100,6 +106,15 @@ class OptimConfig(Frozen):
             raise ValueError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
         if self.max_norm is not None and self.max_norm <= 0:
             raise ValueError(f"optim.max_norm={self.max_norm}: must be > 0, or None to disable clipping")
+        for glob, factor in self.lr_scales:
+            if factor < 0:
+                raise ValueError(f"optim.lr_scales: {glob!r} has factor {factor}; factors must be >= 0")
+        for field, globs in (("no_decay", self.no_decay), ("lr_scales", tuple(g for g, _ in self.lr_scales))):
+            for glob in globs:
+                try:
+                    glob_regex(glob)
+                except ValueError as e:
+                    raise ValueError(f"optim.{field}: {e}") from None
 
 
 class DataConfig(Frozen):

@@ -169,9 +169,10 @@ class Plan(Frozen):
         """Why a parameter is laid out as it is: the winning rule, the shadowed ones, the fallbacks."""
         return _plan_text.explain(self, fqn)
 
-    def table(self, collapse: bool = True) -> str:
-        """Readable table; with `collapse`, parameters of repeated blocks are shown once (`layers.*`)."""
-        return _plan_text.table(self, collapse)
+    def table(self, collapse: bool = True, groups: Mapping[str, str] | None = None) -> str:
+        """Readable table; with `collapse`, parameters of repeated blocks are shown once (`layers.*`); `groups`:
+        each parameter's optimizer group (`shardlab.step.group_names`), shown as a column."""
+        return _plan_text.table(self, collapse, groups)
 
     def __str__(self) -> str:
         return self.table()

@@ -7,10 +7,9 @@ to mesh axes with Flax linen semantics. Every resolution says which rule matched
 
 from __future__ import annotations
 
-import functools
-import re
-
 from shardlab._base import Frozen
+from shardlab._glob import glob_regex as glob_regex
+from shardlab._glob import matches as matches
 from shardlab.pipeline import StageCall
 from shardlab.spec import Entry, P
 
@@ -77,23 +76,6 @@ class Rules(Frozen):
     stage_call: StageCall = "tensor"
     """How a pipeline stage calls the model: "tensor" (its forward is its parts in sequence, tensors in and out) or
     "transformers" (a transformers causal LM; shardlab.pipeline.StageCall)."""
-
-
-@functools.lru_cache(maxsize=4096)
-def glob_regex(pattern: str) -> re.Pattern[str]:
-    """`layers.*.attn.q_proj.weight`: `*` never crosses a dot (as torch's parallelize_module), `**` does."""
-    if not pattern or pattern.startswith(".") or pattern.endswith(".") or ".." in pattern:
-        raise ValueError(
-            f"rule pattern {pattern!r} is not a dotted name glob; write e.g. 'model.layers.*.mlp.up_proj.weight'"
-        )
-    out = []
-    for part in re.split(r"(\*\*|\*|\?)", pattern):
-        out.append({"**": ".*", "*": "[^.]*", "?": "[^.]"}.get(part, re.escape(part)))
-    return re.compile("".join(out))
-
-
-def matches(pattern: str, fqn: str) -> bool:
-    return glob_regex(pattern).fullmatch(fqn) is not None
 
 
 class Match(Frozen):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -23,6 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlab._base import Frozen
 from shardlab._device_mesh import flat_view
+from shardlab._glob import matches
 from shardlab.config import Config, OptimConfig
 from shardlab.context_parallel import cp_positions
 from shardlab.data import Batch
@@ -55,16 +57,22 @@ StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
 
 
 def init_state(model: nn.Module, optim: OptimConfig) -> TrainState:
-    """AdamW over the (already parallelized) parameters; weight decay on every parameter, as torchtitan.
+    """AdamW over the (already parallelized) parameters; weight decay on every parameter but `optim.no_decay`'s
+    (by default all, as torchtitan), learning rates scaled by `optim.lr_scales` (`param_group`).
 
-    One param group per mesh: foreach kernels cannot mix plain tensors with DTensors (TP without
-    sequence parallel leaves norms plain), nor DTensors of different meshes.
+    One param group per mesh and (decay, lr scale): foreach kernels cannot mix plain tensors with DTensors (TP
+    without sequence parallel leaves norms plain), nor DTensors of different meshes. A group's `lr_scale` is
+    what the step multiplies the scheduled learning rate by.
     """
-    groups: dict[object, list[torch.Tensor]] = {}
-    for p in model.parameters():
-        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    groups: dict[tuple[object, ParamGroup], list[torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        mesh = p.device_mesh if isinstance(p, DTensor) else None
+        groups.setdefault((mesh, param_group(name, optim)), []).append(p)
     opt = torch.optim.AdamW(
-        [{"params": ps} for ps in groups.values()],
+        [
+            {"params": ps, "weight_decay": optim.weight_decay if g.decay else 0.0, "lr_scale": g.lr_scale}
+            for (_, g), ps in groups.items()
+        ],
         lr=optim.lr,
         betas=optim.betas,
         eps=optim.eps,
@@ -72,6 +80,30 @@ def init_state(model: nn.Module, optim: OptimConfig) -> TrainState:
         foreach=True,
     )
     return TrainState(model=model, optim=opt, step=0)
+
+
+class ParamGroup(NamedTuple):
+    decay: bool
+    lr_scale: float
+
+
+def group_names(names: list[str], optim: OptimConfig) -> dict[str, str] | None:
+    """Each parameter's optimizer group as the plan table shows it (`wd 0.1 lr x1`); None when every parameter
+    is in the default one."""
+    if not optim.no_decay and not optim.lr_scales:
+        return None
+    out = {}
+    for name in names:
+        g = param_group(name, optim)
+        out[name] = f"wd {optim.weight_decay if g.decay else 0.0:g} lr x{g.lr_scale:g}"
+    return out
+
+
+def param_group(name: str, optim: OptimConfig) -> ParamGroup:
+    """A parameter's optimizer group: weight decay unless a `no_decay` glob matches it, and the factor of the first
+    `lr_scales` glob it matches (1)."""
+    decay = not any(matches(g, name) for g in optim.no_decay)
+    return ParamGroup(decay, next((f for g, f in optim.lr_scales if matches(g, name)), 1.0))
 
 
 def lr_schedule(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
@@ -127,7 +159,7 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
             )
         lr = lr_at(state.step)
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
         device = model_device(model)
         inputs, labels = batch.inputs.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
         at = None

@@ -91,6 +91,7 @@ def rules(cfg):
 
 
 @pytest.mark.slow
+@pytest.mark.world  # launches gloo ranks
 def test_an_error_after_launch_is_one_line(tmp_path):
     """An error one rank raises after launch: one line from that rank, no traceback, no torchrun report, and no
     "Connection closed by peer" from the rank that waited for it (~15 s)."""
@@ -202,6 +203,7 @@ def test_one_rank_run_writes_its_run_dir(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.world  # launches gloo ranks
 def test_four_rank_run_relaunches_and_matches_one_rank(tmp_path):
     """python -m shardlab RECIPE re-launches itself through torchrun with 4 gloo ranks."""
 
@@ -216,3 +218,12 @@ def test_four_rank_run_relaunches_and_matches_one_rank(tmp_path):
     four = losses("recipes/llama_fsdp_tp.py", "four")
     one = losses("recipes/llama_debug.py", "one")
     assert max(abs(a - b) for a, b in zip(four, one)) <= 1e-5, (four, one)
+
+
+def test_plan_shows_each_parameters_optimizer_group(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    args = ["plan", "recipes/llama_fsdp_tp.py", "--optim.no-decay", "**norm.weight"]
+    assert main([*args, "--optim.lr-scales", "model.embed_tokens.weight", "0.1"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("model.")}
+    assert rows["model.norm.weight"].endswith("wd 0 lr x1")
+    assert rows["model.embed_tokens.weight"].endswith("wd 0.1 lr x0.1")

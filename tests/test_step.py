@@ -178,3 +178,38 @@ def test_the_count_of_skipped_steps_is_checkpointed(tmp_path):
     path = save(state, loader, cfg, tmp_path).commit()
     restored = load(init_state(build_model(cfg)[0], cfg.optim), loader, path, cfg)
     assert (restored.step, restored.skipped) == (3, 2)
+
+
+def test_optimizer_groups_follow_the_globs():
+    """no_decay globs get weight decay 0, lr_scales scale the scheduled learning rate (first match wins); a factor
+    of 0 freezes a parameter, and the others still train."""
+    from shardlab.config import OptimConfig
+    from shardlab.step import group_names
+
+    optim = OptimConfig(no_decay=("**norm.weight",), lr_scales=(("model.embed_tokens.weight", 0.0), ("**", 0.5)))
+    cfg = msgspec.structs.replace(tiny(), optim=optim)
+    model, plan, mesh = build_model(cfg)
+    state = init_state(model, optim)
+    group_of = {id(p): g for g in state.optim.param_groups for p in g["params"]}
+    names = dict(model.named_parameters())
+    assert group_of[id(names["model.norm.weight"])]["weight_decay"] == 0.0
+    assert group_of[id(names["model.layers.0.self_attn.q_proj.weight"])]["weight_decay"] == optim.weight_decay
+    assert group_of[id(names["model.embed_tokens.weight"])]["lr_scale"] == 0.0
+    before = {n: p.detach().clone() for n, p in names.items()}
+    state, _ = make_step(cfg, plan, mesh)(state, batch(0))
+    assert torch.equal(names["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+    assert not torch.equal(names["lm_head.weight"], before["lm_head.weight"])
+    lrs = {g["lr_scale"]: g["lr"] for g in state.optim.param_groups}
+    assert lrs[0.5] == pytest.approx(0.5 * optim.lr / 3) and lrs[0.0] == 0.0
+    shown = group_names(list(names), optim)
+    assert shown["model.norm.weight"] == "wd 0 lr x0.5" and shown["lm_head.weight"] == "wd 0.1 lr x0.5"
+    assert group_names(list(names), OptimConfig()) is None
+
+
+def test_bad_optimizer_globs_are_one_line():
+    from shardlab.config import OptimConfig
+
+    with pytest.raises(ValueError, match=r"optim.no_decay: rule pattern 'a..b' is not a dotted name glob"):
+        OptimConfig(no_decay=("a..b",))
+    with pytest.raises(ValueError, match=r"optim.lr_scales: '\*\*' has factor -1.0; factors must be >= 0"):
+        OptimConfig(lr_scales=(("**", -1.0),))
