@@ -10,6 +10,8 @@ import math
 import os
 import sys
 
+from shardlab._torchrun import EXIT_STOPPED, STOPPED_FILE_ENV
+
 USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world N]
        python -m shardlab plan RECIPE [--section.field VALUE ...] [--world N]
        python -m shardlab estimate RECIPE [--section.field VALUE ...] [--world N] [--device h100|h200|a100|b200]
@@ -125,15 +127,35 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
     if world > 1 and not launched:
         print(f"shardlab: launching {world} ranks ({cfg.mesh.describe()}) through torch.distributed.run", flush=True)
         return relaunch(nproc_for(world), [recipe_path, *overrides])
+    from shardlab._preemption import Preempted
     from shardlab.loop import train
 
     dist_info = init_distributed(cfg.train.device)
-    train(cfg, recipe.rules(cfg), device=dist_info.device, provider=provider)
+    code = 0
+    try:
+        train(cfg, recipe.rules(cfg), device=dist_info.device, provider=provider)
+    except Preempted as stopped:
+        _announce(str(stopped), dist_info.rank, dist_info.local_rank)
+        code = EXIT_STOPPED
     if dist_info.backend is not None:
         import torch.distributed as dist
 
+        if code == EXIT_STOPPED:
+            dist.barrier()  # no rank leaves before rank 0 has announced: a launcher stops the rest at the first exit
         dist.destroy_process_group()
-    return 0
+    return code
+
+
+def _announce(line: str, rank: int, local_rank: int) -> None:
+    """Say how the run stopped, once: where `relaunch` started the ranks, local rank 0 leaves the line for the first
+    process of its node (which prints it once the launcher is done); elsewhere rank 0 prints it."""
+    stopped_file = os.environ.get(STOPPED_FILE_ENV)
+    if stopped_file and "LOCAL_RANK" in os.environ:
+        if local_rank == 0:
+            with open(stopped_file, "w") as f:
+                f.write(line + "\n")
+    elif rank == 0:
+        print(f"shardlab: {line}", flush=True)
 
 
 def _export(source: str, args: list[str]) -> int:

@@ -5,7 +5,8 @@ rank raises -> `report` writes "rank R: <message>" to the error file (the first 
 rank wrote a line (a rank killed by a signal, or one that called os._exit), `main` writes one from the agent's
 failures -> the first process prints the file as `error: ...`. A rank that fails only because a peer died writes
 nothing: its "Connection closed by peer" is the echo of the first failure, not the cause. SHARDLAB_TRACEBACK=1
-keeps every rank's traceback and the agent's log.
+keeps every rank's traceback and the agent's log. A run that SIGTERM stopped after a save is no failure: rank 0
+leaves its line in the stopped file instead, and the first process prints it and exits EXIT_STOPPED.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ PEER_LOST = (
 """Message fragments of the RuntimeErrors gloo and NCCL raise on a rank whose peer died: echoes, never the cause."""
 EXIT_PEER_LOST = 3
 """A rank's exit code when it failed only because a peer died."""
+STOPPED_FILE_ENV = "SHARDLAB_STOPPED_FILE"
+"""Where rank 0 writes how a run stopped early and cleanly (`stopped by SIGTERM after step N; ...`); set by `relaunch`."""
+EXIT_STOPPED = 75
+"""The exit code of a run stopped by SIGTERM after saving (every rank's, and the first process's): sysexits' EX_TEMPFAIL,
+"try again later", since starting it again resumes where it stopped."""
 HINT = f"; rerun with {TRACEBACK_ENV}=1 for the traceback"
 
 

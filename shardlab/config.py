@@ -212,7 +212,7 @@ class CheckpointConfig(Frozen):
     """Checkpoints of the whole TrainState in run_dir/checkpoints (DCP: reshardable to any mesh)."""
 
     every: Positive | None = None
-    """Save every this many steps (and after the last step); None never saves."""
+    """Save every this many steps (and after the last step); None saves only when SIGTERM stops the run."""
     keep: Positive | None = 3
     """Keep the newest this many committed checkpoints; None keeps all."""
     resume: str = "auto"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from shardlab._torchrun import ERROR_FILE_ENV
+from shardlab._torchrun import ERROR_FILE_ENV, EXIT_STOPPED, STOPPED_FILE_ENV
 
 if TYPE_CHECKING:
     import torch
@@ -132,12 +132,14 @@ def relaunch(nproc_per_node: int, argv: list[str], module: str = "shardlab") -> 
     A subprocess, not `torch.distributed.run.main` in this process: the parent imports nothing twice, and torchrun's
     own exit code comes back (1 if any rank failed; 128 + N if torchrun was stopped by signal N). A failure prints
     one line to stderr, `error: rank R: ...`, from the first rank that failed. SIGINT and SIGTERM are forwarded to
-    torchrun, which stops its workers (a second copy of Ctrl-C from the terminal is harmless).
+    torchrun, which passes them on to the ranks (a second copy of Ctrl-C from the terminal is harmless): on SIGTERM
+    the ranks save and stop, local rank 0 leaves its line in the stopped file, and this prints it and returns
+    EXIT_STOPPED.
     """
     cmd = relaunch_command(nproc_per_node, argv, os.environ, module)
     with tempfile.TemporaryDirectory(prefix="shardlab-") as tmp:
-        error_file = os.path.join(tmp, "error")
-        env = {**relaunch_env(nproc_per_node, os.environ), ERROR_FILE_ENV: error_file}
+        error_file, stopped_file = os.path.join(tmp, "error"), os.path.join(tmp, "stopped")
+        env = {**relaunch_env(nproc_per_node, os.environ), ERROR_FILE_ENV: error_file, STOPPED_FILE_ENV: stopped_file}
         proc = subprocess.Popen(cmd, env=env)
         forwarded = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
         previous = {sig: signal.signal(sig, lambda signum, _: proc.send_signal(signum)) for sig in forwarded}
@@ -146,6 +148,11 @@ def relaunch(nproc_per_node: int, argv: list[str], module: str = "shardlab") -> 
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        # the ranks saved and stopped: torchrun's own code (143 after SIGTERM) adds nothing
+        if os.path.isfile(stopped_file):
+            with open(stopped_file) as f:
+                print(f"shardlab: {f.read().strip()}", flush=True)
+            return EXIT_STOPPED
         if code != 0 and os.path.isfile(error_file):
             with open(error_file) as f:
                 print(f"error: {f.read().strip()}", file=sys.stderr, flush=True)

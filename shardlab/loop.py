@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardlab import checkpoint
 from shardlab._base import to_json
 from shardlab._device_mesh import make_mesh
+from shardlab._preemption import Preempted, Preemption
 from shardlab.apply import apply
 from shardlab.config import Config
 from shardlab.data import make_loader
@@ -123,6 +124,8 @@ def train(
     Rank 0 writes config.json, plan.json and metrics.jsonl into the run directory (unless `write` is
     False); checkpoints go to run_dir/checkpoints every checkpoint.every steps and after the last.
     provider: the model (default: the one the config names; a recipe's own model is passed here).
+    SIGTERM (preemption) on any rank: every rank finishes its step, the run saves it (whatever checkpoint.every
+    says) and raises `Preempted` (see `shardlab._preemption`).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     # nn.Embedding returns a view; FSDP warns in case an in-place op follows. Llama only adds out of place.
@@ -173,28 +176,32 @@ def train(
     every = cfg.checkpoint.every
     pending: checkpoint.PendingSave | None = None
     save_group = checkpoint.checkpoint_group() if every is not None and cfg.checkpoint.async_save else None
-    with MetricsWriter(
-        run_dir,
-        cfg.log,
-        cfg.train.steps,
-        enabled=is_writer,
-        config_dict=json.loads(to_json(cfg)),
-        name=cfg.name,
-        start_step=state.step,
-    ) as writer:
+    with (
+        MetricsWriter(
+            run_dir,
+            cfg.log,
+            cfg.train.steps,
+            enabled=is_writer,
+            config_dict=json.loads(to_json(cfg)),
+            name=cfg.name,
+            start_step=state.step,
+        ) as writer,
+        Preemption() as preemption,
+    ):
         while state.step < last:
             start = time.perf_counter()  # the step time includes loading the batch, as torchtitan's does
             state, metrics = step(state, next(loader))
+            stop = state.step < last and preemption.requested()  # after the last step there is nothing to stop
             elapsed = time.perf_counter() - start
             if evaluate is not None and (state.step % cfg.eval.every == 0 or state.step == cfg.train.steps):
                 metrics |= evaluate(state.model, held_out)
-            if every is not None and (state.step % every == 0 or state.step == cfg.train.steps):
+            if stop or (every is not None and (state.step % every == 0 or state.step == cfg.train.steps)):
                 saving = time.perf_counter()
                 if pending is not None:
                     pending.commit()  # the previous async save must be committed before the next one starts
                 pending = checkpoint.save(
-                    state, loader, cfg, checkpoints, async_save=cfg.checkpoint.async_save, group=save_group,
-                    provider=provider,
+                    state, loader, cfg, checkpoints, async_save=cfg.checkpoint.async_save and not stop,
+                    group=None if stop else save_group, provider=provider,
                 )  # fmt: skip
                 metrics["checkpoint_block_s"] = time.perf_counter() - saving
             metrics = {
@@ -207,6 +214,8 @@ def train(
             }
             history.append(metrics)
             writer.record(state.step, metrics)
+            if stop:
+                raise Preempted("SIGTERM", state.step, checkpoint.step_dir(checkpoints, state.step))
         if pending is not None:
             pending.commit()
     return history

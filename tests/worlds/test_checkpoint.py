@@ -1,17 +1,22 @@
 """Checkpoints across layouts (gloo): bitwise resume on the same layout; a checkpoint saved by one layout
 continues on another (dp_shard 2 x tp 2 -> dp_shard 4, -> FSDP 2 on 2 ranks, -> one process, and one
 process -> dp_shard 2 x tp 2) with the loss curve of an uninterrupted run within 1e-5; async saves commit with a
-manifest of every rank's files; resume=auto falls back past a checkpoint whose bytes no longer match it."""
+manifest of every rank's files; resume=auto falls back past a checkpoint whose bytes no longer match it; SIGTERM on
+one rank stops every rank after the same step, saved, and the run resumes from it bitwise."""
 
 import functools
 import json
+import os
+import signal
 from pathlib import Path
 
 import msgspec
 import pytest
 import torch.distributed as dist
 
+from shardlab import loop
 from shardlab._manifest import MANIFEST_FILE
+from shardlab._preemption import Preempted
 from shardlab.checkpoint import complete, damage, step_dir
 from shardlab.config import Config, MeshSpec
 
@@ -81,6 +86,39 @@ def fallback(rank, world_size, tmp):
     return curves(ckpt(cfg, tmp / "fallback", every=None), until=8)["loss"]
 
 
+def sigterm_on_one_rank(rank, world_size, tmp):
+    """Only rank 2 receives SIGTERM, during step 5: every rank stops after step 5 (the ranks agree by all-reduce), the
+    run commits the async save of step 4 and saves step 5, and resuming runs steps 6 to 8 as the uninterrupted run
+    did."""
+    tmp = Path(tmp)
+    cfg = ckpt(tiny(MeshSpec(dp_shard=2, tp=2)), tmp / "sigterm", every=4, async_save=True)
+    make_step = loop.make_step
+
+    def signalling(*args, **kwargs):
+        step = make_step(*args, **kwargs)
+
+        def run(state, batch):
+            out = step(state, batch)
+            if rank == 2 and out[0].step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return out
+
+        return run
+
+    loop.make_step = signalling
+    try:
+        loop.train(cfg, write=False)
+        stopped_at = None
+    except Preempted as stop:
+        stopped_at = stop.step
+    finally:
+        loop.make_step = make_step
+    every: list[int | None] = [None] * world_size
+    dist.all_gather_object(every, stopped_at)
+    return {"stopped_at": every, "committed": [p.name for p in complete(tmp / "sigterm" / "checkpoints")],
+            "resumed": curves(cfg, until=8)["loss"]}  # fmt: skip
+
+
 def to_fsdp2(rank, world_size, tmp):
     saved = step_dir(Path(tmp) / "split" / "checkpoints", HALF)
     return continue_from(tiny(MeshSpec(dp_shard=2)), Path(tmp) / "fsdp2", saved)
@@ -95,7 +133,7 @@ def tmp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world4(tmp):
-    return run_world(4, [layouts, async_save, fallback], timeout_s=600, tmp=str(tmp))
+    return run_world(4, [layouts, async_save, fallback, sigterm_on_one_rank], timeout_s=600, tmp=str(tmp))
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +188,14 @@ def test_async_saves_commit_and_resume_bitwise(world4):
 @pytest.mark.world
 def test_resume_auto_falls_back_past_a_corrupt_checkpoint_on_4_ranks(world4):
     assert world4.value(fallback) == world4.value(layouts)["straight"][3:8]
+
+
+@pytest.mark.world
+def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(world4):
+    out = world4.value(sigterm_on_one_rank)
+    assert out["stopped_at"] == [5, 5, 5, 5]
+    assert out["committed"] == ["step-00000004", "step-00000005"]
+    assert out["resumed"] == world4.value(layouts)["straight"][5:8]
 
 
 @pytest.mark.world

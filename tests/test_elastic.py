@@ -1,0 +1,152 @@
+"""Runs that are stopped come back where they were: SIGTERM (preemption) makes every rank finish its step, the run
+save it and stop with EXIT_STOPPED, and the next start continues bitwise as if nothing had happened.
+
+One process in this process (~3 s), then the CLI under shardlab's own launcher on 2 gloo ranks (marked world:
+three launches, ~40 s on 2 busy cores).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardlab import loop
+from shardlab._preemption import Preempted
+from shardlab._torchrun import EXIT_STOPPED
+from shardlab.checkpoint import complete
+from shardlab.config import CheckpointConfig, Config, DataConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny(run_dir: Path, steps: int = 6, every: int | None = None) -> Config:
+    return Config(
+        mesh=MeshSpec(dp_shard=1),
+        model=ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300),
+        train=TrainConfig(steps=steps, seq_len=32, global_batch=4, run_dir=str(run_dir)),
+        log=LogConfig(wandb="disabled", progress=False),
+        data=DataConfig(source="synthetic"),
+        checkpoint=CheckpointConfig(every=every),
+    )
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture
+def sigterm_during(monkeypatch):
+    """sigterm_during(k): this process sends itself SIGTERM in the middle of step k (after the forward and backward,
+    before the step returns), as a cluster's preemption would arrive at any moment."""
+
+    def arm(k: int) -> None:
+        make_step = loop.make_step
+
+        def signalling(*args, **kwargs):
+            step = make_step(*args, **kwargs)
+
+            def run(state, batch):
+                out = step(state, batch)
+                if out[0].step == k:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return out
+
+            return run
+
+        monkeypatch.setattr(loop, "make_step", signalling)
+
+    return arm
+
+
+def test_sigterm_saves_the_step_and_the_next_start_continues_bitwise(tmp_path, sigterm_during, monkeypatch):
+    """Without checkpoint.every, SIGTERM during step 3 still saves step 3; the SIGTERM handler is the caller's
+    again afterwards; the resumed run's steps 4 to 6 equal an uninterrupted run's, bitwise."""
+    straight = loop.train(tiny(tmp_path / "straight"))
+    before = signal.getsignal(signal.SIGTERM)
+    sigterm_during(3)
+    with pytest.raises(Preempted) as stop:
+        loop.train(tiny(tmp_path / "run"))
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert str(stop.value) == f"stopped by SIGTERM after step 3; checkpoint saved: {checkpoints / 'step-00000003'}"
+    assert [p.name for p in complete(checkpoints)] == ["step-00000003"]
+    assert signal.getsignal(signal.SIGTERM) is before
+    monkeypatch.undo()
+    resumed = loop.train(tiny(tmp_path / "run"))
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in straight[3:]]
+    assert losses(tmp_path / "run") == losses(tmp_path / "straight")
+
+
+def test_sigterm_during_the_last_step_ends_the_run_as_usual(tmp_path, sigterm_during):
+    """Nothing is left to stop: the run finishes (and saves its last step, as every=2 asks) without Preempted."""
+    sigterm_during(6)
+    assert len(loop.train(tiny(tmp_path, every=2), write=False)) == 6
+    assert [p.name for p in complete(tmp_path / "checkpoints")] == ["step-00000002", "step-00000004", "step-00000006"]
+
+
+def test_the_cli_says_where_it_stopped_and_exits_75(tmp_path, sigterm_during, capsys, monkeypatch):
+    from shardlab.__main__ import main
+
+    monkeypatch.chdir(ROOT)
+    sigterm_during(2)
+    assert main(["recipes/llama_debug.py", *TINY, "--train.run-dir", str(tmp_path)]) == EXIT_STOPPED == 75
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert (
+        last
+        == f"shardlab: stopped by SIGTERM after step 2; checkpoint saved: {tmp_path / 'checkpoints' / 'step-00000002'}"
+    )
+
+
+TINY = ["--model.dim", "32", "--model.n-layers", "1", "--model.n-heads", "2", "--model.n-kv-heads", "1",
+        "--model.ffn-dim", "64", "--model.vocab-size", "300", "--train.seq-len", "32", "--train.global-batch", "4",
+        "--data.source", "synthetic", "--log.wandb", "disabled", "--log.no-progress", "--train.steps", "30"]  # fmt: skip
+"""2 ranks (dp_shard 2), 30 steps of ~0.1 s: a signal sent after step 2 lands with most of the run still to go."""
+
+
+def launch(run_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    args = [sys.executable, "-m", "shardlab", "recipes/llama_debug.py", *TINY, "--mesh.dp-shard", "2",
+            "--train.run-dir", str(run_dir), *extra]  # fmt: skip
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "SHARDLAB_TRACEBACK"}
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict[int, float]:
+    """The losses of an uninterrupted 2-rank run."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    code, out, err = finish(launch(run_dir))
+    assert code == 0, out[-2000:] + err[-2000:]
+    return losses(run_dir)
+
+
+@pytest.mark.world
+def test_sigterm_to_the_first_process_reaches_the_ranks_and_they_save(tmp_path, straight):
+    """SIGTERM to `python -m shardlab` (the process a cluster signals): torchrun passes it on, both ranks stop after
+    the same step and save it, the first process prints one line and exits EXIT_STOPPED; the next start finishes
+    the run with the uninterrupted run's losses, bitwise."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    while proc.poll() is None and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc)
+    assert code == EXIT_STOPPED, out[-2000:] + err[-2000:]
+    assert err == ""
+    saved = complete(run_dir / "checkpoints")
+    assert len(saved) == 1
+    step = int(saved[0].name.removeprefix("step-"))
+    assert 2 <= step < 30
+    assert out.splitlines()[-1] == f"shardlab: stopped by SIGTERM after step {step}; checkpoint saved: {saved[0]}"
+    code, out, err = finish(launch(run_dir))
+    assert code == 0, out[-2000:] + err[-2000:]
+    assert losses(run_dir) == straight
