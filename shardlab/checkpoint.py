@@ -15,8 +15,10 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -32,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardlab import _manifest
 from shardlab._base import to_json
+from shardlab._faults import fault_point
 from shardlab.config import Config
 from shardlab.data import TokenLoader
 from shardlab.models.provider import LlamaProvider, ModelProvider, first_difference, provider_for
@@ -44,8 +47,6 @@ TMP_SUFFIX = ".tmp"
 STATE_FILE = "train_state.json"
 MODEL_FILE = "model.json"
 """What identifies the model (`ModelProvider.identity`): compared on resume, read by export."""
-FAULT_ENV = "SHARDLAB_FAULT_AT"
-"""Testing hook: `save:N` makes rank 0 exit after writing step N's files but before the commit."""
 
 
 def step_dir(checkpoints: Path, step: int) -> Path:
@@ -197,11 +198,13 @@ def save(
     async_save: bool = False,
     group: dist.ProcessGroup | None = None,
     provider: ModelProvider | None = None,
+    metrics: Mapping[str, Any] | None = None,
 ) -> PendingSave:
     """Write the whole TrainState; sync saves are committed on return, async ones by `PendingSave.commit()`.
 
     An async save runs its collectives in a background thread: give it its own process group (`group`,
-    from `checkpoint_group()`), or they interleave with training's on the default group and hang.
+    from `checkpoint_group()`), or they interleave with training's on the default group and hang. `metrics`: the
+    step's values (JSON-able), kept in train_state.json so a resume can restore a log line a kill cut short.
     """
     if async_save and dist.is_initialized() and group is None:
         raise ValueError("checkpoint.save: an async save needs its own process group; pass group=checkpoint_group()")
@@ -213,7 +216,13 @@ def save(
     _barrier()
     files = {  # written by rank 0 at the commit, beside the DCP files
         STATE_FILE: json.dumps(
-            {"step": state.step, "skipped": state.skipped, "data": loader.state_dict(), **_rng_state()}
+            {
+                "step": state.step,
+                "skipped": state.skipped,
+                "data": loader.state_dict(),
+                "metrics": metrics,
+                **_rng_state(),
+            }
         ).encode(),
         "config.json": to_json(cfg),
         MODEL_FILE: json.dumps((provider or provider_for(cfg)).identity(), indent=2).encode(),
@@ -267,7 +276,7 @@ def _commit(tmp: Path, final: Path, files: dict[str, bytes], keep: int | None, o
         entries = {name: entry for part in every for name, entry in part.items()}
         unlisted = sorted(p.name for p in tmp.iterdir() if p.name not in entries and p.name != _manifest.MANIFEST_FILE)
         _manifest.write(tmp, {**entries, **_manifest.entries(tmp, unlisted)})  # commits with the files it lists
-        _fault_point(f"save:{json.loads(files[STATE_FILE])['step']}")
+        fault_point(f"save:{json.loads(files[STATE_FILE])['step']}")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)  # the commit: atomic on one filesystem
@@ -275,11 +284,6 @@ def _commit(tmp: Path, final: Path, files: dict[str, bytes], keep: int | None, o
             for old in complete(final.parent)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     _barrier()
-
-
-def _fault_point(name: str) -> None:
-    if os.environ.get(FAULT_ENV) == name:
-        os._exit(17)
 
 
 def load(
@@ -304,6 +308,11 @@ def load(
     set_optimizer_state_dict(state.model, state.optim, tensors["optim"], options=OPTIM_OPTIONS)
     _set_rng_state(meta)
     return state.__class__(model=state.model, optim=state.optim, step=meta["step"], skipped=meta.get("skipped", 0))
+
+
+def saved_metrics(path: Path) -> dict[str, Any] | None:
+    """The values of the step a checkpoint holds, as `save` got them (None when it got none, or is older)."""
+    return json.loads((path / STATE_FILE).read_text()).get("metrics")
 
 
 def saved_identity(path: Path) -> dict | None:

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardlab import checkpoint
 from shardlab._base import to_json
 from shardlab._device_mesh import make_mesh
+from shardlab._faults import fault_point
 from shardlab._preemption import Preempted, Preemption
 from shardlab.apply import apply
 from shardlab.config import Config
@@ -185,6 +186,7 @@ def train(
             config_dict=json.loads(to_json(cfg)),
             name=cfg.name,
             start_step=state.step,
+            start_row=None if resume_from is None else checkpoint.saved_metrics(resume_from),
         ) as writer,
         Preemption() as preemption,
     ):
@@ -193,6 +195,13 @@ def train(
             state, metrics = step(state, next(loader))
             stop = state.step < last and preemption.requested()  # after the last step there is nothing to stop
             elapsed = time.perf_counter() - start
+            fault_point(f"step:{state.step}")
+            rates = {
+                "tokens_per_s": tokens_per_step / elapsed,
+                "mfu": mfu(tokens_per_step / elapsed / world, fpt, peak),
+                "peak_memory_bytes": peak_memory_bytes(device),
+                "step_s": elapsed,
+            }
             if evaluate is not None and (state.step % cfg.eval.every == 0 or state.step == cfg.train.steps):
                 metrics |= evaluate(state.model, held_out)
             if stop or (every is not None and (state.step % every == 0 or state.step == cfg.train.steps)):
@@ -201,17 +210,11 @@ def train(
                     pending.commit()  # the previous async save must be committed before the next one starts
                 pending = checkpoint.save(
                     state, loader, cfg, checkpoints, async_save=cfg.checkpoint.async_save and not stop,
-                    group=None if stop else save_group, provider=provider,
+                    group=None if stop else save_group, provider=provider, metrics={**metrics, **rates},
                 )  # fmt: skip
                 metrics["checkpoint_block_s"] = time.perf_counter() - saving
-            metrics = {
-                **metrics,
-                "tokens_per_s": tokens_per_step / elapsed,
-                "mfu": mfu(tokens_per_step / elapsed / world, fpt, peak),
-                "peak_memory_bytes": peak_memory_bytes(device),
-                "step_s": elapsed,
-                "time": time.time(),  # wall clock at the end of the step: benchmarks time steps as torchtitan does
-            }
+            # wall clock at the end of the step: benchmarks time steps as torchtitan does
+            metrics = {**metrics, **rates, "time": time.time()}
             history.append(metrics)
             writer.record(state.step, metrics)
             if stop:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from shardlab._faults import fault_point
 from shardlab.config import LogConfig
 
 _LINE_FORMATS = {
@@ -38,6 +39,8 @@ class MetricsWriter:
 
     `record(step, values)` takes `step` = optimizer steps completed (1 after the first step). wandb is
     offline unless log.wandb="online", writes under run_dir, and is imported only when used (slow import).
+    A run resumed at `start_step` keeps the rows up to it, and adds `start_row` (the values its checkpoint saved)
+    when a kill between the checkpoint's commit and its line left that row torn or unwritten.
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class MetricsWriter:
         config_dict: dict[str, Any] | None = None,
         name: str | None = None,
         start_step: int = 0,
+        start_row: dict[str, Any] | None = None,
     ) -> None:
         self.log = log
         self.total_steps = total_steps
@@ -74,11 +78,13 @@ class MetricsWriter:
                 settings=wandb.Settings(silent=True, console="off", disable_git=True, save_code=False),
             )
         path = run_dir / "metrics.jsonl"
-        kept = ""
+        kept = []
         if start_step and path.exists():  # a resumed run keeps the lines up to its checkpoint, drops the rest
-            kept = "".join(f"{json.dumps(row)}\n" for row in read_metrics(path) if row["step"] <= start_step)
+            kept = [row for row in read_metrics(path) if row["step"] <= start_step]
+            if start_row is not None and self._logs(start_step) and (not kept or kept[-1]["step"] < start_step):
+                kept.append(row_of(start_step, start_row))  # the kill came after the checkpoint, before its line
         self._file = path.open("w")
-        self._file.write(kept)
+        self._file.write("".join(f"{json.dumps(row)}\n" for row in kept))
         if log.progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -102,19 +108,24 @@ class MetricsWriter:
                 f"MetricsWriter.record: values has no 'loss' (keys: {sorted(values)}); pass the step's loss"
             )
         floats = {key: float(value) for key, value in values.items() if isinstance(value, int | float)}
-        lists = {key: list(value) for key, value in values.items() if isinstance(value, list | tuple)}
         if self._progress is not None:
             status = f"loss {floats['loss']:.4f}"
             if "tokens_per_s" in floats:
                 status += f"  {floats['tokens_per_s']:,.0f} tok/s"
             self._progress.update(self._task, completed=step, status=status)
-        if step % self.log.every and step != self.total_steps:
+        if not self._logs(step):
             return
         print(format_line(step, self.total_steps, floats), flush=True)
-        self._file.write(json.dumps({"step": step, **floats, **lists}) + "\n")
+        line = json.dumps(row_of(step, values)) + "\n"
+        fault_point(f"log:{step}", lambda: (self._file.write(line[: len(line) // 2]), self._file.flush()))
+        self._file.write(line)
         self._file.flush()
         if self._wandb_run is not None:
             self._wandb_run.log(floats, step=step)
+
+    def _logs(self, step: int) -> bool:
+        """Whether `step` gets a log line and a row of metrics.jsonl."""
+        return step % self.log.every == 0 or step == self.total_steps
 
     def close(self) -> None:
         """Finish the bar, the file and the wandb run; safe to call twice."""
@@ -135,6 +146,13 @@ class MetricsWriter:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def row_of(step: int, values: dict[str, Any]) -> dict[str, Any]:
+    """The row of metrics.jsonl for `step`: numbers as floats, lists as lists, anything else (None) left out."""
+    floats = {key: float(value) for key, value in values.items() if isinstance(value, int | float)}
+    lists = {key: list(value) for key, value in values.items() if isinstance(value, list | tuple)}
+    return {"step": step, **floats, **lists}
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
