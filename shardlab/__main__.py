@@ -12,7 +12,7 @@ import sys
 
 from shardlab._torchrun import EXIT_STOPPED, STOPPED_FILE_ENV
 
-USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world N]
+USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world N] [--max-restarts N]
        python -m shardlab plan RECIPE [--section.field VALUE ...] [--world N]
        python -m shardlab estimate RECIPE [--section.field VALUE ...] [--world N] [--device h100|h200|a100|b200]
        python -m shardlab export RUN_DIR --to-hf OUT
@@ -24,6 +24,9 @@ USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world
   export      write the newest checkpoint of RUN_DIR (or a step directory) as Hugging Face safetensors
   --world N   world size for the mesh's -1 axis (default: the launcher's WORLD_SIZE, else the fixed axes' product)
   --device D  the accelerator `estimate` predicts step time for (default h100)
+  --max-restarts N  start the ranks again, up to N times, when one dies (torch.distributed.run's restarts); each
+              restart resumes from the run's last checkpoint; an error a restart would meet again (a ValueError:
+              a bad value) is not retried; ignored under an outside launcher (torchrun, srun)
   RECIPE --help shows every field with the recipe's values as defaults."""
 
 
@@ -42,6 +45,13 @@ def _pop_world(args: list[str]) -> int | None:
     if value is not None and (not value.isdigit() or int(value) < 1):
         raise ValueError(f"--world {value!r}: expected a positive integer number of ranks")
     return None if value is None else int(value)
+
+
+def _pop_max_restarts(args: list[str]) -> int:
+    value = _pop_flag(args, "--max-restarts")
+    if value is not None and not value.isdigit():
+        raise ValueError(f"--max-restarts {value!r}: expected how many times to restart, an integer >= 0")
+    return 0 if value is None else int(value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +95,7 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
     from shardlab.recipe import load_recipe
 
     world = _pop_world(overrides)
+    max_restarts = _pop_max_restarts(overrides)
     device_name = _pop_flag(overrides, "--device") if command == "estimate" else None
     recipe = load_recipe(recipe_path)
     launched = under_launcher()
@@ -122,11 +133,24 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
         dev = device(device_name or "h100")
         print(estimate_table(estimate(cfg, plan, recipe.rules(cfg), dev, provider), cfg, dev))
         return 0
+    cfg = _resume_on_restart(cfg)
     _check_data(cfg, provider.vocab_size)
     _check_run(cfg)
-    if world > 1 and not launched:
-        print(f"shardlab: launching {world} ranks ({cfg.mesh.describe()}) through torch.distributed.run", flush=True)
-        return relaunch(nproc_for(world), [recipe_path, *overrides])
+    if max_restarts and launched and rank == 0:
+        print(
+            f"shardlab: --max-restarts {max_restarts} is ignored: an outside launcher (torchrun, srun) started this "
+            "process; ask it for restarts (torchrun --max-restarts)",
+            flush=True,
+        )
+    if (world > 1 or max_restarts) and not launched:  # one rank too, when it is to be restarted
+        many = world > 1
+        restarts = f", restarting {'them' if many else 'it'} up to {max_restarts} time{'s' * (max_restarts > 1)}"
+        print(
+            f"shardlab: launching {world} rank{'s' * many} ({cfg.mesh.describe()}) through torch.distributed.run"
+            f"{restarts if max_restarts else ''}",
+            flush=True,
+        )
+        return relaunch(nproc_for(world), [recipe_path, *overrides], max_restarts=max_restarts)
     from shardlab._preemption import Preempted
     from shardlab.loop import train
 
@@ -168,6 +192,23 @@ def _export(source: str, args: list[str]) -> int:
     step = export_to_hf(Path(source), Path(args[1]))
     print(f"shardlab: wrote {step} as a Hugging Face directory {args[1]}")
     return 0
+
+
+def _resume_on_restart(cfg):
+    """A restarted attempt (torchelastic's TORCHELASTIC_RESTART_COUNT > 0) resumes from the newest checkpoint in the
+    run directory, whatever checkpoint.resume says (`none` or a path were for the first attempt); with none there
+    yet it starts as the first attempt did."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" or cfg.checkpoint.resume == "auto":
+        return cfg
+    from pathlib import Path
+
+    from msgspec.structs import replace
+
+    from shardlab.checkpoint import complete
+
+    if not complete(Path(cfg.run_dir) / "checkpoints"):
+        return cfg
+    return replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto"))
 
 
 def _check_run(cfg) -> None:

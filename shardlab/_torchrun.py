@@ -5,8 +5,10 @@ rank raises -> `report` writes "rank R: <message>" to the error file (the first 
 rank wrote a line (a rank killed by a signal, or one that called os._exit), `main` writes one from the agent's
 failures -> the first process prints the file as `error: ...`. A rank that fails only because a peer died writes
 nothing: its "Connection closed by peer" is the echo of the first failure, not the cause. SHARDLAB_TRACEBACK=1
-keeps every rank's traceback and the agent's log. A run that SIGTERM stopped after a save is no failure: rank 0
-leaves its line in the stopped file instead, and the first process prints it and exits EXIT_STOPPED.
+keeps every rank's traceback and the agent's log. A run that SIGTERM stopped after a save is no failure: local
+rank 0 leaves its line in the stopped file instead, and the first process prints it and exits EXIT_STOPPED.
+With `--max-restarts N` the agent (`restarting_agent`) starts the ranks again after a failure, with a warning line
+each time, unless a rank's exit code says a restart cannot help (EXIT_FINAL).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ PEER_LOST = (
     "remote process exited",
 )
 """Message fragments of the RuntimeErrors gloo and NCCL raise on a rank whose peer died: echoes, never the cause."""
+EXIT_BAD_VALUE = 2
+"""A rank's exit code for a ValueError: a bad value (as before launch), which a restart would meet again."""
 EXIT_PEER_LOST = 3
 """A rank's exit code when it failed only because a peer died."""
 STOPPED_FILE_ENV = "SHARDLAB_STOPPED_FILE"
@@ -38,6 +42,8 @@ STOPPED_FILE_ENV = "SHARDLAB_STOPPED_FILE"
 EXIT_STOPPED = 75
 """The exit code of a run stopped by SIGTERM after saving (every rank's, and the first process's): sysexits' EX_TEMPFAIL,
 "try again later", since starting it again resumes where it stopped."""
+EXIT_FINAL = (EXIT_BAD_VALUE, EXIT_STOPPED)
+"""Rank exit codes that end a run however many restarts are left: a restart would fail the same way, or stop again."""
 HINT = f"; rerun with {TRACEBACK_ENV}=1 for the traceback"
 
 
@@ -73,7 +79,7 @@ def report(err: Exception, path: str, rank: int) -> int:
     if not isinstance(err, ValueError):
         message = f"{type(err).__name__}: {message}{'' if tracebacks_wanted() else HINT}"
     write_first(path, f"rank {rank}: {message}")
-    return 2 if isinstance(err, ValueError) else 1
+    return EXIT_BAD_VALUE if isinstance(err, ValueError) else 1
 
 
 def leave(code: int) -> None:
@@ -106,10 +112,46 @@ def describe(failures: Mapping[int, ProcessFailure]) -> str:
     return f"rank {rank}: exited with code {failure.exitcode} and reported no error"
 
 
+def restarting_agent(error_file: str | None) -> type:
+    """torch's LocalElasticAgent with two changes to its restarts (`--max-restarts`, which restart on any failure):
+    a failure where a rank exited with a code of EXIT_FINAL is not retried (torch does the same, setting
+    `_remaining_restarts` to 0, for a rank stuck in uninterruptible sleep), and each restart says why in one line,
+    `warning: rank 1: killed by SIGKILL ...; restart 1 of 3, from the last checkpoint`, and clears the error file,
+    so that what the first process prints in the end is the last attempt's own failure."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class Agent(LocalElasticAgent):
+        _failures: Mapping[int, ProcessFailure] | None = None
+
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed():
+                self._failures = result.failures
+                if any(failure.exitcode in EXIT_FINAL for failure in result.failures.values()):
+                    self._remaining_restarts = 0
+            return result
+
+        def _initialize_workers(self, worker_group):
+            if self._failures is not None:  # a restart after a failure; every rank of that attempt is stopped
+                spec = worker_group.spec
+                line = describe(self._failures)
+                if error_file is not None and os.path.isfile(error_file):
+                    with open(error_file) as f:
+                        line = f.read().strip() or line
+                    os.remove(error_file)
+                restart = f"restart {spec.max_restarts - self._remaining_restarts} of {spec.max_restarts}"
+                print(f"warning: {line}; {restart}, from the last checkpoint", file=sys.stderr, flush=True)
+                self._failures = None
+            super()._initialize_workers(worker_group)
+
+    return Agent
+
+
 def main(argv: list[str]) -> int:
     """torch.distributed.run with `argv`, quiet: exit 0, or 1 with this node's one line in the error file."""
     import logging
 
+    import torch.distributed.launcher.api as launcher
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -117,6 +159,7 @@ def main(argv: list[str]) -> int:
     path = os.environ.get(ERROR_FILE_ENV)
     if not tracebacks_wanted():
         logging.disable(logging.CRITICAL)  # this process runs only the agent; the ranks are other processes
+    launcher.LocalElasticAgent = restarting_agent(path)  # the class launch_agent builds its agent from
     try:
         run(parse_args(argv))
     except ChildFailedError as err:

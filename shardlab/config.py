@@ -216,7 +216,8 @@ class CheckpointConfig(Frozen):
     keep: Positive | None = 3
     """Keep the newest this many committed checkpoints; None keeps all."""
     resume: str = "auto"
-    """auto: the newest committed checkpoint in the run directory, if any; none: start fresh; or a step directory."""
+    """auto: the newest committed checkpoint in the run directory, if any; none: start fresh; or a step directory.
+    A restart (--max-restarts) resumes auto once the run directory holds a checkpoint."""
     async_save: bool = False
     """Write checkpoints in the background while training continues (committed before the next save)."""
     init_from_hf: str | None = None

@@ -92,16 +92,21 @@ def nproc_for(world_size: int, env: Mapping[str, str] | None = None) -> int:
     return world_size // nnodes
 
 
-def relaunch_command(nproc: int, argv: list[str], env: Mapping[str, str], module: str = "shardlab") -> list[str]:
+def relaunch_command(
+    nproc: int, argv: list[str], env: Mapping[str, str], module: str = "shardlab", max_restarts: int = 0
+) -> list[str]:
     """The torchrun command line that re-runs `python -m <module> <argv>` as `nproc` processes on this node.
 
     One node (env NNODES unset or 1) uses `--standalone`; several use c10d rendezvous at MASTER_ADDR:MASTER_PORT
     (port default 29500), with NODE_RANK naming this node. torchrun runs as `shardlab/_torchrun.py` (by path: the
     agent needs torch's launcher, not all of shardlab), which takes torchrun's arguments and keeps its logs quiet.
+    max_restarts: torchrun's own `--max-restarts` (see `shardlab._torchrun` for what is not retried).
     """
     if nproc < 1:
         raise ValueError(f"nproc={nproc} must be at least 1")
     cmd = [sys.executable, TORCHRUN, f"--nproc-per-node={nproc}"]
+    if max_restarts:
+        cmd.append(f"--max-restarts={max_restarts}")
     nnodes = _env_number(env, "NNODES", 1)
     if nnodes == 1:
         cmd.append("--standalone")
@@ -126,7 +131,7 @@ def relaunch_env(nproc: int, env: Mapping[str, str]) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(max(1, cores // nproc)), **env}
 
 
-def relaunch(nproc_per_node: int, argv: list[str], module: str = "shardlab") -> int:
+def relaunch(nproc_per_node: int, argv: list[str], module: str = "shardlab", max_restarts: int = 0) -> int:
     """Run `python -m <module> <argv>` through torchrun as `nproc_per_node` processes; return its exit code.
 
     A subprocess, not `torch.distributed.run.main` in this process: the parent imports nothing twice, and torchrun's
@@ -136,10 +141,15 @@ def relaunch(nproc_per_node: int, argv: list[str], module: str = "shardlab") -> 
     the ranks save and stop, local rank 0 leaves its line in the stopped file, and this prints it and returns
     EXIT_STOPPED.
     """
-    cmd = relaunch_command(nproc_per_node, argv, os.environ, module)
+    cmd = relaunch_command(nproc_per_node, argv, os.environ, module, max_restarts)
     with tempfile.TemporaryDirectory(prefix="shardlab-") as tmp:
         error_file, stopped_file = os.path.join(tmp, "error"), os.path.join(tmp, "stopped")
         env = {**relaunch_env(nproc_per_node, os.environ), ERROR_FILE_ENV: error_file, STOPPED_FILE_ENV: stopped_file}
+        if max_restarts:
+            # torch 2.13's agent shares its TCPStore with the ranks and keeps it, keys and all, across restarts: a
+            # restarted rank can read the address of a rank that died (gloo: "connectFullMesh failed ... Connection
+            # refused", in 5 of 8 restarts of 2 ranks here). Unshared, each attempt's rank 0 hosts a fresh store.
+            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         proc = subprocess.Popen(cmd, env=env)
         forwarded = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
         previous = {sig: signal.signal(sig, lambda signum, _: proc.send_signal(signum)) for sig in forwarded}

@@ -35,6 +35,7 @@ def error_of(args, capsys) -> str:
         (["recipes/nope.py"], r"recipe: no file 'recipes/nope.py'"),
         (["recipes/llama_fsdp_tp.py", "--world", "8"], r"mesh: dp_shard=2 x tp=2 = 4 ranks but world_size is 8"),
         (["recipes/llama_fsdp_tp.py", "--world", "x"], r"--world 'x': expected a positive integer"),
+        (["recipes/llama_fsdp_tp.py", "--max-restarts", "-1"], r"--max-restarts '-1': expected how many times"),
         (
             ["recipes/llama_pp.py", "--plan.pp-schedule", "gpipe", "--plan.pp-stages-per-rank", "2"],
             r"plan.pp_schedule='gpipe' runs one stage per rank but plan.pp_stages_per_rank=2",
@@ -71,6 +72,8 @@ def test_a_launched_rank_leaves_its_error_for_the_first_process(tmp_path, capsys
 
 
 FAILS_ON_RANK_1 = """
+from pathlib import Path
+
 import torch.distributed as dist
 from shardlab import Config, DataConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
 
@@ -85,6 +88,8 @@ config = Config(
 
 def rules(cfg):
     if dist.is_initialized() and dist.get_rank() == 1:  # after launch, on one rank: rank 0 waits in a barrier
+        with open(Path(__file__).with_name("attempts"), "a") as f:
+            f.write("rank 1\\n")
         raise ValueError("rules: rank 1 cannot lay out this model")
     return None
 """
@@ -92,21 +97,64 @@ def rules(cfg):
 
 @pytest.mark.slow
 @pytest.mark.world  # launches gloo ranks
-def test_an_error_after_launch_is_one_line(tmp_path):
+def test_an_error_after_launch_is_one_line_and_not_retried(tmp_path):
     """An error one rank raises after launch: one line from that rank, no traceback, no torchrun report, and no
-    "Connection closed by peer" from the rank that waited for it (~15 s)."""
+    "Connection closed by peer" from the rank that waited for it; a ValueError (a bad value) is not retried though
+    restarts are allowed: the rank ran once and no restart was announced (~15 s)."""
     recipe = tmp_path / "fails.py"
     recipe.write_text(FAILS_ON_RANK_1)
     env = {k: v for k, v in os.environ.items() if k != "SHARDLAB_TRACEBACK"}
     run = subprocess.run(
-        [sys.executable, "-m", "shardlab", str(recipe), "--train.run-dir", str(tmp_path / "run")],
+        [sys.executable, "-m", "shardlab", str(recipe), "--train.run-dir", str(tmp_path / "run"), "--max-restarts", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert run.returncode == 1
     assert run.stdout.splitlines() == [
-        "shardlab: launching 2 ranks (dp_shard=2 (2 ranks)) through torch.distributed.run"
+        "shardlab: launching 2 ranks (dp_shard=2 (2 ranks)) through torch.distributed.run, restarting them up to 2 times"
     ]
     assert run.stderr.splitlines() == ["error: rank 1: rules: rank 1 cannot lay out this model"]
+    assert (tmp_path / "attempts").read_text() == "rank 1\n"
+
+
+def test_max_restarts_under_an_outside_launcher_is_ignored_with_a_note(tmp_path, capsys, monkeypatch):
+    """Under torchrun or srun, restarts are that launcher's: the flag is ignored, in one line, and the run goes on."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(port))):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(ROOT)
+    args = ["recipes/llama_debug.py", *TINY, "--train.steps", "1", "--data.source", "synthetic",
+            "--train.global-batch", "4", "--train.run-dir", str(tmp_path), "--max-restarts", "3"]  # fmt: skip
+    assert main(args) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "shardlab: --max-restarts 3 is ignored: an outside launcher (torchrun, srun) started this process; ask it "
+        "for restarts (torchrun --max-restarts)"
+    )
+
+
+@pytest.mark.parametrize("saved", [True, False], ids=["checkpoint", "none-yet"])
+def test_a_restart_resumes_from_the_run_s_newest_checkpoint(tmp_path, monkeypatch, saved):
+    """On a restarted attempt, checkpoint.resume=none (or a path) was for the first attempt: once the run directory
+    holds a checkpoint the restart resumes auto; before, it starts as the first attempt did."""
+    from msgspec.structs import replace
+
+    from shardlab.__main__ import _resume_on_restart
+    from shardlab.config import CheckpointConfig, Config, TrainConfig
+
+    cfg = Config(train=TrainConfig(run_dir=str(tmp_path)), checkpoint=CheckpointConfig(resume="none"))
+    if saved:
+        for name in (".metadata", "train_state.json"):
+            (tmp_path / "checkpoints" / "step-00000004").mkdir(parents=True, exist_ok=True)
+            (tmp_path / "checkpoints" / "step-00000004" / name).write_text("{}")
+    assert _resume_on_restart(cfg) is cfg  # the first attempt
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert _resume_on_restart(cfg).checkpoint.resume == ("auto" if saved else "none")
+    other = replace(cfg, checkpoint=CheckpointConfig(resume="/elsewhere/step-00000008"))
+    assert _resume_on_restart(other).checkpoint.resume == ("auto" if saved else "/elsewhere/step-00000008")
 
 
 def test_plan_prints_a_pipelined_layout(capsys, monkeypatch):

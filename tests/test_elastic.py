@@ -1,8 +1,9 @@
-"""Runs that are stopped come back where they were: SIGTERM (preemption) makes every rank finish its step, the run
-save it and stop with EXIT_STOPPED, and the next start continues bitwise as if nothing had happened.
+"""Runs that are stopped or lose a rank come back where they were: SIGTERM (preemption) makes every rank finish its
+step, the run save it and stop with EXIT_STOPPED, and the next start continues bitwise as if nothing had happened;
+with --max-restarts, a rank that dies mid-run brings the world back from the last checkpoint, with the same losses.
 
-One process in this process (~3 s), then the CLI under shardlab's own launcher on 2 gloo ranks (marked world:
-three launches, ~40 s on 2 busy cores).
+One process in this process (~3 s), then the CLI under shardlab's own launcher on 4 gloo ranks (marked world:
+four launches, ~20-50 s each on 2 busy cores).
 """
 
 import json
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from shardlab import loop
+from shardlab._faults import FAULT_ENV
 from shardlab._preemption import Preempted
 from shardlab._torchrun import EXIT_STOPPED
 from shardlab.checkpoint import complete
@@ -104,11 +106,11 @@ def test_the_cli_says_where_it_stopped_and_exits_75(tmp_path, sigterm_during, ca
 TINY = ["--model.dim", "32", "--model.n-layers", "1", "--model.n-heads", "2", "--model.n-kv-heads", "1",
         "--model.ffn-dim", "64", "--model.vocab-size", "300", "--train.seq-len", "32", "--train.global-batch", "4",
         "--data.source", "synthetic", "--log.wandb", "disabled", "--log.no-progress", "--train.steps", "30"]  # fmt: skip
-"""2 ranks (dp_shard 2), 30 steps of ~0.1 s: a signal sent after step 2 lands with most of the run still to go."""
+"""4 ranks (dp_shard 4), 30 steps of ~0.2 s: a signal sent after step 2 lands with most of the run still to go."""
 
 
 def launch(run_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    args = [sys.executable, "-m", "shardlab", "recipes/llama_debug.py", *TINY, "--mesh.dp-shard", "2",
+    args = [sys.executable, "-m", "shardlab", "recipes/llama_debug.py", *TINY, "--mesh.dp-shard", "4",
             "--train.run-dir", str(run_dir), *extra]  # fmt: skip
     env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "SHARDLAB_TRACEBACK"}
     return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -121,7 +123,7 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> dict[int, float]:
-    """The losses of an uninterrupted 2-rank run."""
+    """The losses of an uninterrupted 4-rank run."""
     run_dir = tmp_path_factory.mktemp("straight")
     code, out, err = finish(launch(run_dir))
     assert code == 0, out[-2000:] + err[-2000:]
@@ -130,7 +132,7 @@ def straight(tmp_path_factory) -> dict[int, float]:
 
 @pytest.mark.world
 def test_sigterm_to_the_first_process_reaches_the_ranks_and_they_save(tmp_path, straight):
-    """SIGTERM to `python -m shardlab` (the process a cluster signals): torchrun passes it on, both ranks stop after
+    """SIGTERM to `python -m shardlab` (the process a cluster signals): torchrun passes it on, the 4 ranks stop after
     the same step and save it, the first process prints one line and exits EXIT_STOPPED; the next start finishes
     the run with the uninterrupted run's losses, bitwise."""
     run_dir = tmp_path / "run"
@@ -149,4 +151,20 @@ def test_sigterm_to_the_first_process_reaches_the_ranks_and_they_save(tmp_path, 
     assert out.splitlines()[-1] == f"shardlab: stopped by SIGTERM after step {step}; checkpoint saved: {saved[0]}"
     code, out, err = finish(launch(run_dir))
     assert code == 0, out[-2000:] + err[-2000:]
+    assert losses(run_dir) == straight
+
+
+@pytest.mark.world
+def test_a_rank_killed_mid_run_is_restarted_from_the_last_checkpoint(tmp_path, straight):
+    """Rank 1 dies after step 5 (saved every 2 steps) on the first attempt; --max-restarts brings all 4 ranks back,
+    they resume from step 4 (a restart always resumes auto, here over checkpoint.resume=none), and the run ends with
+    the uninterrupted run's losses, one line per step, after one warning line naming the rank."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--checkpoint.every", "2", "--checkpoint.resume", "none", "--max-restarts", "2",
+                  env={FAULT_ENV: "step:5@1"})  # fmt: skip
+    code, out, err = finish(proc)
+    assert code == 0, out[-2000:] + err[-2000:]
+    assert err.splitlines() == [
+        "warning: rank 1: exited with code 17 and reported no error; restart 1 of 2, from the last checkpoint"
+    ]
     assert losses(run_dir) == straight

@@ -98,6 +98,12 @@ def test_relaunch_command_single_node():
     ]  # fmt: skip
 
 
+def test_relaunch_command_passes_restarts_to_torchrun():
+    cmd = relaunch_command(2, ["r.py"], {}, max_restarts=3)
+    assert cmd[:5] == [sys.executable, TORCHRUN, "--nproc-per-node=2", "--max-restarts=3", "--standalone"]
+    assert "--max-restarts=0" not in relaunch_command(2, ["r.py"], {}, max_restarts=0)
+
+
 def test_relaunch_command_multi_node():
     env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29400"}
     assert relaunch_command(8, ["r.py"], env, module="mytool") == [
