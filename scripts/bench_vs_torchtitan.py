@@ -7,7 +7,7 @@
 Mirrors the torchtitan harness's README (its location in TORCHTITAN_HARNESS: a folder with setup.sh and run.sh):
 torchtitan's llama3 debug model (shardlab's default
 ModelConfig), seq 2048, 8 sequences per data-parallel rank, AdamW 8e-4 with clipping at 1.0, the
-stdlib-docstrings JSONL the peer's setup.sh writes, and tok/s = (STEPS - 2) x global tokens / (time
+stdlib-docstrings JSONL the peer's setup.sh writes (in the folder TT_WORK names), and tok/s = (STEPS - 2) x global tokens / (time
 of step STEPS - time of step 2). Prints one summary line per run and the ratio.
 """
 
@@ -23,12 +23,14 @@ from _shardlab_run import run_shardlab
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = Path(harness) if (harness := os.environ.get("TORCHTITAN_HARNESS")) else None
-TT_WORK = Path(os.environ.get("TT_WORK", "/tmp/tt-work"))
+TT_WORK = Path(work) if (work := os.environ.get("TT_WORK")) else None
+"""The harness's work folder (TT_WORK, as its setup.sh uses it): shardlab reads the same JSONL from it; unset,
+shardlab reads its default data (the stdlib)."""
 
 
 def bench_shardlab(n: int, dp: int, tp: int, steps: int, dtype: str, ac: str) -> dict:
-    data = TT_WORK / "data" / "docstrings.jsonl"
-    data_args = ["--data.source", "files", "--data.paths", str(data)] if data.exists() else []
+    data = TT_WORK / "data" / "docstrings.jsonl" if TT_WORK is not None else None
+    data_args = ["--data.source", "files", "--data.paths", str(data)] if data is not None and data.exists() else []
     env = {**os.environ}
     if n > 1:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
