@@ -3,7 +3,7 @@
 Never downloads. Without a tokenizer shardlab's tokens are bytes (`shardlab.data.encode`); with one, each document
 is the tokenizer's ids between its BOS and EOS tokens (where it has them), so packed documents stay apart. A
 transformers model directory that holds a tokenizer is the default for that model (`tokenizer_path`). The files
-that describe it (chat template included) go into every checkpoint and every export (`tokenizer_files`).
+that describe it (chat template included) go into every checkpoint and every export (`Tokenizer.files`).
 """
 
 from __future__ import annotations
