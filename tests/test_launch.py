@@ -245,12 +245,7 @@ from shardlab.launch import init_distributed
 
 d = init_distributed("cpu")
 t = torch.tensor([float(d.rank + 1)])
-dist.all_reduce(t)
-line = f"rank {d.rank}/{d.world_size} backend={d.backend} threads={torch.get_num_threads()} sum={t.item()}\n"
-os.write(1, line.encode())  # one write: print() can split the text and the newline, and the ranks interleave
-if d.rank == 1 and "{fail}" == "yes":
-    raise SystemExit("rank 1 gives up")
-if "{fail}" == "kill":
+if "{fail}" == "kill":  # before any collective: one after it could race rank 0's reads of rank 1's last bytes
     from shardlab._torchrun import ERROR_FILE_ENV, leave, report
 
     try:
@@ -259,6 +254,11 @@ if "{fail}" == "kill":
         dist.all_reduce(t)  # rank 0: gloo's "Connection closed by peer", the echo of rank 1's death
     except Exception as err:
         leave(report(err, os.environ[ERROR_FILE_ENV], d.rank))
+dist.all_reduce(t)
+line = f"rank {d.rank}/{d.world_size} backend={d.backend} threads={torch.get_num_threads()} sum={t.item()}\n"
+os.write(1, line.encode())  # one write: print() can split the text and the newline, and the ranks interleave
+if d.rank == 1 and "{fail}" == "yes":
+    raise SystemExit("rank 1 gives up")
 dist.destroy_process_group()
 """
 
