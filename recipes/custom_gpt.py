@@ -3,15 +3,17 @@ LayerNorm, GELU MLP), FSDP 2 x TP 2 (+SP, loss parallel) on 4 ranks from a facto
 
     python -m shardlab recipes/custom_gpt.py
     python -m shardlab plan recipes/custom_gpt.py
+    python -m shardlab export runs/custom_gpt --to-hf gpt2_out --recipe recipes/custom_gpt.py
 
 The model's hyperparameters are CustomModel's keyword arguments; every module draws its weights in its own
-reset_parameters() (seeded per module name, so every layout starts from the same model)."""
+reset_parameters() (seeded per module name, so every layout starts from the same model). The model is GPT-2's
+(exact GELU, untied head), so `hf=` exports it as transformers' GPT2LMHeadModel."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlab import Activation, Config, CustomModel, MeshSpec, PlanConfig, Rule, Rules, TrainConfig
+from shardlab import Activation, Config, CustomModel, HFExport, MeshSpec, PlanConfig, Rule, Rules, TrainConfig
 
 
 class Attention(nn.Module):
@@ -108,7 +110,31 @@ def gpt_rules(plan: PlanConfig) -> Rules:
     )
 
 
-model = CustomModel(GPT, rules=gpt_rules, vocab_size=2048, dim=256, n_layers=4, n_heads=8, max_seq=256)
+def gpt2_config(vocab_size: int, dim: int, n_layers: int, n_heads: int, max_seq: int) -> dict:
+    """GPT's arguments as transformers' GPT2Config fields."""
+    return dict(
+        vocab_size=vocab_size, n_embd=dim, n_layer=n_layers, n_head=n_heads, n_positions=max_seq,
+        activation_function="gelu", tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+
+
+def gpt2_tensors(name: str, t: torch.Tensor, *, n_heads: int, **_) -> list[tuple[str, torch.Tensor]]:
+    """One GPT parameter as GPT2LMHeadModel's: its names, Conv1D weights stored [in, out], q, k and v each whole."""
+    if name == "head.weight":
+        return [("lm_head.weight", t)]
+    hf = "transformer." + name.replace("blocks.", "h.").replace("ln1", "ln_1").replace("ln2", "ln_2")
+    hf = hf.replace("attn.qkv", "attn.c_attn").replace("proj", "c_proj").replace("mlp.fc", "mlp.c_fc")
+    if ".attn.qkv." in name:  # head-major [head][q, k, v][head_dim] -> [q, k, v][head][head_dim]
+        t = t.unflatten(0, (n_heads, 3, -1)).transpose(0, 1).flatten(0, 2)
+    return [(hf, t.T if name.endswith("weight") and t.dim() == 2 and "blocks." in name else t)]
+
+
+model = CustomModel(
+    GPT,
+    rules=gpt_rules,
+    hf=HFExport("GPT2LMHeadModel", config=gpt2_config, tensors=gpt2_tensors),
+    vocab_size=2048, dim=256, n_layers=4, n_heads=8, max_seq=256,
+)  # fmt: skip
 config = Config(
     name="custom_gpt",
     mesh=MeshSpec(dp_shard=2, tp=2),

@@ -22,7 +22,7 @@ from shardlab.debug import visualize, visualize_spec
 from shardlab.hf import from_hf, load_hf_weights, to_hf
 from shardlab.loop import build_model, train
 from shardlab.mesh import MeshSpec
-from shardlab.models.custom import CustomModel
+from shardlab.models.custom import CustomModel, HFExport
 from shardlab.models.hf_causal_lm import HFCausalLM
 from shardlab.models.llama import Llama, llama_config
 from shardlab.models.llama_rules import llama_rules
@@ -40,6 +40,7 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "HFCausalLM",
+    "HFExport",
     "Llama",
     "LlamaProvider",
     "LogConfig",

@@ -15,13 +15,14 @@ from shardlab._torchrun import EXIT_STOPPED, STOPPED_FILE_ENV
 USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world N] [--max-restarts N]
        python -m shardlab plan RECIPE [--section.field VALUE ...] [--world N]
        python -m shardlab estimate RECIPE [--section.field VALUE ...] [--world N] [--device h100|h200|a100|b200]
-       python -m shardlab export RUN_DIR --to-hf OUT
+       python -m shardlab export RUN_DIR --to-hf OUT [--recipe RECIPE]
 
   RECIPE      a Python file defining `config = shardlab.Config(...)` (see recipes/)
   plan        print the layout (per-parameter specs, placements, bytes per rank) and exit; no processes
   estimate    per-rank memory, communication per mesh axis, FLOPs and a roofline step time (worst rank), from
               the plan and one micro batch run on fake tensors in a fake world of that size; no devices
-  export      write the newest checkpoint of RUN_DIR (or a step directory) as Hugging Face safetensors
+  export      write the newest checkpoint of RUN_DIR (or a step directory) as Hugging Face safetensors; a
+              recipe's own model needs its recipe (--recipe), which names the transformers class (HFExport)
   --world N   world size for the mesh's -1 axis (default: the launcher's WORLD_SIZE, else the fixed axes' product)
   --device D  the accelerator `estimate` predicts step time for (default h100)
   --max-restarts N  start the ranks again, up to N times, when one dies (torch.distributed.run's restarts); each
@@ -187,10 +188,19 @@ def _export(source: str, args: list[str]) -> int:
 
     from shardlab.checkpoint import export_to_hf
 
-    if len(args) != 2 or args[0] != "--to-hf":
-        raise ValueError(f"export: expected `export RUN_DIR --to-hf OUT`, got {' '.join(['export', source, *args])!r}")
-    step = export_to_hf(Path(source), Path(args[1]))
-    print(f"shardlab: wrote {step} as a Hugging Face directory {args[1]}")
+    given = " ".join(["export", source, *args])
+    recipe_path = _pop_flag(args, "--recipe")
+    out = _pop_flag(args, "--to-hf")
+    if not out or args or recipe_path == "":
+        raise ValueError(f"export: expected `export RUN_DIR --to-hf OUT [--recipe RECIPE]`, got {given!r}")
+    model = None
+    if recipe_path is not None:
+        from shardlab.recipe import load_recipe
+
+        recipe = load_recipe(recipe_path)
+        model = recipe.model(recipe.config)
+    step = export_to_hf(Path(source), Path(out), model)
+    print(f"shardlab: wrote {step} as a Hugging Face directory {out}")
     return 0
 
 

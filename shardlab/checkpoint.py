@@ -360,10 +360,12 @@ def verify(path: Path, model_state: dict) -> None:
             )
 
 
-def export_to_hf(source: Path, out: Path) -> Path:
+def export_to_hf(source: Path, out: Path, model: ModelProvider | None = None) -> Path:
     """Write a checkpoint's model weights as a Hugging Face directory; `source` is a run or step directory.
 
-    One process, no process group: DCP reshards whatever layout saved it into plain full tensors.
+    One process, no process group: DCP reshards whatever layout saved it into plain full tensors. `model`: the
+    provider of a recipe's own model (its recipe's `model`; it must be the model the checkpoint holds); shardlab's
+    Llama and transformers models are known from the checkpoint itself.
     """
     from shardlab.hf import to_hf
 
@@ -378,7 +380,7 @@ def export_to_hf(source: Path, out: Path) -> Path:
     if not config_file.is_file():
         raise ValueError(f"export: {str(step)!r} has no config.json; it is not a shardlab checkpoint")
     cfg = msgspec.json.decode(config_file.read_bytes(), type=Config)
-    provider = saved_provider(step, cfg)
+    provider = saved_provider(step, cfg, model)
     provider.hf_config()  # a model without a transformers mapping fails here, before anything is read
     with torch.device("meta"):
         model = provider.build()
@@ -392,17 +394,29 @@ def export_to_hf(source: Path, out: Path) -> Path:
     return step
 
 
-def saved_provider(step: Path, cfg: Config) -> ModelProvider:
+def saved_provider(step: Path, cfg: Config, model: ModelProvider | None = None) -> ModelProvider:
     """The model a checkpoint holds, from what the checkpoint itself says (a transformers model's config is in its
-    model.json, so the export needs neither its directory nor its recipe)."""
+    model.json, so the export needs neither its directory nor its recipe); a recipe's own model comes from its
+    recipe (`model`), checked against the checkpoint."""
     identity = saved_identity(step) or {}
-    if any(k.startswith("config.json:") for k in identity):
+    if "model.factory" in identity:
+        if model is None:
+            raise ValueError(
+                f"export: {str(step)!r} holds a recipe's own model ({identity['model.factory']}); pass its recipe: "
+                "`export RUN_DIR --to-hf OUT --recipe RECIPE`"
+            )
+        if (key := first_difference(identity, model.identity())) is not None:
+            raise ValueError(
+                f"export: the recipe's model differs from the checkpoint's in {key} (checkpoint "
+                f"{identity.get(key)!r}, recipe {model.identity().get(key)!r}); pass the recipe the run was trained with"
+            )
+        return model
+    transformers = any(k.startswith("config.json:") for k in identity)
+    if model is not None:
+        held = "a transformers model" if transformers else "shardlab's Llama"
+        raise ValueError(f"export: {str(step)!r} holds {held}, not a recipe's own model; leave out --recipe")
+    if transformers:
         from shardlab.models.hf_causal_lm import HFCausalLM
 
         return HFCausalLM.from_identity(identity)
-    if "model.factory" in identity:
-        raise ValueError(
-            f"export: {str(step)!r} holds a recipe's own model ({identity['model.factory']}), which has no "
-            "transformers mapping; only shardlab's Llama/MoE and transformers models export to Hugging Face"
-        )
     return LlamaProvider(cfg.model)

@@ -275,3 +275,18 @@ def test_plan_shows_each_parameters_optimizer_group(capsys, monkeypatch):
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("model.")}
     assert rows["model.norm.weight"].endswith("wd 0 lr x1")
     assert rows["model.embed_tokens.weight"].endswith("wd 0.1 lr x0.1")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--to-hf"], "expected `export RUN_DIR --to-hf OUT [--recipe RECIPE]`"),
+        (["--to-hf", "out", "--recipe"], "expected `export RUN_DIR --to-hf OUT [--recipe RECIPE]`"),
+        (["--to-hf", "out", "--recipe", "notes.txt"], "recipe: no file 'notes.txt'"),
+        (["--to-hf", "out", "--recipe", "recipes/custom_gpt.py"], "holds no committed checkpoint"),
+    ],
+)
+def test_export_errors_are_one_line(tmp_path, capsys, args, message):
+    assert main(["export", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err

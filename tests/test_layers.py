@@ -4,7 +4,17 @@ import ast
 from pathlib import Path
 
 LAYERS = [
-    {"_base", "_glob", "_faults", "_preemption", "_strided", "_activation_checkpoint", "_torchrun", "_manifest", "estimate._fake"},
+    {
+        "_base",
+        "_glob",
+        "_faults",
+        "_preemption",
+        "_strided",
+        "_activation_checkpoint",
+        "_torchrun",
+        "_manifest",
+        "estimate._fake",
+    },
     {"mesh", "_device_mesh"},
     {"pipeline"},
     {"model_config", "config"},

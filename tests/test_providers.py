@@ -211,17 +211,89 @@ def test_export_round_trips_a_transformers_model(dirs, family, tmp_path):
         torch.testing.assert_close(hf(tokens).logits, provider.forward(model, tokens), atol=1e-5, rtol=0)
 
 
-def test_a_recipe_model_does_not_export(tmp_path):
-    from shardlab.checkpoint import MODEL_FILE, STATE_FILE, export_to_hf
+def gpt_provider(**kwargs):
+    """recipes/custom_gpt.py's own model at a test's size."""
+    from pathlib import Path
 
-    step = tmp_path / "checkpoints" / "step-00000001"
-    step.mkdir(parents=True)
-    (step / STATE_FILE).write_text("{}")
-    (step / ".metadata").write_bytes(b"")
-    (step / "config.json").write_bytes(msgspec.json.encode(Config()))
-    (step / MODEL_FILE).write_text(json.dumps({"model.factory": "recipe.GPT", "model.dim": 64}))
-    with pytest.raises(ValueError, match=r"holds a recipe's own model \(recipe.GPT\), which has no transformers"):
+    from shardlab.recipe import load_recipe
+
+    recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "custom_gpt.py")
+    args = dict(vocab_size=300, dim=64, n_layers=2, n_heads=4, max_seq=32) | kwargs
+    return recipe.model(recipe.config).with_args(**args)
+
+
+def test_a_recipe_model_exports_as_the_transformers_class_it_names(tmp_path):
+    """GPT's head-major fused QKV and [out, in] weights become GPT2LMHeadModel's q|k|v blocks and Conv1D [in, out]:
+    transformers loads the directory and gives the same logits."""
+    from shardlab.hf import to_hf
+
+    provider = gpt_provider()
+    model = provider.build()
+    provider.init_weights(model, seed=3)
+    to_hf(model, tmp_path / "hf", provider=provider)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "GPT2LMHeadModel"
+    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model.eval()(tokens), atol=1e-5, rtol=0)
+
+
+def test_a_wrong_export_mapping_is_one_line_before_anything_is_written(tmp_path):
+    import dataclasses
+
+    from shardlab.hf import to_hf
+
+    provider = gpt_provider()
+    model = provider.build()
+    right = provider.hf.tensors
+
+    def drop_positions(name, t, **kw):
+        return [] if name == "wpe.weight" else right(name, t, **kw)
+
+    def untransposed(name, t, **kw):
+        return [(n, w.T if n.endswith("c_fc.weight") else w) for n, w in right(name, t, **kw)]
+
+    cases = [
+        (dataclasses.replace(provider.hf, tensors=drop_positions), r"writes no 'transformer.wpe.weight' \(and 0 more"),
+        (dataclasses.replace(provider.hf, tensors=untransposed), r"'transformer.h.0.mlp.c_fc.weight' with shape \(256, 64\)"),
+        (dataclasses.replace(provider.hf, architecture="GPT3"), r"'GPT3' is not a transformers model class"),
+    ]  # fmt: skip
+    for hf, message in cases:
+        provider.hf = hf
+        with pytest.raises(ValueError, match=message):
+            to_hf(model, tmp_path / "hf", provider=provider)
+        assert not (tmp_path / "hf").exists()
+    provider.hf = None
+    with pytest.raises(ValueError, match=r"no transformers class is named for this model.*hf=HFExport"):
+        to_hf(model, tmp_path / "hf", provider=provider)
+
+
+def test_a_recipe_model_checkpoint_exports_with_its_recipe(tmp_path):
+    """`export` needs the recipe of a recipe's own model, and refuses one whose model differs from the checkpoint's."""
+    from shardlab.checkpoint import export_to_hf, save
+    from shardlab.data import make_loader
+    from shardlab.loop import build_model
+    from shardlab.step import init_state
+
+    provider = gpt_provider()
+    cfg = msgspec.structs.replace(Config(), train=msgspec.structs.replace(Config().train, seq_len=32, global_batch=2))
+    model, _, _ = build_model(cfg, provider=provider)
+    loader = make_loader(cfg.data, seq_len=32, global_batch=2, vocab_size=300, dp_rank=0, dp_size=1)
+    save(init_state(model, cfg.optim), loader, cfg, tmp_path / "checkpoints", provider=provider)
+    with pytest.raises(ValueError, match=r"holds a recipe's own model \(.*GPT\); pass its recipe: `export RUN_DIR"):
         export_to_hf(tmp_path, tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"differs from the checkpoint's in model.dim \(checkpoint 64, recipe 32\)"):
+        export_to_hf(tmp_path, tmp_path / "hf", gpt_provider(dim=32))
+    export_to_hf(tmp_path, tmp_path / "hf", provider)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model.eval()(tokens), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"holds shardlab's Llama, not a recipe's own model; leave out --recipe"):
+        llama = tmp_path / "llama"
+        model, _, _ = build_model(Config())
+        save(init_state(model, cfg.optim), loader, Config(), llama / "checkpoints")
+        export_to_hf(llama, tmp_path / "hf2", provider)
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import ModelConfig
-from shardlab.hf.io import INDEX, SINGLE, _pieces, _reshard
-from shardlab.models.provider import HFNames, LlamaProvider, ModelProvider
+from shardlab.hf.io import INDEX, SINGLE, _reshard
+from shardlab.models.provider import LlamaProvider, ModelProvider
 
 
 def to_hf(
@@ -81,16 +81,18 @@ def to_hf(
     _raise_on_every_rank(error)
     # Every rank gathers every tensor in the same order (collectives); a write error on rank 0 is held
     # until the end so the other ranks are not left waiting in a collective.
+    weight_map: dict[str, str] = {}  # checkpoint tensor -> its file
+    total = 0
     for file, shard in zip(files, shards):
         buffer = {}
         for name, t in shard:
             full = t.full_tensor() if isinstance(t, DTensor) else t
             if writer and error is None:
                 full = full.detach().to("cpu", copy=not isinstance(t, DTensor))
-                stored = provider.hf_names(name, full.shape)
-                stacked = isinstance(stored, tuple)
-                parts = _split(stored, full) if stacked else [(stored, full)]
-                buffer.update((n, w.clone() if stacked else w.contiguous()) for n, w in parts)  # no shared storage
+                for stored, w in provider.hf_tensors(name, full):
+                    buffer[stored] = w.clone(memory_format=torch.contiguous_format)  # no shared storage
+                    weight_map[stored] = file
+                    total += w.numel() * w.element_size()
             del full
         if writer and error is None:
             try:
@@ -100,7 +102,7 @@ def to_hf(
         del buffer
     if writer and error is None:
         try:
-            _write_metadata(tmp, hf_config, provider, tensors, files, shards)
+            _write_metadata(tmp, hf_config, tensors[0][1].dtype, weight_map, total)
             for name, data in (extra_files or {}).items():
                 (tmp / name).write_bytes(data)
             os.replace(tmp, target)
@@ -141,34 +143,12 @@ def _export_tensors(
     return [(name, source[name]) for name in want]
 
 
-def _write_metadata(tmp: Path, hf_config: dict, provider: ModelProvider, tensors, files: list[str], shards) -> None:
-    hf_config = hf_config | {"torch_dtype": str(tensors[0][1].dtype).removeprefix("torch.")}
+def _write_metadata(tmp: Path, hf_config: dict, dtype: torch.dtype, weight_map: dict[str, str], total: int) -> None:
+    hf_config = hf_config | {"torch_dtype": str(dtype).removeprefix("torch.")}
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    if len(files) > 1:
-        index = {
-            "metadata": {"total_size": sum(t.numel() * t.element_size() for _, t in tensors)},
-            "weight_map": {
-                stored: file
-                for file, shard in zip(files, shards)
-                for name, t in shard
-                for stored in _as_tuple(provider.hf_names(name, t.shape))
-            },
-        }
+    if len(set(weight_map.values())) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _as_tuple(names: HFNames) -> tuple[str, ...]:
-    """Every checkpoint tensor a parameter is written to."""
-    return tuple(n for e in (names if isinstance(names, tuple) else (names,)) for n in _pieces(e))
-
-
-def _split(names: tuple[str | tuple[str, ...], ...], full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """A stacked weight's tensors: per slice of dim 0 one, or its rows split in equal blocks, one per name."""
-    out = []
-    for entry, piece in zip(names, full.unbind(0), strict=True):
-        parts = _pieces(entry)
-        out.extend(zip(parts, piece.chunk(len(parts), 0), strict=True))
-    return out
 
 
 def _raise_on_every_rank(error: str | None) -> None:

@@ -121,6 +121,18 @@ class ModelProvider(abc.ABC):
         """The checkpoint tensor(s) of parameter `name` (its shape: a stacked weight is one tensor per slice)."""
         return name
 
+    def hf_tensors(self, name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors that parameter `name` (whole, on the cpu) is exported as: by default its
+        `hf_names`, a stacked weight split per slice of dim 0."""
+        stored = self.hf_names(name, full.shape)
+        if not isinstance(stored, tuple):
+            return [(stored, full)]
+        out = []
+        for entry, piece in zip(stored, full.unbind(0), strict=True):
+            parts = (entry,) if isinstance(entry, str) else entry
+            out.extend(zip(parts, piece.chunk(len(parts), 0), strict=True))
+        return out
+
     def hf_tied(self) -> bool:
         """Whether the exported checkpoint leaves out the tied head (`lm_head.weight`), as transformers does."""
         return False
