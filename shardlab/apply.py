@@ -34,7 +34,7 @@ from torch.distributed.tensor.placement_types import Placement
 from shardlab._activation_checkpoint import checkpoint as checkpoint_module
 from shardlab._device_mesh import expert_mesh, flat_view, mesh_spec_of
 from shardlab.context_parallel import all_gather_attention
-from shardlab.expert_parallel import StackedExpertsParallel, expert_dispatch
+from shardlab.expert_parallel import expert_dispatch, stacked_experts
 from shardlab.mesh import AXES, FLAT_VIEWS
 from shardlab.pipeline import StagePlan
 from shardlab.plan import Plan
@@ -116,20 +116,24 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
 
 def _expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, modules: tuple[str, ...]) -> None:
     """Expert weights become DTensors sharded over ep and/or tp as the plan says, each rank keeping its block of
-    the full weight it holds; their modules dispatch rows to them (shardlab.expert_parallel)."""
+    the full weight it holds; their modules dispatch rows to them, or, transformers' stacked experts, gather their
+    group's tokens (shardlab.expert_parallel)."""
     e = plan.experts
     axes = (("ep",) if e.ep > 1 else ()) + (("tp",) if e.tensor_parallel else ())
     on = expert_mesh(mesh, axes) if e.ep > 1 else mesh["tp"]
-    dispatch = expert_dispatch(
-        expert_mesh(mesh, ("ep",)).get_group() if e.ep > 1 else None, mesh["tp"] if e.tensor_parallel else None
-    )
+    ep = expert_mesh(mesh, ("ep",)) if e.ep > 1 else None
+    tp = mesh["tp"] if e.tensor_parallel else None
+    dispatch = expert_dispatch(ep.get_group() if ep is not None else None, tp)
     for fqn in modules:
         module = model.get_submodule(fqn)
         for name, param in list(module.named_parameters(recurse=False)):
             mine = _placements_on(on, P(*plan.param(f"{fqn}.{name}").spec))  # FSDP's axes have size 1 on `on`
             shard_ = distribute_tensor(param.detach(), on, mine, src_data_rank=None)  # every rank has the full weight
             module.register_parameter(name, nn.Parameter(shard_, requires_grad=param.requires_grad))
-        module.dispatch = dispatch
+        if e.stacked:
+            stacked_experts(module, ep, tp)
+        else:
+            module.dispatch = dispatch
 
 
 def _fsdp_dims(model: nn.Module, plan: Plan) -> Callable[[nn.Parameter], Shard | None]:
@@ -192,8 +196,6 @@ def _tp_style(m: ModulePlan) -> ParallelStyle:
     if m.style in ("rowwise", "embedding_rowwise"):
         default_in = Replicate() if m.style == "embedding_rowwise" else None
         return RowwiseParallel(input_layouts=inp or default_in, output_layouts=out, use_local_output=m.local_output)
-    if m.style == "stacked_experts":
-        return StackedExpertsParallel()
     if m.style == "sequence_parallel":
         return SequenceParallel(sequence_dim=inp.dim, use_local_output=m.local_output)
     if m.style == "prepare_input_output":

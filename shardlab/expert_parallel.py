@@ -8,6 +8,10 @@ the remaining dp_shard_mod_ep ranks with a divide factor of every rank holding o
 Tokens are routed where they live; `expert_dispatch` sends each expert's rows to the rank holding it and
 the results back with torch's autograd-aware uneven all-to-all, so the backward runs the same exchange in
 reverse. Routing statistics (the balancing loss, the bias update) are unchanged: they count tokens at home.
+
+transformers' stacked experts (`stacked_experts`) run their own forward instead: split by experts over ep x tp,
+each rank gathers its ep group's tokens, runs the ones routed to its experts, and the partial outputs are summed
+back to the tokens' ranks.
 """
 
 from __future__ import annotations
@@ -21,8 +25,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from shardlab._base import Frozen
 from shardlab.mesh import MeshSpec
@@ -49,6 +52,8 @@ class ExpertPlan(Frozen):
     gradient_divide_factor: int | None
     """With ep > 1, the ranks holding other tokens (dp_replicate x dp_shard x cp): FSDP averages expert gradients
     over them, not over its own smaller mesh. None when ep is 1 (FSDP's own mean is right)."""
+    stacked: bool = False
+    """transformers' stacked experts: split by experts (dim 0) over ep x tp, run by `stacked_experts`."""
 
 
 def strip_ep(spec: Spec) -> Spec:
@@ -78,6 +83,7 @@ def expert_plan(modules: dict[str, nn.Module], expert_specs: dict[str, Spec], me
             "(logical ('experts', 'ep') or spec ('ep', None, None)), or set mesh.ep=1"
         )
     owners = tuple(dict.fromkeys(module_of(f) for f in expert_specs))
+    stacked = all(is_stacked_experts(modules[o]) for o in owners)
     for owner in owners:
         module = modules[owner]
         others = [n for n, _ in module.named_parameters() if f"{owner}.{n}" not in expert_specs]
@@ -86,13 +92,22 @@ def expert_plan(modules: dict[str, nn.Module], expert_specs: dict[str, Spec], me
                 f"{owner}.{others[0]}: {owner} holds expert weights (rules name ep on them), so each of its parameters "
                 "needs its expert dim over ep too; shard it over ep or move it to another module"
             )
-        if not hasattr(module, "dispatch") or not hasattr(module, "hidden_dims"):
+        if not stacked and (not hasattr(module, "dispatch") or not hasattr(module, "hidden_dims")):
             raise ValueError(
                 f"{owner}: holds ep-sharded weights but has no `dispatch` and `hidden_dims` to run them "
-                "(shardlab.models.moe.Experts has both); replicate its parameters over ep"
+                "(shardlab.models.moe.Experts has both) and is not transformers' stacked experts (`num_experts`, "
+                "weights stacked on dim 0); replicate its parameters over ep"
             )
     for fqn, spec in expert_specs.items():
-        p, hidden = P(*spec), modules[module_of(fqn)].hidden_dims.get(fqn.rpartition(".")[2])
+        p = P(*spec)
+        if stacked:  # split by experts alone: ep, then tp, on dim 0
+            if p.axes(0) not in (("ep",), ("ep", "tp")) or any(p.axes(d) for d in range(1, len(p))):
+                raise ValueError(
+                    f"{fqn}: {p!r}; transformers' stacked experts split by experts only, over ep then tp on dim 0 "
+                    "(spec (('ep', 'tp'), None, ...)): fix the rule"
+                )
+            continue
+        hidden = modules[module_of(fqn)].hidden_dims.get(fqn.rpartition(".")[2])
         if (
             p.axes(0) != ("ep",)
             or any("ep" in p.axes(d) for d in range(1, len(p)))
@@ -113,7 +128,15 @@ def expert_plan(modules: dict[str, nn.Module], expert_specs: dict[str, Spec], me
         modules=owners,
         fsdp_axes=fsdp_axes if mesh.ep > 1 else (),
         gradient_divide_factor=mesh.size("batch") if mesh.ep > 1 else None,
+        stacked=stacked,
     )
+
+
+def is_stacked_experts(module: nn.Module) -> bool:
+    """transformers' experts convention: `num_experts`, every weight stacked along dim 0 by expert."""
+    n = getattr(module, "num_experts", None)
+    params = list(module.parameters(recurse=False))
+    return isinstance(n, int) and bool(params) and all(p.ndim >= 2 and p.shape[0] == n for p in params)
 
 
 def expert_dispatch(ep_group: dist.ProcessGroup | None, tp_mesh: DeviceMesh | None) -> Dispatch:
@@ -183,44 +206,52 @@ def summed(partial: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return DTensor.from_local(partial, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
 
 
-class StackedExpertsParallel(ParallelStyle):
-    """A transformers experts module (stacked weights [E, ...], `num_experts`, called with the tokens, each
-    token's top-k expert ids and weights) split by experts over tp: every tp rank holds the same tokens and E / tp
-    experts, runs the module's own forward on the tokens routed to its experts, and the partial outputs are summed.
+def stacked_experts(module: nn.Module, ep: DeviceMesh | None, tp: DeviceMesh | None) -> None:
+    """Run a transformers experts module (stacked weights [E, ...], `num_experts`, called with the tokens, each
+    token's top-k expert ids and weights) whose weights are split by experts over ep x tp (already local blocks of
+    DTensors): rank (e, t) holds experts block e * tp + t.
 
-    transformers' experts skip an id equal to `num_experts` (the sentinel its expert parallelism uses), so ids of
-    other ranks' experts become that sentinel, with zero weight; the tokens' and weights' gradients are summed
-    over tp. Communication is that of tensor parallelism (one all-reduce forward, one backward), without splitting
-    the fused gate/up weight."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        experts = module.num_experts
-        if experts % device_mesh.size():
-            raise ValueError(
-                f"{type(module).__name__}: {experts} experts do not split over tp={device_mesh.size()}; pick a tp "
-                "that divides them"
-            )
-        for name, param in list(module.named_parameters(recurse=False)):
-            local = distribute_tensor(param.detach(), device_mesh, [Shard(0)], src_data_rank=None)
-            module.register_parameter(name, nn.Parameter(local, requires_grad=param.requires_grad))
-        module.register_forward_pre_hook(functools.partial(_enter, device_mesh, experts), with_kwargs=True)
-        module.register_forward_hook(functools.partial(_leave, device_mesh, experts))
-        return module
+    Each rank gathers its ep group's tokens (ep ranks hold other tokens; tp ranks the same ones), runs the module's
+    own forward on the tokens routed to its experts, and the partial outputs are summed over tp and reduce-scattered
+    back over ep. transformers' experts skip an id equal to `num_experts` (the sentinel of its own expert
+    parallelism), so ids of other ranks' experts become that sentinel, with zero weight. Autograd runs the same
+    collectives in reverse (a gather's gradient is a reduce-scatter), so the tokens' and routing weights' gradients
+    are summed over every rank that used them. Communication per layer: an all-gather and a reduce-scatter of the
+    tokens over ep, an all-reduce over tp; the fused gate/up weight is never split."""
+    experts = module.num_experts
+    ranks = (ep.size() if ep is not None else 1) * (tp.size() if tp is not None else 1)
+    if experts % ranks:
+        raise ValueError(
+            f"{type(module).__name__}: {experts} experts do not split over ep x tp = {ranks} ranks; pick ep and tp "
+            "whose product divides them"
+        )
+    module.register_forward_pre_hook(functools.partial(_enter, ep, tp, experts), with_kwargs=True)
+    module.register_forward_hook(functools.partial(_leave, ep, tp, experts))
 
 
 _ARGS = ("hidden_states", "top_k_index", "top_k_weights")
 
 
 def _enter(
-    mesh: DeviceMesh, experts: int, module: nn.Module, args: tuple, kwargs: dict
+    ep: DeviceMesh | None, tp: DeviceMesh | None, experts: int, module: nn.Module, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict[str, Any]]:
-    """Before the forward: this rank's experts (local weights, renumbered ids, others' ids the sentinel)."""
+    """Before the forward: the group's tokens, this rank's experts (local weights, renumbered ids, others' ids the
+    sentinel)."""
     bound = dict(zip(_ARGS, args)) | {k: v for k, v in kwargs.items() if k in _ARGS}
     hidden, index, weights = (bound[k] for k in _ARGS)
-    local = experts // mesh.size()
-    first = mesh.get_local_rank() * local
+    if ep is not None:  # the ep group's tokens, in rank order
+        group = ep.get_group()
+        hidden = funcol.all_gather_single_autograd(hidden, 0, group)
+        weights = funcol.all_gather_single_autograd(weights, 0, group)
+        index = funcol.all_gather_single(index, 0, group)
+    if tp is not None:  # each tp rank computes a part for the same tokens
+        hidden, weights = with_summed_grad(hidden, tp), with_summed_grad(weights, tp)
+    tp_size, tp_rank = (tp.size(), tp.get_local_rank()) if tp is not None else (1, 0)
+    ep_size, ep_rank = (ep.size(), ep.get_local_rank()) if ep is not None else (1, 0)
+    local = experts // (ep_size * tp_size)
+    first = (ep_rank * tp_size + tp_rank) * local
     mine = (index >= first) & (index < first + local)
-    weights = with_summed_grad(weights, mesh) * mine
+    weights = weights * mine
     index = torch.where(mine, index - first, torch.full_like(index, local))
     for name, param in module.named_parameters(recurse=False):
         module.__dict__[name] = param.to_local()  # the forward reads plain tensors; gradients reach the DTensors
@@ -228,13 +259,20 @@ def _enter(
     if hasattr(module, "_is_expert_parallel"):  # transformers' kernels (grouped_mm) then mask the sentinel rows
         module._is_expert_parallel = True
     rest = {k: v for k, v in kwargs.items() if k not in _ARGS}
-    return (with_summed_grad(hidden, mesh), index, weights), rest
+    return (hidden, index, weights), rest
 
 
-def _leave(mesh: DeviceMesh, experts: int, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+def _leave(
+    ep: DeviceMesh | None, tp: DeviceMesh | None, experts: int, module: nn.Module, args: tuple, output: torch.Tensor
+) -> torch.Tensor:
+    """After the forward: the module as it was; the outputs summed over tp, and over ep back to the tokens' ranks."""
     for name, _ in module.named_parameters(recurse=False):
         module.__dict__.pop(name, None)
     module.num_experts = experts
     if hasattr(module, "_is_expert_parallel"):
         module._is_expert_parallel = False
-    return summed(output, mesh)
+    if tp is not None:
+        output = summed(output, tp)
+    if ep is not None:
+        output = funcol.reduce_scatter_single_autograd(output, "sum", 0, ep.get_group())
+    return output

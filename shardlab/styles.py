@@ -14,7 +14,7 @@ from shardlab.spec import P, Spec
 
 Style = Literal[
     "colwise", "rowwise", "embedding_rowwise", "embedding_colwise", "sequence_parallel", "prepare_input",
-    "prepare_input_output", "stacked_experts",
+    "prepare_input_output",
 ]  # fmt: skip
 
 
@@ -115,9 +115,6 @@ def _kwarg_dims(layouts: tuple[tuple[str, Spec], ...]) -> dict[str, int | None]:
 
 
 def _parallel_style(fqn: str, module: nn.Module, own: dict[str, int | None], inputs, output) -> ModulePlan:
-    if isinstance(getattr(module, "num_experts", None), int) and set(own.values()) == {0}:
-        # transformers' stacked experts [E, ...]: split by experts (shardlab.expert_parallel.StackedExpertsParallel)
-        return ModulePlan(fqn=fqn, style="stacked_experts")
     weight = own.get("weight")
     kinds = {nn.Linear: ("colwise", "rowwise"), nn.Embedding: ("embedding_colwise", "embedding_rowwise")}
     kind = next((v for k, v in kinds.items() if isinstance(module, k)), None)

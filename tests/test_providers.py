@@ -119,10 +119,36 @@ def test_tp_must_divide_the_heads(qwen3_dir):
         check_layout(cfg, provider_for(cfg))
 
 
-def test_expert_parallelism_is_refused(qwen3_dir):
-    cfg = hf_cfg(qwen3_dir, MeshSpec(dp_shard=2, ep=2))
-    with pytest.raises(ValueError, match=r"mesh.ep=2 is not supported for transformers models yet"):
+def test_expert_parallelism_needs_stacked_experts_it_divides(dirs):
+    cfg = hf_cfg(dirs["qwen3"], MeshSpec(dp_shard=2, ep=2))
+    with pytest.raises(ValueError, match=r"mesh.ep=2, but the model has no stacked experts to split over ep"):
         check_layout(cfg, provider_for(cfg))
+    cfg = hf_cfg(dirs["mixtral"], MeshSpec(dp_shard=4, ep=4, tp=2))
+    with pytest.raises(ValueError, match=r"4 experts do not split over mesh.ep=4 x mesh.tp=2"):
+        check_layout(cfg, provider_for(cfg))
+    cfg = hf_cfg(dirs["mixtral"], MeshSpec(dp_shard=2, ep=2, tp=2))
+    check_layout(cfg, provider_for(cfg))
+    _, plan = plan_model(cfg)
+    assert plan.experts.stacked and plan.experts.ep == 2 and plan.experts.tensor_parallel
+    assert plan.param("model.layers.0.mlp.experts.down_proj").spec[0] == ("ep", "tp")
+
+
+def test_estimate_prices_the_expert_parallel_gathers(dirs):
+    """The fake world runs transformers' grouped matmuls (in fp32 too) and counts their FLOPs; ep gathers the
+    group's tokens, routing weights and ids, and reduce-scatters the outputs, once per MoE layer."""
+    from shardlab.estimate import estimate
+    from shardlab.estimate.roofline import device
+
+    cfg = hf_cfg(dirs["mixtral"], MeshSpec(dp_shard=4, ep=2)).resolve(4)
+    _, plan = plan_model(cfg)
+    e = estimate(cfg, plan, dev=device("h100"))
+    by_axis = {(x.axis, x.kind, x.phase): x.bytes for x in e.collectives}
+    tokens = cfg.train.global_batch // 4 // cfg.micro_batches * cfg.train.seq_len  # this rank's micro batch
+    layers, top_k, dim = SHAPE["num_hidden_layers"], 2, SHAPE["hidden_size"]
+    assert by_axis["ep", "all_gather", "forward"] == layers * 2 * tokens * (dim * 4 + top_k * (4 + 8))
+    assert by_axis["ep", "reduce_scatter", "forward"] == layers * 2 * tokens * dim * 4  # the gathered outputs
+    one = estimate(hf_cfg(dirs["mixtral"]).resolve(1), plan_model(hf_cfg(dirs["mixtral"]))[1], dev=device("h100"))
+    assert e.executed_flops * 4 == pytest.approx(one.executed_flops, rel=0.02)  # the same work, split 4 ways
 
 
 def test_pipelines_take_what_a_stage_can_feed_the_model(qwen3_dir):
@@ -359,7 +385,9 @@ def test_stacked_experts_split_by_experts_over_tp(dirs):
     check_layout(cfg, provider_for(cfg))
     _, plan = plan_model(cfg)
     assert plan.param("model.layers.0.mlp.experts.gate_up_proj").spec[0] == ("tp", "dp_shard")  # experts: tp, then FSDP
-    assert {m.fqn: m.style for m in plan.modules}["model.layers.0.mlp.experts"] == "stacked_experts"
+    assert plan.experts.stacked and plan.experts.tensor_parallel and plan.experts.ep == 1
+    assert "model.layers.0.mlp.experts" in plan.experts.modules
+    assert "model.layers.0.mlp.experts" not in {m.fqn for m in plan.modules}  # no ParallelStyle: expert parallelism
     odd = HFCausalLM.from_dict({"model_type": "mixtral", **SHAPE, "num_local_experts": 3}, "mixtral")
     with pytest.raises(ValueError, match=r"num_local_experts=3 is not divisible by mesh.tp=2"):
         check_layout(Config(mesh=MeshSpec(dp_shard=2, tp=2)), odd)

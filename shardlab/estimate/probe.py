@@ -120,9 +120,12 @@ class Probe(Frozen):
 class _Recorder(CommDebugMode):
     """CommDebugMode (torch's collective counter) that also keeps bytes, axes, FLOPs and live storages."""
 
-    def __init__(self, axis_of_group: dict[str | tuple[str, str], str]) -> None:
+    def __init__(self, axis_of_group: dict[str | tuple[str, str], str], grouped_rows: float = 1.0) -> None:
         super().__init__()
         self.axis_of_group = axis_of_group
+        self.grouped_rows = grouped_rows
+        """The share of a grouped matmul's rows it computes: transformers' stacked experts split over ep x tp
+        see every row of their group, and compute only those routed to their experts (evenly, 1 / (ep x tp))."""
         self.stage: int | None = None
         self.collectives: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
         self.collective_bytes: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
@@ -147,6 +150,12 @@ class _Recorder(CommDebugMode):
         TorchDispatchMode.__exit__(self, *args)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            # torch's shape function for grouped matmuls (transformers' stacked experts) accepts bf16 only, though
+            # the CPU kernel runs any float: the shapes are the same, so infer them in bf16
+            out_dtype = (kwargs or {}).get("out_dtype") or args[0].dtype
+            cast = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+            return self.__torch_dispatch__(func, types, tuple(cast), kwargs).to(out_dtype)
         if inferring_dtensor_shapes():  # DTensor runs the global op on fake tensors to learn its output shape
             return func(*args, **(kwargs or {}))  # nothing runs on any rank: neither count nor keep it
         out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -169,6 +178,8 @@ class _Recorder(CommDebugMode):
         if func.is_view or packet in NO_TRAFFIC or func.namespace in ("prim", "profiler"):
             return out
         flops = _flops(packet, args, kwargs or {}, out)
+        if packet is aten._grouped_mm:
+            flops = round(flops * self.grouped_rows)
         moved = sum(t.nbytes for t in _tensors((args, kwargs)) if t.numel()) + sum(t.nbytes for t in outputs)
         self.flops += flops
         self.ops[(flops, moved)] += 1
@@ -226,6 +237,8 @@ def _flops(packet: Any, args: tuple, kwargs: dict, out: Any) -> int:
         full = formula(*(tuple(t.shape) for t in args[:n_shapes]))
         causal = kwargs.get("is_causal", args[causal_at] if len(args) > causal_at else False)
         return full // 2 if causal else full
+    if packet is aten._grouped_mm:  # every row of mat_a meets one [K, N] matrix: 2 K N each
+        return 2 * args[0].numel() * args[1].shape[-1]
     formula = flop_registry.get(packet)
     if formula is None:
         return 0
@@ -274,7 +287,10 @@ def _probe_layers(
     dp = cfg.mesh.size("dp")
     micro = cfg.micro_batches
     rows = cfg.train.global_batch // dp // micro
-    recorder = _Recorder(_axis_names(mesh))
+    e = plan.experts
+    recorder = _Recorder(
+        _axis_names(mesh), 1 / (e.ep * (plan.mesh.tp if e.tensor_parallel else 1)) if e and e.stacked else 1
+    )
     with fake_tensors():
         model.to_empty(device="cpu")
         positions = None

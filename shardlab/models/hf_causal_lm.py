@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from shardlab.config import PlanConfig
+from shardlab.expert_parallel import is_stacked_experts
 from shardlab.hf import has_weights
 from shardlab.metrics import flops_per_token
 from shardlab.models.hf_rules import Decoder, hf_rules, unsplittable
@@ -230,10 +231,17 @@ class HFCausalLM(ModelProvider):
                 "shardlab's context-parallel attention does not compute; use mesh.cp=1 for this model"
             )
         if cfg.mesh.ep > 1:
-            raise ValueError(
-                f"{where}: mesh.ep={cfg.mesh.ep} is not supported for transformers models yet; use dp_replicate, "
-                "dp_shard and tp"
-            )
+            experts = [m.num_experts for m in self.meta_model().modules() if is_stacked_experts(m)]
+            if not experts:
+                raise ValueError(
+                    f"{where}: mesh.ep={cfg.mesh.ep}, but the model has no stacked experts to split over ep; set "
+                    "mesh.ep=1"
+                )
+            if experts[0] % (cfg.mesh.ep * cfg.mesh.tp):
+                raise ValueError(
+                    f"{where}: {experts[0]} experts do not split over mesh.ep={cfg.mesh.ep} x mesh.tp={cfg.mesh.tp}; "
+                    "pick ep and tp whose product divides them"
+                )
         if cfg.mesh.pp > 1:
             self._check_pipeline(cfg, where)
 

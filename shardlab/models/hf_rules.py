@@ -8,7 +8,7 @@ the vocabulary-parallel embedding, the loss-parallel head, sequence-parallel nor
 tp between the projections), the blocks (FSDP units, checkpointing, compile) and the attention modules. Fused
 projections that transformers shards by gathering their output (Phi-3's `qkv_proj`, `gate_up_proj`) are kept whole
 over tp; `unsplittable` names them so a layout with tp > 1 is refused in one line. Stacked experts (Mixtral,
-Qwen3-MoE) are split by experts over tp (`shardlab.expert_parallel.StackedExpertsParallel`), their MoE block
+Qwen3-MoE) are split by experts over ep x tp (`shardlab.expert_parallel.stacked_experts`), their MoE block
 taking the whole sequence and handing back its shard.
 """
 
@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from shardlab.config import PlanConfig
+from shardlab.expert_parallel import is_stacked_experts
 from shardlab.models.llama_rules import FULL, RESIDUAL
 from shardlab.models.llama_rules import logical_table as llama_logical_table
 from shardlab.rules import Activation, LogicalTable, Rule, Rules, matches
@@ -39,7 +40,7 @@ WHOLE_STYLES = (
 def logical_table(options: PlanConfig) -> LogicalTable:
     """shardlab's Llama table (the same logical names, so a user's overrides read the same for every model), plus
     the dims that stay whole: a q/k norm's head_dim and the weights kept whole over tp."""
-    return llama_logical_table(options) + (("head_dim", None), ("whole", None), ("stacked_experts", "tp"))
+    return llama_logical_table(options) + (("head_dim", None), ("whole", None), ("stacked_experts", ("ep", "tp")))
 
 
 class Decoder:
@@ -123,7 +124,7 @@ def _param_axes(d: Decoder, model: nn.Module) -> Iterator[tuple[str, tuple[str |
                 yield pattern, (name, "embed") if colwise else ("embed", name)
             else:
                 yield pattern, (name,) if colwise else ("embed",)
-        elif style == EXPERTS and _stacked_experts(module):  # split by experts over tp (StackedExpertsParallel)
+        elif style == EXPERTS and is_stacked_experts(module):  # split by experts over ep x tp
             yield pattern, ("stacked_experts",) + (None,) * (param.ndim - 1)
         elif style == "replicated_with_grad_allreduce" or "norm" in type(module).__name__.lower():
             yield pattern, (("head_dim",) if style else ("embed",)) + (None,) * (param.ndim - 1)
@@ -151,13 +152,6 @@ EXPERTS = "moe_tp_experts"
 """transformers' plan style of a stacked-experts module."""
 
 
-def _stacked_experts(module: nn.Module) -> bool:
-    """transformers' experts convention: `num_experts` and every weight stacked along dim 0 by expert."""
-    n = getattr(module, "num_experts", None)
-    params = list(module.parameters(recurse=False))
-    return isinstance(n, int) and bool(params) and all(p.ndim >= 2 and p.shape[0] == n for p in params)
-
-
 def _experts_globs(d: Decoder, model: nn.Module) -> tuple[str, ...]:
     """The plan's globs of stacked-experts modules that shardlab splits by experts."""
     block = f"{d.layers}.0"
@@ -166,7 +160,7 @@ def _experts_globs(d: Decoder, model: nn.Module) -> tuple[str, ...]:
         if style != EXPERTS:
             continue
         hits = [m for f, m in model.named_modules() if f.startswith(block + ".") and matches(glob, f)]
-        if hits and all(_stacked_experts(m) for m in hits):
+        if hits and all(is_stacked_experts(m) for m in hits):
             out.append(glob)
     return tuple(out)
 

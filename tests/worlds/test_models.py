@@ -11,8 +11,8 @@ tp is allowed:
 - Qwen2 (q/k/v biases), Gemma 3 text (scaled embeddings, four norms per block, sliding layers, its own attention
   scale): FSDP 2 x TP 2; Gemma 3 also CP 2 x FSDP 2;
 - Phi-3 (fused q/k/v, so tp is refused): FSDP 4;
-- MoE (stacked experts read from per-expert tensors, split by experts over tp): Mixtral HSDP 2x2 and FSDP 2 x TP 2
-  (+SP), Qwen3-MoE TP 2 x DP 2.
+- MoE (stacked experts read from per-expert tensors, split by experts over ep x tp): Mixtral HSDP 2x2, FSDP 2 x TP 2
+  (+SP) and FSDP 4 with EP 2, Qwen3-MoE TP 2 x DP 2 and FSDP 2 x TP 2 with EP 2 (experts over ep x tp).
 And recipes/custom_gpt.py's own nn.Module (fused QKV, learned positions, GELU): FSDP 2 x TP 2."""
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ LAYOUTS = {
     "qwen2": ("fsdp2xtp2",),
     "gemma3": ("fsdp2xtp2", "cp2xfsdp2"),
     "phi3": ("fsdp4",),
-    "mixtral": ("hsdp2x2", "fsdp2xtp2"),
-    "qwen3_moe": ("tp2-no_sp",),
+    "mixtral": ("hsdp2x2", "fsdp2xtp2", "fsdp4-ep2"),
+    "qwen3_moe": ("tp2-no_sp", "fsdp2xtp2-ep2"),
 }
 """Every layout on at least one family (FSDP: Phi-3; HSDP: Mixtral), every family in FSDP x TP where tp is allowed."""
 STEPS = 5
@@ -82,6 +82,8 @@ def layout(name: str, hf_path: str):
     meshes = {
         "one": MeshSpec(dp_shard=1),
         "fsdp4": MeshSpec(dp_shard=4),
+        "fsdp4-ep2": MeshSpec(dp_shard=4, ep=2),
+        "fsdp2xtp2-ep2": MeshSpec(dp_shard=2, tp=2, ep=2),
         "hsdp2x2": MeshSpec(dp_replicate=2, dp_shard=2),
         "fsdp2xtp2": FSDP_TP,
         "tp2-no_sp": MeshSpec(dp_replicate=2, dp_shard=1, tp=2),
