@@ -134,8 +134,16 @@ class DataConfig(Frozen):
     the transformers model directory's own tokenizer when it has one (model.hf_path), else byte-level tokens."""
     seed: int = 1234
     """Seed of the data order (and of synthetic tokens)."""
+    document_masks: bool = False
+    """Packed rows keep their documents apart: attention never crosses a document boundary, positions restart at
+    each document, and a document's last token is not trained to predict the next one's first (shardlab.packing).
+    False: rows are plain windows of the token stream."""
 
     def check(self) -> None:
+        if self.document_masks and self.source == "synthetic":
+            raise ValueError(
+                "data.document_masks is set but data.source='synthetic' has no documents; drop --data.document-masks"
+            )
         if self.source == "files" and not self.paths:
             raise ValueError("data.paths is empty but data.source='files'; pass --data.paths FILE [FILE ...]")
         if self.source != "files" and self.paths:

@@ -25,6 +25,7 @@ from torch import nn
 
 from shardlab._base import Frozen
 from shardlab.mesh import MeshSpec
+from shardlab.packing import document_ids, document_mask
 from shardlab.rules import Rules, matches
 
 try:
@@ -76,9 +77,15 @@ def cp_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = 
 
 def all_gather_attention(group: dist.ProcessGroup) -> Attend:
     """An `Attention.attend` for a cp group: gather every rank's K and V (in rank order, with their positions)
-    and let each local query see the keys at or before its own position."""
-    cp = dist.get_world_size(group)
+    and let each local query see the keys at or before its own position. Packed rows' positions ([b, s] in their
+    documents, `shardlab.packing`) are gathered too, so a query sees only the keys of its own document."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
     gathered: dict[tuple[int, torch.device], torch.Tensor] = {}  # every rank's positions, in rank order
+
+    def order(seq_len: int, device: torch.device) -> torch.Tensor:
+        if (seq_len, device) not in gathered:
+            gathered[seq_len, device] = torch.cat([cp_positions(seq_len, cp, r, device) for r in range(cp)])
+        return gathered[seq_len, device]
 
     def attend(
         q: torch.Tensor,
@@ -89,16 +96,23 @@ def all_gather_attention(group: dist.ProcessGroup) -> Attend:
         scale: float | None = None,
         window: int | None = None,
     ) -> torch.Tensor:
-        """scale: of the scores (default head_dim ** -0.5); window: a query sees only the `window` keys ending at
-        its own position (sliding-window attention), None: all keys at or before it."""
-        seq_len = positions.numel() * cp
+        """positions: [s_local] (sequence positions) or [b or 1, s_local] (positions in documents); scale: of the
+        scores (default head_dim ** -0.5); window: a query sees only the `window` keys ending at its own position
+        (sliding-window attention), None: all keys at or before it."""
+        seq_len = positions.shape[-1] * cp
         k = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=group)
         v = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=group)
-        where = (seq_len, positions.device)
-        if where not in gathered:
-            gathered[where] = torch.cat([cp_positions(seq_len, cp, r, positions.device) for r in range(cp)])
-        behind = positions[:, None] - gathered[where][None, :]  # [local queries, all keys]: how far back each key is
-        mask = (behind >= 0) if window is None else (behind >= 0) & (behind < window)
+        keys = order(seq_len, positions.device)  # where each gathered key sits in the sequence
+        if positions.dim() == 1:
+            behind = positions[:, None] - keys[None, :]  # [local queries, all keys]: how far back each key is
+            mask = (behind >= 0) if window is None else (behind >= 0) & (behind < window)
+        else:
+            k_positions = all_gather_single_autograd(positions.contiguous(), gather_dim=1, group=group)
+            whole = torch.empty_like(k_positions)
+            whole[:, keys] = k_positions  # the rows in sequence order: documents are counted along them
+            docs = document_ids(whole)
+            mine = cp_positions(seq_len, cp, rank, positions.device)
+            mask = document_mask(positions, k_positions, docs[:, mine], docs[:, keys], window)
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)

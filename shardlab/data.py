@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from shardlab.config import DataConfig
+from shardlab.packing import row_positions
 
 if TYPE_CHECKING:
     from shardlab.tokenizer import Tokenizer
@@ -42,11 +43,27 @@ _STDLIB_SKIP_DIRS = frozenset(
 """Not read: installed packages, tests, and `encodings` (generated codec tables rather than prose or code)."""
 
 
+IGNORE_INDEX = -100
+"""Label value that takes no part in the loss or in the token count (as in F.cross_entropy)."""
+
+
 class Batch(NamedTuple):
-    """One rank's rows of a step's global batch: int64 [rows, seq_len]; labels[:, t] follows inputs[:, t]."""
+    """One rank's rows of a step's global batch: int64 [rows, seq_len]; labels[:, t] follows inputs[:, t]
+    (IGNORE_INDEX where it must not be learnt: across a document boundary of packed rows)."""
 
     inputs: Tensor
     labels: Tensor
+    positions: Tensor | None = None
+    """Packed rows (data.document_masks): each input token's position in its document, int64 [rows, seq_len]
+    (`shardlab.packing`); None: 0..seq_len-1 in every row, attention across documents."""
+
+
+class Row(NamedTuple):
+    """seq_len + 1 tokens of the stream (one sequence's inputs and labels) and where its documents start."""
+
+    tokens: np.ndarray
+    starts: np.ndarray | None = None
+    """bool: the token begins a document (None: no documents, synthetic tokens)."""
 
 
 def encode(text: str) -> np.ndarray:
@@ -68,7 +85,7 @@ class TokenLoader:
 
     def __init__(
         self,
-        sequence: Callable[[int], np.ndarray],
+        sequence: Callable[[int], Row],
         *,
         seq_len: int,
         global_batch: int,
@@ -77,8 +94,10 @@ class TokenLoader:
         micro_batches: int = 1,
         source: str,
         fingerprint: str,
+        document_masks: bool = False,
     ) -> None:
         self._sequence = sequence
+        self.document_masks = document_masks
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.rows = global_batch // dp_size
@@ -99,8 +118,15 @@ class TokenLoader:
         per_micro, rows = self.global_batch // m, self.rows // m  # a global micro batch, this rank's part of it
         first = step * self.global_batch + self.dp_rank * rows
         ids = [first + j * per_micro + i for j in range(m) for i in range(rows)]
-        seqs = torch.from_numpy(np.stack([self._sequence(i) for i in ids]))
-        return Batch(inputs=seqs[:, :-1].contiguous(), labels=seqs[:, 1:].contiguous())
+        rows = [self._sequence(i) for i in ids]
+        seqs = torch.from_numpy(np.stack([r.tokens for r in rows]))
+        inputs, labels = seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+        if not self.document_masks:
+            return Batch(inputs=inputs, labels=labels)
+        starts = torch.from_numpy(np.stack([r.starts for r in rows]))
+        labels[starts[:, 1:]] = IGNORE_INDEX  # a document's last token does not see the next one's first
+        positions = torch.from_numpy(np.stack([row_positions(r.starts[:-1]) for r in rows]))
+        return Batch(inputs=inputs, labels=labels, positions=positions)
 
     def __iter__(self) -> TokenLoader:
         return self
@@ -177,8 +203,8 @@ def make_loader(
         digest.update(f" {vocab_size}".encode())
         key = [seed, 1] if split == "held_out" else [seed]  # an endless stream: held out by its own seed
 
-        def sequence(i: int) -> np.ndarray:
-            return np.random.default_rng([*key, i]).integers(0, vocab_size, seq_len + 1, dtype=np.int64)
+        def sequence(i: int) -> Row:
+            return Row(np.random.default_rng([*key, i]).integers(0, vocab_size, seq_len + 1, dtype=np.int64))
 
     else:
         texts = data.source == "stdlib" or any(not p.endswith(".bin") for p in data.paths)
@@ -201,8 +227,11 @@ def make_loader(
         for doc in corpus.docs:  # text documents are hashed whole, .bin memmaps by their ends
             digest.update(np.ascontiguousarray(_ends(doc) if isinstance(doc, np.memmap) else doc).tobytes())
 
-        def sequence(i: int) -> np.ndarray:
+        def sequence(i: int) -> Row:
             return corpus.read(i * seq_len, seq_len + 1)
+
+        if data.document_masks:
+            digest.update(b" document_masks")
 
     return TokenLoader(
         sequence,
@@ -213,6 +242,7 @@ def make_loader(
         micro_batches=micro_batches,
         source=data.source,
         fingerprint=digest.hexdigest(),
+        document_masks=data.document_masks,
     )
 
 
@@ -238,8 +268,9 @@ class _Corpus:
             self._orders[epoch] = (perm, np.concatenate([[0], np.cumsum(self.lengths[perm])]))
         return self._orders[epoch]
 
-    def read(self, pos: int, n: int) -> np.ndarray:
+    def read(self, pos: int, n: int) -> Row:
         out = np.empty(n, dtype=np.int64)
+        begins = np.zeros(n, dtype=bool)
         filled = 0
         while filled < n:
             epoch, offset = divmod(pos, self.total)
@@ -248,9 +279,10 @@ class _Corpus:
             doc, start = self.docs[perm[j]], offset - int(starts[j])
             take = min(n - filled, doc.size - start)
             out[filled : filled + take] = doc[start : start + take]
+            begins[filled] = start == 0
             filled += take
             pos += take
-        return out
+        return Row(out, begins)
 
 
 HELD_OUT = 0.01

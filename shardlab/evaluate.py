@@ -29,7 +29,7 @@ from shardlab.data import Split, TokenLoader, make_loader
 from shardlab.models.provider import ModelProvider
 from shardlab.plan import Plan
 from shardlab.schedule import PipelineRun
-from shardlab.step import IGNORE_INDEX, _all_reduce, model_device
+from shardlab.step import IGNORE_INDEX, _all_reduce, chunks, local_tokens, model_device
 from shardlab.tokenizer import Tokenizer
 
 Evaluate = Callable[[nn.Module, TokenLoader], dict[str, float]]
@@ -68,24 +68,20 @@ def make_eval(cfg: Config, plan: Plan, mesh: DeviceMesh | None, provider: ModelP
     @torch.no_grad()
     def evaluate(model: nn.Module, loader: TokenLoader) -> dict[str, float]:
         device = model_device(model)
-        at = positions.to(device) if positions is not None else None
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         tokens = torch.zeros((), dtype=torch.float64, device=device)
         training = model.training
         model.train(False)
         try:
             for k in range(cfg.eval.steps):
-                batch = loader.batch(k)
-                inputs, labels = batch.inputs.to(device), batch.labels.to(device)
-                if at is not None:
-                    inputs, labels = inputs[:, at], labels[:, at]
+                inputs, labels, at = local_tokens(loader.batch(k), positions, device)
                 tokens += (labels != IGNORE_INDEX).sum()
                 if pipeline is not None:
                     loss_sum += pipeline.evaluate(model, inputs, labels, positions=at)
                     continue
-                for x, y in zip(inputs.chunk(micro_batches), labels.chunk(micro_batches)):
+                for x, y, p in zip(inputs.chunk(micro_batches), labels.chunk(micro_batches), chunks(at, micro_batches)):
                     with loss_parallel() if plan.loss_parallel else contextlib.nullcontext():
-                        logits = provider.forward(model, x, at)
+                        logits = provider.forward(model, x, p)
                         loss = F.cross_entropy(
                             logits.flatten(0, 1).float(), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
                         )

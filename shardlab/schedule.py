@@ -91,10 +91,20 @@ class PipelineRun:
             self._schedule = cls(
                 stages[0] if single else stages, n_microbatches=m, loss_fn=self._loss, scale_grads=False
             )
-            if self.context_parallel:  # every micro batch gets this rank's positions whole (LoopedBFS takes no
-                self._schedule._kwargs_chunk_spec = {"positions": _Replicate()}  # kwargs_chunk_spec argument)
             self._model = model
         return self._schedule
+
+    def _kwargs(self, schedule, positions: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The schedule's keyword inputs: a context-parallel rank's sequence positions [s] go whole to every micro
+        batch; packed rows' positions [rows, s] are split with the rows."""
+        if (positions is None) == self.context_parallel and (positions is None or positions.dim() == 1):
+            raise ValueError(
+                "PipelineRun: positions [s] are given under context parallelism (plan.context), and only then; "
+                "packed rows' positions [rows, s] in any layout"
+            )
+        whole = positions is not None and positions.dim() == 1  # LoopedBFS takes no kwargs_chunk_spec argument
+        schedule._kwargs_chunk_spec = {"positions": _Replicate()} if whole else None
+        return {"positions": positions} if positions is not None else {}
 
     def __call__(
         self,
@@ -105,14 +115,13 @@ class PipelineRun:
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forward and backward of the whole batch; the summed (unscaled) loss on the last stage, else 0.
-        positions: where this rank's tokens sit in their sequences (context parallelism), given to every stage."""
-        if (positions is not None) != self.context_parallel:
-            raise ValueError("PipelineRun: positions are given under context parallelism (plan.context), and only then")
+        positions: where this rank's tokens sit in their sequences (context parallelism) or documents (packed rows),
+        given to every stage."""
         device = inputs.device
         schedule = self._schedule_for(model, device)
+        kwargs = self._kwargs(schedule, positions)
         self.scale, self._summed = scale, []
         args = (inputs,) if self.is_first else ()
-        kwargs = {"positions": positions} if positions is not None else {}
         if self.is_last:
             with loss_parallel() if self.vocab_parallel else contextlib.nullcontext():  # the loss and its backward
                 schedule.step(*args, target=labels, **kwargs)
@@ -126,9 +135,9 @@ class PipelineRun:
     ) -> torch.Tensor:
         """Forward only (torch's `schedule.eval`): the summed loss of the batch on the last stage, else 0."""
         schedule = self._schedule_for(model, inputs.device)
+        kwargs = self._kwargs(schedule, positions)
         self.scale, self._summed = 1.0, []
         args = (inputs,) if self.is_first else ()
-        kwargs = {"positions": positions} if positions is not None else {}
         if not self.is_last:
             schedule.eval(*args, **kwargs)
             return torch.zeros((), dtype=torch.float64, device=inputs.device)

@@ -103,11 +103,13 @@ def call_causal_lm(
 ) -> torch.Tensor:
     """A transformers model's `output` (a causal LM's `logits`, a base model's `last_hidden_state`) for `input_ids`
     or `inputs_embeds` [b, s, ...], with the tokens' positions always given: under sequence or context parallelism
-    the tensors a layer sees are shards, from whose length transformers would otherwise count positions."""
+    the tensors a layer sees are shards, from whose length transformers would otherwise count positions. Packed
+    rows' positions [b, s] restart at each document, which transformers' masks read as packed sequences."""
     (x,) = feed.values()
     if positions is None:
         positions = torch.arange(x.shape[1], device=x.device)
-    return getattr(model(**feed, position_ids=positions.unsqueeze(0), use_cache=False), output)
+    position_ids = positions if positions.dim() == 2 else positions.unsqueeze(0)
+    return getattr(model(**feed, position_ids=position_ids, use_cache=False), output)
 
 
 class TransformersStage(nn.Module):

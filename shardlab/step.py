@@ -27,15 +27,13 @@ from shardlab._device_mesh import flat_view
 from shardlab._glob import matches
 from shardlab.config import Config, OptimConfig
 from shardlab.context_parallel import cp_positions
-from shardlab.data import Batch
+from shardlab.data import IGNORE_INDEX, Batch
 from shardlab.models.provider import ModelProvider, logits_of, provider_for
 from shardlab.plan import Plan
 from shardlab.routers import Routers, moe_layers
 from shardlab.schedule import PipelineRun
 
 Metrics = dict[str, float | list[int]]
-IGNORE_INDEX = -100
-"""Label value that takes no part in the loss or in the token count (as in F.cross_entropy)."""
 
 
 class TrainState(Frozen):
@@ -161,11 +159,7 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
         for g in opt.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
         device = model_device(model)
-        inputs, labels = batch.inputs.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
-        at = None
-        if positions is not None:  # this cp rank's chunks of every sequence
-            at = positions.to(device)
-            inputs, labels = inputs[:, at], labels[:, at]
+        inputs, labels, at = local_tokens(batch, positions, device)
         if inputs.shape[0] % micro_batches:
             raise ValueError(f"step: {inputs.shape[0]} rows per rank do not split into {micro_batches} micro batches")
         tokens = _all_reduce((labels != IGNORE_INDEX).sum().to(torch.float64), group)
@@ -180,9 +174,9 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
             if routers is not None:
                 routers.after_pipeline()
         else:
-            for x, y in zip(inputs.chunk(micro_batches), labels.chunk(micro_batches)):
+            for x, y, p in zip(inputs.chunk(micro_batches), labels.chunk(micro_batches), chunks(at, micro_batches)):
                 loss = forward_backward(
-                    model, x, y, scale, plan.loss_parallel, positions=at, extra_loss=routers and routers.loss,
+                    model, x, y, scale, plan.loss_parallel, positions=p, extra_loss=routers and routers.loss,
                     forward=forward,
                 )  # fmt: skip
                 loss_sum += _local(loss).to(torch.float64)
@@ -211,6 +205,28 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
         return msgspec.structs.replace(state, step=state.step + 1, skipped=skipped), metrics
 
     return step
+
+
+def local_tokens(
+    batch: Batch, cp_at: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """This rank's inputs, labels and positions on `device`. cp_at: the sequence positions a context-parallel rank
+    holds (`cp_positions`), or None. The positions are the packed rows' positions in their documents ([rows, s],
+    cut to the cp rank's chunks), else the cp rank's sequence positions ([s]), else None (0..s-1)."""
+    inputs, labels = batch.inputs.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
+    positions = None if batch.positions is None else batch.positions.to(device, non_blocking=True)
+    if cp_at is not None:  # this cp rank's chunks of every sequence
+        at = cp_at.to(device)
+        inputs, labels = inputs[:, at], labels[:, at]
+        positions = at if positions is None else positions[:, at]
+    return inputs, labels, positions
+
+
+def chunks(positions: torch.Tensor | None, n: int) -> list[torch.Tensor | None]:
+    """The positions of each of n micro batches: per-row positions are split with the rows, others shared."""
+    if positions is not None and positions.dim() == 2:
+        return list(positions.chunk(n))
+    return [positions] * n
 
 
 def forward_backward(

@@ -18,6 +18,7 @@ LAYERS = [
     {"mesh", "_device_mesh"},
     {"pipeline"},
     {"model_config", "config"},
+    {"packing"},
     {"spec", "rules", "hf.names"},
     {"context_parallel", "expert_parallel", "styles"},
     {"models.moe", "models.llama", "models.llama_rules", "_plan_text", "plan"},

@@ -75,7 +75,7 @@ def _attention(
             f"{type(module).__name__}: context parallelism needs the tokens' positions, but transformers passed no "
             "position_ids to the attention"
         )
-    out = attend(query, key, value, positions.reshape(-1), scale=scaling, window=sliding_window)
+    out = attend(query, key, value, positions, scale=scaling, window=sliding_window)  # [1 or b, s]: packed rows too
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -164,6 +164,14 @@ class HFCausalLM(ModelProvider):
 
     def rules(self, options: PlanConfig) -> Rules:
         return hf_rules(self.meta_model(), options)
+
+    @property
+    def packs_documents(self) -> bool:  # type: ignore[override]
+        """Whether the model builds its masks with transformers' `masking_utils`, which reads positions that restart
+        as packed sequences (the shardlab attention, plain or context-parallel, then keeps documents apart)."""
+        import sys
+
+        return hasattr(sys.modules[type(self.meta_model()).__module__], "create_causal_mask")
 
     def forward(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         return call_causal_lm(model, positions, input_ids=tokens)

@@ -20,6 +20,7 @@ from torch import nn
 
 from shardlab.config import ModelConfig, MoEConfig, RopeScaling
 from shardlab.models.moe import MoE
+from shardlab.packing import packed_mask
 
 
 def _llama3(*, dim: int, n_layers: int, n_heads: int, ffn_dim: int, factor: float, tied: bool = False) -> ModelConfig:
@@ -80,11 +81,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Attention over the whole (local) sequence, each query seeing the keys at or before it: [b, heads, s, hd].
-    k and v may have fewer (grouped) heads; `positions` are 0..s-1 here (context parallelism swaps this
-    function for one that gathers the other ranks' keys and masks by position)."""
+    k and v may have fewer (grouped) heads. `positions` [s] are 0..s-1; [b, s] are packed rows' positions in their
+    documents, and a query sees only its own document (`shardlab.packing`). Context parallelism swaps this
+    function for one that gathers the other ranks' keys and masks by position."""
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:  # explicit repeat rather than enable_gqa: every SDPA backend accepts it
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    if positions.dim() == 2:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=packed_mask(positions), scale=q.shape[-1] ** -0.5)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5)
 
 
@@ -92,7 +96,8 @@ class Attention(nn.Module):
     """Causal grouped-query attention with RoPE; head counts come from the (possibly sharded) projections.
 
     `attend(q, k, v, positions)` computes the attention proper (default `causal_attention`); shardlab's apply
-    replaces it under context parallelism. `positions` are each token's place in the sequence (RoPE angles)."""
+    replaces it under context parallelism. `positions` are each token's place in the sequence (RoPE angles): [s],
+    or [b, s] for packed rows, each token's place in its document (`shardlab.packing`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -114,9 +119,11 @@ class Attention(nn.Module):
         )
         if positions is None:
             positions = torch.arange(s, device=x.device)
-        freqs = torch.outer(positions.to(torch.float32), self.inv_freq.float())
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        if positions.dim() == 2:  # packed rows: [b, s, hd] -> [b, 1, s, hd], the same angles for every head
+            cos, sin = cos[:, None], sin[:, None]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = self.attend(q, k, v, positions)

@@ -36,6 +36,9 @@ class ModelProvider(abc.ABC):
 
     name: str
     """Shown in plans and errors (e.g. "llama", "transformers Qwen3ForCausalLM")."""
+    packs_documents: bool = False
+    """Its attention keeps packed documents apart when given their positions [rows, s] (`shardlab.packing`), so it
+    can train with data.document_masks."""
 
     @abc.abstractmethod
     def build(self) -> nn.Module:
@@ -157,6 +160,8 @@ def first_difference(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
 class LlamaProvider(ModelProvider):
     """shardlab's own Llama 3, dense or with MoE layers, from the config's `model` fields."""
 
+    packs_documents = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg = cfg
         self.name = "llama" if cfg.moe is None else "llama-moe"
@@ -241,4 +246,9 @@ def provider_for(cfg: Config, custom: ModelProvider | None = None) -> ModelProvi
 def check_layout(cfg: Config, provider: ModelProvider) -> None:
     """The model facts tensor parallelism splits must divide by mesh.tp; then the provider's own checks."""
     check_tp_divisors(provider.tp_divisors(), cfg.mesh.tp)
+    if cfg.data.document_masks and not provider.packs_documents:
+        raise ValueError(
+            f"data.document_masks: {provider.name} does not say its attention keeps packed documents apart "
+            "(ModelProvider.packs_documents); drop --data.document-masks"
+        )
     provider.check(cfg)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sysconfig
 from pathlib import Path
 
 import msgspec
@@ -120,3 +122,18 @@ def ckpt(cfg: Config, run_dir: Path, *, every: int | None, resume: str = "auto",
 def continue_from(cfg: Config, run_dir: Path, source: Path) -> list[float]:
     """Resume `cfg` from a checkpoint directory written by another layout; the losses of the steps after it."""
     return curves(ckpt(cfg, run_dir, every=None, resume=str(source)))["loss"]
+
+
+def write_documents(path: Path) -> Path:
+    """Short documents (the paragraphs of the stdlib's argparse.py, 1 to 3 sequences of 64 bytes each, most
+    shorter) as JSONL, so packed rows of `tiny` hold several."""
+    source = Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"
+    paragraphs = [p for p in source.read_text().split("\n\n") if p.strip()]
+    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+    return path
+
+
+def packed(cfg: Config, documents: Path | str) -> Config:
+    """`cfg` reading `documents` packed with document masks."""
+    data = DataConfig(source="files", paths=(str(documents),), document_masks=True)
+    return msgspec.structs.replace(cfg, data=data)

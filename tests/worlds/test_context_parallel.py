@@ -1,7 +1,8 @@
 """Context parallelism against one process: fp32, same seed and global batch, layouts.STEPS steps; loss and
 gradient norm of every step within tolerance. cp 2 on 2 ranks; cp 2 x FSDP 2, cp 2 x TP 2 (+SP, loss
 parallel), HSDP (2 replicas) x cp 2 and pp 2 x cp 2 (cp inside pipeline stages) on 4. Placements are the plan's; a cp 2 checkpoint continues on one
-process. Each cp rank holds sequence chunks r and 2 cp - 1 - r; attention all-gathers K and V."""
+process. Each cp rank holds sequence chunks r and 2 cp - 1 - r; attention all-gathers K and V. Packed rows with
+document masks: cp 2 on 2 ranks and pp 2 x cp 2 on 4 match one process packing the same documents."""
 
 from pathlib import Path
 
@@ -11,7 +12,19 @@ from shardlab.checkpoint import step_dir
 from shardlab.config import MeshSpec
 
 from ._harness import run_world
-from .layouts import MID, TOL, assert_matches, ckpt, continue_from, layout_curves, placements_match_plan, tiny
+from .layouts import (
+    MID,
+    TOL,
+    assert_matches,
+    ckpt,
+    continue_from,
+    curves,
+    layout_curves,
+    packed,
+    placements_match_plan,
+    tiny,
+    write_documents,
+)
 
 LAYOUTS_2 = {"cp2": tiny(MeshSpec(dp_shard=1, cp=2))}
 LAYOUTS_4 = {
@@ -27,6 +40,14 @@ def run(rank, world_size, tmp):
     return layout_curves(LAYOUTS[world_size])
 
 
+PACKED = {2: {"cp2-docs": MeshSpec(dp_shard=1, cp=2)}, 4: {"pp2_cp2-docs": MeshSpec(pp=2, dp_shard=1, cp=2)}}
+"""Layouts that train on packed rows with document masks (the documents are written into the world's tmp)."""
+
+
+def run_packed(rank, world_size, tmp):
+    return {name: curves(packed(tiny(mesh), Path(tmp) / "docs.jsonl")) for name, mesh in PACKED[world_size].items()}
+
+
 def placements(rank, world_size, tmp):
     for cfg in LAYOUTS[world_size].values():
         placements_match_plan(rank, world_size, cfg)
@@ -35,24 +56,37 @@ def placements(rank, world_size, tmp):
 def cp2_checkpoint(rank, world_size, tmp):
     """cp 2 saves at step MID (committed), for one process to continue."""
     curves_cfg = ckpt(LAYOUTS_2["cp2"], Path(tmp) / "cp2", every=MID)
-    from .layouts import curves
-
     return curves(curves_cfg, until=MID)["loss"]
 
 
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("context")
+    tmp = tmp_path_factory.mktemp("context")
+    write_documents(tmp / "docs.jsonl")
+    return tmp
 
 
 @pytest.fixture(scope="module")
 def world2(tmp):
-    return run_world(2, [run, placements, cp2_checkpoint], timeout_s=300, tmp=str(tmp))
+    return run_world(2, [run, placements, cp2_checkpoint, run_packed], timeout_s=300, tmp=str(tmp))
 
 
 @pytest.fixture(scope="module")
 def world4(tmp):
-    return run_world(4, [run, placements], timeout_s=300, tmp=str(tmp))
+    return run_world(4, [run, placements, run_packed], timeout_s=300, tmp=str(tmp))
+
+
+@pytest.fixture(scope="module")
+def packed_reference(tmp):
+    ref = curves(packed(tiny(), tmp / "docs.jsonl"))
+    assert ref["loss"][-1] < ref["loss"][0] - 0.5, "the packed reference loss should fall"
+    return ref
+
+
+@pytest.mark.world
+@pytest.mark.parametrize(("ranks", "layout"), [(n, name) for n, layouts in PACKED.items() for name in layouts])
+def test_packed_rows_match_single_process(request, packed_reference, ranks, layout):
+    assert_matches(request.getfixturevalue(f"world{ranks}").value(run_packed)[layout], packed_reference, layout)
 
 
 @pytest.mark.world

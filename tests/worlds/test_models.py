@@ -12,7 +12,9 @@ tp is allowed:
   scale): FSDP 2 x TP 2; Gemma 3 also CP 2 x FSDP 2;
 - Phi-3 (fused q/k/v, so tp is refused): FSDP 4;
 - MoE (stacked experts read from per-expert tensors, split by experts over ep x tp): Mixtral HSDP 2x2, FSDP 2 x TP 2
-  (+SP) and FSDP 4 with EP 2, Qwen3-MoE TP 2 x DP 2 and FSDP 2 x TP 2 with EP 2 (experts over ep x tp).
+  (+SP) and FSDP 4 with EP 2, Qwen3-MoE TP 2 x DP 2 and FSDP 2 x TP 2 with EP 2 (experts over ep x tp);
+- packed rows with document masks (transformers' packed-sequence masks, and the cp attention's): Mistral CP 2 x FSDP 2
+  matches one process packing the same documents.
 And recipes/custom_gpt.py's own nn.Module (fused QKV, learned positions, GELU): FSDP 2 x TP 2."""
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from shardlab.config import MeshSpec, ModelConfig
 from shardlab.recipe import load_recipe
 
 from ._harness import run_world
-from .layouts import assert_matches, curves, tiny, with_plan
+from .layouts import assert_matches, curves, packed, tiny, with_plan, write_documents
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,7 +104,11 @@ def layout(name: str, hf_path: str):
     )  # fmt: skip
 
 
-def run(rank, world_size, dirs):
+PACKED = ("mistral", "cp2xfsdp2")
+"""The family and layout trained on packed rows with document masks."""
+
+
+def run(rank, world_size, dirs, docs):
     return {(family, name): curves(layout(name, dirs[family])) for family, names in LAYOUTS.items() for name in names}
 
 
@@ -116,12 +122,17 @@ def small_gpt():
     )
 
 
-def custom(rank, world_size, dirs):
+def run_packed(rank, world_size, dirs, docs):
+    family, name = PACKED
+    return curves(packed(layout(name, dirs[family]), docs))
+
+
+def custom(rank, world_size, dirs, docs):
     provider, cfg = small_gpt()
     return curves(msgspec.structs.replace(cfg, mesh=FSDP_TP), provider=provider)
 
 
-CHECKS = [run, custom]
+CHECKS = [run, custom, run_packed]
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +141,13 @@ def dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world4(dirs):
-    return run_world(4, CHECKS, timeout_s=600, dirs=dirs)
+def docs(tmp_path_factory):
+    return str(write_documents(tmp_path_factory.mktemp("docs") / "docs.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def world4(dirs, docs):
+    return run_world(4, CHECKS, timeout_s=600, dirs=dirs, docs=docs)
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +169,11 @@ def test_recipe_model_matches_one_process(world4):
     want = curves(cfg, provider=provider)
     assert want["loss"][-1] < want["loss"][0] - 0.2, "the one-process loss should fall"
     assert_matches(world4.value(custom), want, "custom_gpt fsdp2xtp2", steps=STEPS)
+
+
+@pytest.mark.world
+def test_packed_rows_match_one_process(world4, dirs, docs):
+    family, name = PACKED
+    want = curves(packed(layout("one", dirs[family]), docs))
+    assert want["loss"][-1] < want["loss"][0], f"{family}: the one-process loss should fall"
+    assert_matches(world4.value(run_packed), want, f"{family} {name} packed", steps=STEPS)
