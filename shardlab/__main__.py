@@ -239,14 +239,15 @@ def _check_run(cfg) -> None:
 
 
 def _check_data(cfg, vocab_size: int) -> None:
-    """Open the data once here, so a missing file or a too-small vocabulary fails before any rank starts."""
-    from shardlab.data import make_loader
+    """Open the data once here, so a missing file or a too-small vocabulary fails before any rank starts (and datasets
+    are tokenized into their cache once, not by every rank)."""
+    from shardlab.data import make_loader, run_data
     from shardlab.evaluate import eval_loader, train_split
     from shardlab.tokenizer import run_tokenizer
 
     tokenizer = run_tokenizer(cfg)
     make_loader(
-        cfg.data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=vocab_size,
+        run_data(cfg), seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=vocab_size,
         dp_rank=0, dp_size=1, tokenizer=tokenizer, split=train_split(cfg),
     )  # fmt: skip
     if cfg.eval.every:

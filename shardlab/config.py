@@ -124,9 +124,14 @@ class DataConfig(Frozen):
     """stdlib: the source files of this Python's standard library, byte-level tokens; synthetic: random
     tokens; files: `paths` (.txt, .jsonl, or pre-tokenized .bin)."""
     paths: tuple[str, ...] = ()
-    """Files for source=files: .txt / .jsonl (byte-level tokenized) or .bin (pre-tokenized)."""
+    """Files for source=files: .txt / .jsonl (text), .bin (pre-tokenized), or datasets read through Hugging Face
+    `datasets` and tokenized once into cache_dir: .parquet / .arrow files and directories of .parquet, .arrow or
+    .jsonl files."""
     jsonl_field: str = "text"
-    """Field holding the text in each JSONL line."""
+    """Field holding the text in each JSONL line or dataset row."""
+    cache_dir: str | None = None
+    """Where datasets (.parquet, .arrow, directories) are tokenized once and kept; None: data-cache in the run
+    directory."""
     bin_dtype: Literal["uint16", "uint32"] = "uint16"
     """Token dtype of .bin files."""
     tokenizer: str | None = None

@@ -17,11 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
+import msgspec
 import numpy as np
 import torch
 from torch import Tensor
 
-from shardlab.config import DataConfig
+from shardlab.config import Config, DataConfig
+from shardlab.hf_datasets import dataset_documents, is_dataset
 from shardlab.packing import row_positions
 
 if TYPE_CHECKING:
@@ -221,7 +223,11 @@ def make_loader(
         if tokenizer is not None and texts:
             digest.update(f" tokenizer {tokenizer.fingerprint()}".encode())
         encoder = tokenizer.encode if tokenizer is not None else _byte_encode
-        docs = _stdlib_documents(encoder) if data.source == "stdlib" else _file_documents(data, vocab_size, encoder)
+        key = f"tokenizer {tokenizer.fingerprint()}" if tokenizer is not None else "bytes"
+        if data.source == "stdlib":
+            docs = _stdlib_documents(encoder)
+        else:
+            docs = _file_documents(data, vocab_size, encoder, key)
         corpus = _Corpus(hold_out(docs, split), seed)
         digest.update(corpus.lengths.tobytes())
         for doc in corpus.docs:  # text documents are hashed whole, .bin memmaps by their ends
@@ -244,6 +250,14 @@ def make_loader(
         fingerprint=digest.hexdigest(),
         document_masks=data.document_masks,
     )
+
+
+def run_data(cfg: Config) -> DataConfig:
+    """The run's data settings with the cache directory resolved: data.cache_dir, else the run directory's
+    data-cache."""
+    if cfg.data.cache_dir is not None:
+        return cfg.data
+    return msgspec.structs.replace(cfg.data, cache_dir=str(Path(cfg.run_dir) / "data-cache"))
 
 
 class _Corpus:
@@ -330,14 +344,21 @@ def _stdlib_documents(encoder: Encoder) -> list[np.ndarray]:
     return encoder(texts)
 
 
-def _file_documents(data: DataConfig, vocab_size: int, encoder: Encoder) -> list[np.ndarray]:
-    """.txt: one document per file; .jsonl: one per line; .bin: the file's tokens as one document (a memmap)."""
+def _file_documents(data: DataConfig, vocab_size: int, encoder: Encoder, encoder_key: str) -> list[np.ndarray]:
+    """.txt: one document per file; .jsonl: one per line; .bin: the file's tokens as one document (a memmap);
+    .parquet, .arrow and directories: one per row, tokenized once into data.cache_dir (`shardlab.hf_datasets`)."""
     docs: list[np.ndarray] = []
     for name in data.paths:
         path = Path(name)
-        if not path.is_file():
-            raise ValueError(f"data.paths: {name} does not exist or is not a file; check the path")
-        if path.suffix == ".bin":
+        if not path.exists():
+            raise ValueError(f"data.paths: {name} does not exist; check the path")
+        if is_dataset(path):
+            if data.cache_dir is None:
+                raise ValueError(f"data.paths: {name} is tokenized once into data.cache_dir, which is unset; set it")
+            docs += dataset_documents(name, data.jsonl_field, encoder, encoder_key, data.cache_dir)
+        elif not path.is_file():
+            raise ValueError(f"data.paths: {name} is not a file; check the path")
+        elif path.suffix == ".bin":
             docs.append(_bin_tokens(path, data.bin_dtype, vocab_size))
         elif path.suffix in (".txt", ".jsonl"):
             try:
@@ -349,7 +370,9 @@ def _file_documents(data: DataConfig, vocab_size: int, encoder: Encoder) -> list
             texts = [text] if path.suffix == ".txt" else _jsonl_texts(name, text, data.jsonl_field)
             docs += encoder(texts)
         else:
-            raise ValueError(f"data.paths: {name} has suffix {path.suffix!r}; use .txt, .jsonl or .bin")
+            raise ValueError(
+                f"data.paths: {name} has suffix {path.suffix!r}; use .txt, .jsonl, .bin, .parquet, .arrow or a directory"
+            )
     if not docs:
         raise ValueError(f"data.paths: {', '.join(data.paths)} hold no documents; add a non-empty file")
     return docs

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from shardlab._device_mesh import flat_view
 from shardlab.config import Config
 from shardlab.context_parallel import cp_positions
-from shardlab.data import Split, TokenLoader, make_loader
+from shardlab.data import Split, TokenLoader, make_loader, run_data
 from shardlab.models.provider import ModelProvider
 from shardlab.plan import Plan
 from shardlab.schedule import PipelineRun
@@ -44,7 +44,7 @@ def eval_loader(
     cfg: Config, *, vocab_size: int, dp_rank: int, dp_size: int, micro_batches: int, tokenizer: Tokenizer | None
 ) -> TokenLoader:
     """This rank's rows of the evaluation's global batches (the training batch's shape)."""
-    data = cfg.data
+    data = run_data(cfg)
     if cfg.eval.paths:
         data = msgspec.structs.replace(data, source="files", paths=cfg.eval.paths)
     return make_loader(

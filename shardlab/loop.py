@@ -24,7 +24,7 @@ from shardlab._faults import fault_point
 from shardlab._preemption import Preempted, Preemption
 from shardlab.apply import apply
 from shardlab.config import Config
-from shardlab.data import make_loader
+from shardlab.data import make_loader, run_data
 from shardlab.evaluate import eval_loader, make_eval, train_split
 from shardlab.hf import initial_weights, load_hf_weights
 from shardlab.launch import resolve_device
@@ -141,7 +141,7 @@ def train(
     state: TrainState = init_state(model, cfg.optim)
     tokenizer = run_tokenizer(cfg)
     loader = make_loader(
-        cfg.data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=provider.vocab_size,
+        run_data(cfg), seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=provider.vocab_size,
         dp_rank=dp_rank, dp_size=dp, micro_batches=cfg.micro_batches, tokenizer=tokenizer, split=train_split(cfg),
     )  # fmt: skip
     evaluate, held_out = None, None

@@ -27,6 +27,7 @@ LAYERS = [
         "apply",
         "debug",
         "data",
+        "hf_datasets",
         "metrics",
         "launch",
         "tokenizer",

@@ -1,0 +1,110 @@
+"""Parquet, Arrow and directories of JSONL through Hugging Face datasets: the same documents, so the same global
+batches, as the same texts read from JSONL; tokenized once into data.cache_dir; bad datasets fail in one line.
+
+Run: pytest tests/test_hf_datasets.py (one process, a few seconds).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardlab import data as data_module
+from shardlab.config import Config, DataConfig, TrainConfig
+from shardlab.data import make_loader, run_data
+
+datasets = pytest.importorskip("datasets")
+
+SEQ, G = 16, 8
+TEXTS = [f"row {i}: " + "ab" * (i % 7) for i in range(40)]
+
+
+def batches(data: DataConfig, steps: int = 8, dp_size: int = 1, dp_rank: int = 0) -> list[torch.Tensor]:
+    loader = make_loader(data, seq_len=SEQ, global_batch=G, vocab_size=300, dp_rank=dp_rank, dp_size=dp_size)
+    return [loader.batch(k).inputs for k in range(steps)]
+
+
+@pytest.fixture
+def jsonl(tmp_path: Path) -> Path:
+    path = tmp_path / "texts.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    return path
+
+
+def files(path: Path, cache: Path) -> DataConfig:
+    return DataConfig(source="files", paths=(str(path),), cache_dir=str(cache))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow", "jsonl_dir"])
+def test_datasets_give_the_jsonl_batches(tmp_path: Path, jsonl: Path, kind: str):
+    rows = datasets.Dataset.from_dict({"id": list(range(len(TEXTS))), "text": TEXTS})
+    if kind == "parquet":
+        path = tmp_path / "texts.parquet"
+        rows.to_parquet(path)
+    elif kind == "arrow":
+        path = tmp_path / "saved"
+        rows.save_to_disk(path)  # data-00000-of-00001.arrow beside its json descriptions
+    else:
+        path = tmp_path / "shards"
+        path.mkdir()
+        for i, part in enumerate((TEXTS[:25], TEXTS[25:])):
+            (path / f"part-{i}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    want = batches(DataConfig(source="files", paths=(str(jsonl),)))
+    got = batches(files(path, tmp_path / "cache"))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_tokenized_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = tmp_path / "texts.parquet"
+    datasets.Dataset.from_dict({"text": TEXTS}).to_parquet(path)
+    data = files(path, tmp_path / "cache")
+    first = batches(data, steps=2)
+    assert list((tmp_path / "cache").glob("tokens-*.arrow"))
+
+    def refuse(texts: list[str]) -> list:
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(data_module, "_byte_encode", refuse)
+    assert all(torch.equal(a, b) for a, b in zip(batches(data, steps=2), first, strict=True))
+
+
+def test_layout_and_resume(tmp_path: Path):
+    path = tmp_path / "texts.parquet"
+    datasets.Dataset.from_dict({"text": TEXTS}).to_parquet(path)
+    data = files(path, tmp_path / "cache")
+    one = batches(data, steps=6)
+    two = [torch.cat(b) for b in zip(*(batches(data, steps=6, dp_size=2, dp_rank=r) for r in range(2)))]
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    loader = make_loader(data, seq_len=SEQ, global_batch=G, vocab_size=300, dp_rank=0, dp_size=1)
+    loader.step = 3
+    resumed = make_loader(data, seq_len=SEQ, global_batch=G, vocab_size=300, dp_rank=0, dp_size=1)
+    resumed.load_state_dict(loader.state_dict())
+    assert torch.equal(next(resumed).inputs, one[3])
+
+
+def test_the_cache_defaults_to_the_run_directory(tmp_path: Path):
+    cfg = Config(data=DataConfig(source="files", paths=("x.parquet",)), train=TrainConfig(run_dir=str(tmp_path / "r")))
+    assert run_data(cfg).cache_dir == str(tmp_path / "r" / "data-cache")
+
+
+def test_bad_datasets_are_one_line(tmp_path: Path):
+    path = tmp_path / "rows.parquet"
+    datasets.Dataset.from_dict({"body": TEXTS}).to_parquet(path)
+    with pytest.raises(
+        ValueError, match=r"rows\.parquet has no field 'text' \(its fields: body\); set data\.jsonl_field"
+    ):
+        batches(files(path, tmp_path / "cache"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty holds no \.parquet, \.arrow, \.jsonl files"):
+        batches(files(tmp_path / "empty", tmp_path / "cache"))
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match=r"broken\.parquet is not a readable dataset"):
+        batches(files(broken, tmp_path / "cache"))
+    nulls = tmp_path / "nulls.parquet"
+    datasets.Dataset.from_dict({"text": ["fine", None]}).to_parquet(nulls)
+    with pytest.raises(ValueError, match=r"nulls\.parquet row 1 has no string field 'text'"):
+        batches(files(nulls, tmp_path / "cache"))
