@@ -139,12 +139,22 @@ class DataConfig(Frozen):
     the transformers model directory's own tokenizer when it has one (model.hf_path), else byte-level tokens."""
     seed: int = 1234
     """Seed of the data order (and of synthetic tokens)."""
+    format: Literal["text", "chat"] = "text"
+    """text: documents of text (or tokens); chat: JSONL lines or dataset rows whose `messages` ([{role, content}])
+    the tokenizer's chat template renders, the loss on the assistant's tokens only (supervised fine-tuning)."""
+    truncate: bool = False
+    """A chat conversation longer than train.seq_len tokens: cut to its first seq_len (True), or an error naming it
+    before launch (False)."""
     document_masks: bool = False
     """Packed rows keep their documents apart: attention never crosses a document boundary, positions restart at
     each document, and a document's last token is not trained to predict the next one's first (shardlab.packing).
     False: rows are plain windows of the token stream."""
 
     def check(self) -> None:
+        if self.format == "chat" and self.source != "files":
+            raise ValueError(
+                f"data.format='chat' reads chat files, not data.source={self.source!r}; set --data.source files"
+            )
         if self.document_masks and self.source == "synthetic":
             raise ValueError(
                 "data.document_masks is set but data.source='synthetic' has no documents; drop --data.document-masks"

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from shardlab.chat import FIELD, ChatEncoder
 from shardlab.config import Config, DataConfig
 from shardlab.hf_datasets import dataset_documents, is_dataset
 from shardlab.packing import row_positions
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
 Split = Literal["all", "train", "held_out"]
 Encoder = Callable[[list[str]], list[np.ndarray]]
 """Texts -> one token array per document (bytes, or a tokenizer's ids)."""
+RecordEncoder = Callable[[list[Any], list[str]], dict[str, list[np.ndarray]]]
+"""Records' field values and how an error names each one -> {"ids": token arrays} (and, for chat, "trainable":
+bool arrays, True on the tokens the loss learns)."""
 
 BOS = 256
 EOS = 257
@@ -66,6 +70,8 @@ class Row(NamedTuple):
     tokens: np.ndarray
     starts: np.ndarray | None = None
     """bool: the token begins a document (None: no documents, synthetic tokens)."""
+    trainable: np.ndarray | None = None
+    """bool: the token is one the loss learns (chat: the assistant's); None: every token."""
 
 
 def encode(text: str) -> np.ndarray:
@@ -123,6 +129,8 @@ class TokenLoader:
         rows = [self._sequence(i) for i in ids]
         seqs = torch.from_numpy(np.stack([r.tokens for r in rows]))
         inputs, labels = seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+        if rows[0].trainable is not None:  # chat: only the assistant's tokens are targets
+            labels[~torch.from_numpy(np.stack([r.trainable[1:] for r in rows]))] = IGNORE_INDEX
         if not self.document_masks:
             return Batch(inputs=inputs, labels=labels)
         starts = torch.from_numpy(np.stack([r.starts for r in rows]))
@@ -220,18 +228,28 @@ def make_loader(
                 f"data.tokenizer={tokenizer.path!r} has {tokenizer.vocab_size} tokens but model.vocab_size is "
                 f"{vocab_size}; use the model's own tokenizer"
             )
-        if tokenizer is not None and texts:
-            digest.update(f" tokenizer {tokenizer.fingerprint()}".encode())
-        encoder = tokenizer.encode if tokenizer is not None else _byte_encode
         key = f"tokenizer {tokenizer.fingerprint()}" if tokenizer is not None else "bytes"
-        if data.source == "stdlib":
-            docs = _stdlib_documents(encoder)
+        if data.format == "chat":
+            if tokenizer is None:
+                raise ValueError(
+                    "data.format='chat' needs a tokenizer with a chat template; set data.tokenizer or model.hf_path"
+                )
+            records: RecordEncoder = ChatEncoder(tokenizer)
+            key = f"chat {key} {hashlib.blake2b(tokenizer.backend.chat_template.encode()).hexdigest()}"
         else:
-            docs = _file_documents(data, vocab_size, encoder, key)
-        corpus = _Corpus(hold_out(docs, split), seed)
+            records = _text_records(tokenizer.encode if tokenizer is not None else _byte_encode, data.jsonl_field)
+        if tokenizer is not None and texts:
+            digest.update(f" {key}".encode())
+        if data.source == "stdlib":
+            docs, masks = records(*_stdlib_texts())["ids"], None
+        else:
+            docs, masks = _file_documents(data, vocab_size, records, key, seq_len)
+        corpus = _Corpus(hold_out(docs, split), seed, None if masks is None else hold_out(masks, split))
         digest.update(corpus.lengths.tobytes())
         for doc in corpus.docs:  # text documents are hashed whole, .bin memmaps by their ends
             digest.update(np.ascontiguousarray(_ends(doc) if isinstance(doc, np.memmap) else doc).tobytes())
+        for mask in corpus.masks or ():
+            digest.update(np.packbits(mask).tobytes())
 
         def sequence(i: int) -> Row:
             return corpus.read(i * seq_len, seq_len + 1)
@@ -267,8 +285,9 @@ class _Corpus:
     cumulative lengths are computed, never the epoch's tokens.
     """
 
-    def __init__(self, docs: list[np.ndarray], seed: int) -> None:
+    def __init__(self, docs: list[np.ndarray], seed: int, masks: list[np.ndarray] | None = None) -> None:
         self.docs = docs
+        self.masks = masks
         self.lengths = np.array([d.size for d in docs], dtype=np.int64)
         self.total = int(self.lengths.sum())
         self.seed = seed
@@ -285,6 +304,7 @@ class _Corpus:
     def read(self, pos: int, n: int) -> Row:
         out = np.empty(n, dtype=np.int64)
         begins = np.zeros(n, dtype=bool)
+        trainable = None if self.masks is None else np.empty(n, dtype=bool)
         filled = 0
         while filled < n:
             epoch, offset = divmod(pos, self.total)
@@ -293,10 +313,12 @@ class _Corpus:
             doc, start = self.docs[perm[j]], offset - int(starts[j])
             take = min(n - filled, doc.size - start)
             out[filled : filled + take] = doc[start : start + take]
+            if trainable is not None:
+                trainable[filled : filled + take] = self.masks[perm[j]][start : start + take]
             begins[filled] = start == 0
             filled += take
             pos += take
-        return Row(out, begins)
+        return Row(out, begins, trainable)
 
 
 HELD_OUT = 0.01
@@ -325,61 +347,87 @@ def _byte_encode(texts: list[str]) -> list[np.ndarray]:
     return [encode(t) for t in texts]
 
 
-def _stdlib_documents(encoder: Encoder) -> list[np.ndarray]:
+def _stdlib_texts() -> tuple[list[str], list[str]]:
     """This Python's stdlib `*.py` sources in sorted path order, one document each, up to STDLIB_MAX_BYTES of
-    UTF-8 text."""
+    UTF-8 text; and their paths."""
     root = sysconfig.get_paths()["stdlib"]
     paths = []
     for directory, subdirs, files in os.walk(root):
         subdirs[:] = [d for d in subdirs if d not in _STDLIB_SKIP_DIRS]
         paths += [os.path.join(directory, f) for f in files if f.endswith(".py")]
-    texts, total = [], 0
+    texts, names, total = [], [], 0
     for path in sorted(paths):
         if total >= STDLIB_MAX_BYTES:
             break
         texts.append(Path(path).read_text(encoding="utf-8", errors="replace"))
+        names.append(path)
         total += len(texts[-1].encode("utf-8")) + 2
     if not texts:
         raise ValueError(f"data.source='stdlib': no *.py files under {root}; use data.source='synthetic' or 'files'")
-    return encoder(texts)
+    return texts, names
 
 
-def _file_documents(data: DataConfig, vocab_size: int, encoder: Encoder, encoder_key: str) -> list[np.ndarray]:
-    """.txt: one document per file; .jsonl: one per line; .bin: the file's tokens as one document (a memmap);
-    .parquet, .arrow and directories: one per row, tokenized once into data.cache_dir (`shardlab.hf_datasets`)."""
+def _file_documents(
+    data: DataConfig, vocab_size: int, records: RecordEncoder, key: str, seq_len: int
+) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """Token arrays (and for chat, trainable masks). .txt: one document per file; .jsonl: one per line; .bin: the
+    file's tokens as one document (a memmap); .parquet, .arrow and directories: one per row, tokenized once into
+    data.cache_dir (`shardlab.hf_datasets`). `key` identifies what `records` makes of a record (for that cache)."""
+    chat = data.format == "chat"
+    field = FIELD if chat else data.jsonl_field
     docs: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
     for name in data.paths:
         path = Path(name)
         if not path.exists():
             raise ValueError(f"data.paths: {name} does not exist; check the path")
+        if chat and not (is_dataset(path) or path.suffix == ".jsonl"):
+            raise ValueError(f"data.paths: {name} is not chat data; data.format='chat' reads .jsonl files or datasets")
         if is_dataset(path):
             if data.cache_dir is None:
                 raise ValueError(f"data.paths: {name} is tokenized once into data.cache_dir, which is unset; set it")
-            docs += dataset_documents(name, data.jsonl_field, encoder, encoder_key, data.cache_dir)
+            columns = dataset_documents(name, field, records, key, data.cache_dir)
+            wheres = [f"data.paths: {name} row {k}" for k in range(len(columns["ids"]))]
         elif not path.is_file():
             raise ValueError(f"data.paths: {name} is not a file; check the path")
         elif path.suffix == ".bin":
             docs.append(_bin_tokens(path, data.bin_dtype, vocab_size))
+            continue
         elif path.suffix in (".txt", ".jsonl"):
             try:
                 text = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError as err:
+            except (OSError, UnicodeDecodeError) as err:
+                why = f"{err.reason} at byte {err.start}" if isinstance(err, UnicodeDecodeError) else err.strerror
                 raise ValueError(
-                    f"data.paths: {name} is not valid UTF-8 ({err.reason} at byte {err.start}); re-encode it"
+                    f"data.paths: {name} cannot be read as UTF-8 text ({why}); fix or re-encode it"
                 ) from None
-            texts = [text] if path.suffix == ".txt" else _jsonl_texts(name, text, data.jsonl_field)
-            docs += encoder(texts)
+            values, wheres = (
+                ([text], [f"data.paths: {name}"]) if path.suffix == ".txt" else _jsonl_values(name, text, field)
+            )
+            columns = records(values, wheres)
         else:
             raise ValueError(
                 f"data.paths: {name} has suffix {path.suffix!r}; use .txt, .jsonl, .bin, .parquet, .arrow or a directory"
             )
+        if chat:
+            for ids, where in zip(columns["ids"], wheres):
+                if ids.size > seq_len and not data.truncate:
+                    raise ValueError(
+                        f"{where}: the conversation is {ids.size} tokens, longer than train.seq_len={seq_len}; raise "
+                        "train.seq_len, drop the record, or set data.truncate to cut it"
+                    )
+            masks += [m[:seq_len] for m in columns["trainable"]]
+            docs += [d[:seq_len] for d in columns["ids"]]
+        else:
+            docs += columns["ids"]
     if not docs:
         raise ValueError(f"data.paths: {', '.join(data.paths)} hold no documents; add a non-empty file")
-    return docs
+    return docs, masks if chat else None
 
 
-def _jsonl_texts(name: str, text: str, field: str) -> list[str]:
-    texts = []
+def _jsonl_values(name: str, text: str, field: str) -> tuple[list[Any], list[str]]:
+    """Each line's `field` and how an error names it (`data.paths: FILE:LINE`); blank lines are skipped."""
+    values, wheres = [], []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -389,13 +437,23 @@ def _jsonl_texts(name: str, text: str, field: str) -> list[str]:
             raise ValueError(
                 f"data.paths: {name}:{lineno} is not valid JSON ({err.msg}); fix or drop the line"
             ) from None
-        value = record.get(field) if isinstance(record, dict) else None
-        if not isinstance(value, str):
-            raise ValueError(
-                f"data.paths: {name}:{lineno} has no string field {field!r}; set data.jsonl_field to the field holding the text"
-            )
-        texts.append(value)
-    return texts
+        values.append(record.get(field) if isinstance(record, dict) else None)
+        wheres.append(f"data.paths: {name}:{lineno}")
+    return values, wheres
+
+
+def _text_records(encoder: Encoder, field: str) -> RecordEncoder:
+    """Text records: each value must be a string, which `encoder` tokenizes."""
+
+    def records(values: list[Any], wheres: list[str]) -> dict[str, list[np.ndarray]]:
+        for value, where in zip(values, wheres):
+            if not isinstance(value, str):
+                raise ValueError(
+                    f"{where} has no string field {field!r}; set data.jsonl_field to the field holding the text"
+                )
+        return {"ids": encoder(values)}
+
+    return records
 
 
 def _bin_tokens(path: Path, dtype: str, vocab_size: int) -> np.ndarray:

@@ -17,7 +17,8 @@ import numpy as np
 
 BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json"}
 """File suffix -> the `datasets` builder that reads it."""
-Encoder = Callable[[list[str]], list[np.ndarray]]
+RecordEncoder = Callable[[list[Any], list[str]], dict[str, list[np.ndarray]]]
+"""Rows' field values and how an error names each row -> columns of arrays ("ids", and for chat "trainable")."""
 
 
 def is_dataset(path: Path) -> bool:
@@ -47,16 +48,18 @@ def dataset_rows(name: str, field: str, cache_dir: str) -> tuple[Any, list[Path]
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise ValueError(f"data.paths: {name} is not a readable dataset ({first})") from None
     if field not in rows.column_names:
+        hint = "set data.jsonl_field to the field holding the text" if field != "messages" else "chat rows need it"
         raise ValueError(
-            f"data.paths: {name} has no field {field!r} (its fields: {', '.join(rows.column_names)}); set "
-            "data.jsonl_field to the field holding the text"
+            f"data.paths: {name} has no field {field!r} (its fields: {', '.join(rows.column_names)}); {hint}"
         )
     return rows, files
 
 
-def dataset_documents(name: str, field: str, encoder: Encoder, encoder_key: str, cache_dir: str) -> list[np.ndarray]:
-    """One token array per row of dataset `name` (`encoder` applied to its `field`), tokenized once: the cache file's
-    name is a hash of the files, the field and `encoder_key` (what identifies the encoder's ids)."""
+def dataset_documents(
+    name: str, field: str, records: RecordEncoder, encoder_key: str, cache_dir: str
+) -> dict[str, list[np.ndarray]]:
+    """Per row of dataset `name`, the arrays `records` makes of its `field` (column -> one array per row), made
+    once: the cache file's name is a hash of the files, the field and `encoder_key` (what identifies `records`)."""
     rows, files = dataset_rows(name, field, cache_dir)
     key = hashlib.blake2b(f"{field} {encoder_key}".encode(), digest_size=8)
     for f in files:
@@ -65,11 +68,7 @@ def dataset_documents(name: str, field: str, encoder: Encoder, encoder_key: str,
     fingerprint = key.hexdigest()
 
     def tokenize(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[np.ndarray]]:
-        texts = batch[field]
-        bad = next((i for i, t in zip(indices, texts) if not isinstance(t, str)), None)
-        if bad is not None:
-            raise ValueError(f"data.paths: {name} row {bad} has no string field {field!r}; fix or drop the row")
-        return {"ids": encoder(texts)}
+        return records(batch[field], [f"data.paths: {name} row {i}" for i in indices])
 
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     ids = rows.map(
@@ -77,9 +76,12 @@ def dataset_documents(name: str, field: str, encoder: Encoder, encoder_key: str,
         cache_file_name=str(Path(cache_dir) / f"tokens-{fingerprint}.arrow"),
         new_fingerprint=fingerprint, desc=f"tokenizing {name}",
     )  # fmt: skip
-    column = ids.data.column("ids").combine_chunks()  # a list array: flat values and row offsets, memory-mapped
-    flat, offsets = column.values.to_numpy(), column.offsets.to_numpy()
-    return [flat[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+    out = {}
+    for key in ids.column_names:  # list arrays: flat values and row offsets, memory-mapped
+        column = ids.data.column(key).combine_chunks()
+        flat, offsets = column.values.to_numpy(zero_copy_only=False), column.offsets.to_numpy()
+        out[key] = [flat[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+    return out
 
 
 def _datasets(name: str) -> Any:

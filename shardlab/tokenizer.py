@@ -44,6 +44,11 @@ class Tokenizer:
         self.eos_id: int | None = self._tok.eos_token_id
 
     @property
+    def backend(self) -> Any:
+        """The transformers tokenizer itself (its chat template, `apply_chat_template`)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         """Every id it can produce, added tokens included."""
         return len(self._tok)

@@ -28,6 +28,7 @@ LAYERS = [
         "debug",
         "data",
         "hf_datasets",
+        "chat",
         "metrics",
         "launch",
         "tokenizer",

@@ -1,0 +1,159 @@
+"""Chat data for fine-tuning: the loss learns the assistant's tokens only, found the same way whether the template
+marks them ({% generation %}) or not (rendered prefix by prefix); packed with document masks; bad chat files fail
+in one line naming the file and the field.
+
+Run: pytest tests/test_chat.py (one process, a few seconds).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardlab.chat import ChatEncoder
+from shardlab.config import DataConfig
+from shardlab.data import IGNORE_INDEX, make_loader
+from shardlab.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+SPECIAL = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+PLAIN = (  # Llama 3's shape: a BOS, a header per turn, an end-of-turn token; no generation marks
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+MARKED = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] }}<|end|>{% endgeneration %}{% else %}{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CONVERSATIONS = [
+    [{"role": "user", "content": "add 2 and 3"}, {"role": "assistant", "content": "five"}],
+    [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "the dog"},
+        {"role": "assistant", "content": "barks loud"},
+        {"role": "user", "content": "and the fox"},
+        {"role": "assistant", "content": "jumps over the lazy dog"},
+    ],
+]
+
+
+def make_tokenizer(path: Path, template: str) -> Tokenizer:
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=320, special_tokens=SPECIAL, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog, add two and three: five. " * 20], trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.chat_template = template
+    fast.save_pretrained(path)
+    return Tokenizer(str(path))
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> Tokenizer:
+    return make_tokenizer(tmp_path_factory.mktemp("plain"), PLAIN)
+
+
+@pytest.fixture(scope="module")
+def marked(tmp_path_factory) -> Tokenizer:
+    return make_tokenizer(tmp_path_factory.mktemp("marked"), MARKED)
+
+
+def write_chat(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def chat_data(path: Path, tokenizer: Tokenizer, **kw) -> DataConfig:
+    return DataConfig(source="files", paths=(str(path),), format="chat", tokenizer=tokenizer.path, **kw)
+
+
+def loader(data: DataConfig, tokenizer: Tokenizer, seq_len: int = 64):
+    return make_loader(data, seq_len=seq_len, global_batch=4, vocab_size=320, dp_rank=0, dp_size=1, tokenizer=tokenizer)
+
+
+def test_assistant_tokens_are_the_replies_and_their_end(plain: Tokenizer, marked: Tokenizer):
+    assert not ChatEncoder(plain).marked and ChatEncoder(marked).marked
+    for messages in CONVERSATIONS:
+        ids, mask = ChatEncoder(plain).encode(messages, "x")
+        marked_ids, marked_mask = ChatEncoder(marked).encode(messages, "x")
+        assert np.array_equal(ids, marked_ids)
+        assert np.array_equal(mask, marked_mask), "prefix rendering and {% generation %} marks disagree"
+        replies = "".join(m["content"] + "<|end|>" for m in messages if m["role"] == "assistant")
+        assert plain.decode(ids[mask]) == replies
+
+
+def test_prefix_inconsistent_templates_are_refused(tmp_path: Path):
+    drops_history = "{% for m in messages %}{% if loop.last %}{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    tok = make_tokenizer(tmp_path, drops_history)
+    with pytest.raises(ValueError, match=r"f\.jsonl:1: the chat template renders the conversation differently"):
+        ChatEncoder(tok).encode(CONVERSATIONS[1], "f.jsonl:1")
+
+
+def test_loss_is_on_the_assistant_tokens_only(tmp_path: Path, plain: Tokenizer):
+    path = write_chat(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS * 3])
+    batch = loader(chat_data(path, plain, document_masks=True), plain).batch(0)
+    learnt = batch.labels[batch.labels != IGNORE_INDEX]
+    replies = plain.backend(["five<|end|>barks loud<|end|>jumps over the lazy dog<|end|>"])["input_ids"][0]
+    assert set(learnt.tolist()) <= set(replies) and learnt.numel() > 8
+    end = plain.backend.convert_tokens_to_ids("<|end|>")
+    user = plain.backend.convert_tokens_to_ids("<|user|>")
+    assert (batch.labels == end).any() and not (batch.labels == user).any()
+    assert (batch.positions == 0).sum() > 4  # more than one conversation per row, each from position 0
+
+
+def test_a_dataset_of_chat_rows_gives_the_jsonl_batches(tmp_path: Path, plain: Tokenizer):
+    datasets = pytest.importorskip("datasets")
+    records = [{"messages": m} for m in CONVERSATIONS * 3]
+    path = write_chat(tmp_path / "chat.jsonl", records)
+    datasets.Dataset.from_list(records).to_parquet(tmp_path / "chat.parquet")
+    want = loader(chat_data(path, plain), plain).batch(1)
+    got = loader(chat_data(tmp_path / "chat.parquet", plain, cache_dir=str(tmp_path / "cache")), plain).batch(1)
+    assert (got.inputs == want.inputs).all() and (got.labels == want.labels).all()
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"text": "hi"}, r"chat\.jsonl:2 has no 'messages' list"),
+        ({"messages": [{"content": "hi"}]}, r"chat\.jsonl:2: messages\[0\] needs a string 'role'"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, r"chat\.jsonl:2: messages has no 'assistant' message"),
+    ],
+)
+def test_bad_chat_records_are_one_line(tmp_path: Path, plain: Tokenizer, record: dict, message: str):
+    path = write_chat(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}, record])
+    with pytest.raises(ValueError, match=message):
+        loader(chat_data(path, plain), plain)
+
+
+def test_conversations_longer_than_seq_len(tmp_path: Path, plain: Tokenizer):
+    path = write_chat(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    with pytest.raises(
+        ValueError, match=r"chat\.jsonl:2: the conversation is \d+ tokens, longer than train\.seq_len=16"
+    ):
+        loader(chat_data(path, plain), plain, seq_len=16)
+    batch = loader(chat_data(path, plain, truncate=True), plain, seq_len=16).batch(0)
+    assert batch.inputs.shape == (4, 16)
+
+
+def test_chat_needs_a_template_and_chat_files(tmp_path: Path, plain: Tokenizer):
+    path = write_chat(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}])
+    data = DataConfig(source="files", paths=(str(path),), format="chat")
+    with pytest.raises(ValueError, match=r"data\.format='chat' needs a tokenizer with a chat template"):
+        loader(data, None)
+    text = tmp_path / "a.txt"
+    text.write_text("hello")
+    with pytest.raises(ValueError, match=r"a\.txt is not chat data"):
+        loader(chat_data(text, plain), plain)
+    with pytest.raises(ValueError, match=r"data\.format='chat' reads chat files"):
+        DataConfig(format="chat")
