@@ -30,10 +30,11 @@ WORLD = {
     "mixtral_8x7b.py": 64,
     "custom_gpt.py": 4,
     "hf_causal_lm.py": 4,
+    "sft_hf.py": 4,
     "qwen3_32b.py": 256,
     "qwen2_5_72b.py": 512,
 }
-NEEDS_TRANSFORMERS = ("hf_causal_lm.py", "qwen3_32b.py", "qwen2_5_72b.py")
+NEEDS_TRANSFORMERS = ("hf_causal_lm.py", "sft_hf.py", "qwen3_32b.py", "qwen2_5_72b.py")
 
 
 def test_every_recipe_has_a_world():
@@ -59,7 +60,7 @@ def test_recipe_plans(name, request):
         pytest.importorskip("transformers")
     recipe = load_recipe(RECIPES / name)
     cfg = recipe.config
-    if name == "hf_causal_lm.py":
+    if name in ("hf_causal_lm.py", "sft_hf.py"):
         cfg = msgspec.structs.replace(cfg, model=ModelConfig(hf_path=str(request.getfixturevalue("hf_dir"))))
     cfg = cfg.validated().resolve(WORLD[name])
     provider = provider_for(cfg, recipe.model(cfg))
