@@ -16,20 +16,16 @@ from collections.abc import Callable
 
 import msgspec
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from shardlab._device_mesh import flat_view
 from shardlab.config import Config
-from shardlab.context_parallel import cp_positions
 from shardlab.data import Split, TokenLoader, make_loader, run_data
+from shardlab.loss import all_reduce_sum, counted, local_value, summed_loss
 from shardlab.models.provider import ModelProvider
 from shardlab.plan import Plan
-from shardlab.schedule import PipelineRun
-from shardlab.step import IGNORE_INDEX, _all_reduce, chunks, local_tokens, model_device
+from shardlab.step import chunks, local_tokens, model_device, step_layout
 from shardlab.tokenizer import Tokenizer
 
 Evaluate = Callable[[nn.Module, TokenLoader], dict[str, float]]
@@ -57,13 +53,8 @@ def eval_loader(
 def make_eval(cfg: Config, plan: Plan, mesh: DeviceMesh | None, provider: ModelProvider) -> Evaluate:
     """evaluate(model, loader) -> {"eval_loss", "eval_ppl"} over the loader's first `eval.steps` batches."""
     cfg = cfg.resolve(plan.mesh.world_size)
-    group = flat_view(mesh, "batch").get_group() if mesh is not None and plan.mesh.size("batch") > 1 else None
-    positions = None
-    if plan.context is not None:
-        positions = cp_positions(cfg.train.seq_len, plan.mesh.cp, mesh["cp"].get_local_rank())
-    pipeline = PipelineRun(plan, mesh, IGNORE_INDEX) if plan.pipeline is not None else None
+    micro_batches, positions, group, pipeline = step_layout(cfg, plan, mesh)
     stage_group = pipeline.group if pipeline is not None else None
-    micro_batches = cfg.micro_batches
 
     @torch.no_grad()
     def evaluate(model: nn.Module, loader: TokenLoader) -> dict[str, float]:
@@ -75,21 +66,18 @@ def make_eval(cfg: Config, plan: Plan, mesh: DeviceMesh | None, provider: ModelP
         try:
             for k in range(cfg.eval.steps):
                 inputs, labels, at = local_tokens(loader.batch(k), positions, device)
-                tokens += (labels != IGNORE_INDEX).sum()
+                tokens += counted(labels)
                 if pipeline is not None:
                     loss_sum += pipeline.evaluate(model, inputs, labels, positions=at)
                     continue
                 for x, y, p in zip(inputs.chunk(micro_batches), labels.chunk(micro_batches), chunks(at, micro_batches)):
                     with loss_parallel() if plan.loss_parallel else contextlib.nullcontext():
-                        logits = provider.forward(model, x, p)
-                        loss = F.cross_entropy(
-                            logits.flatten(0, 1).float(), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
-                        )
-                    loss_sum += (loss.full_tensor() if isinstance(loss, DTensor) else loss).to(torch.float64)
+                        loss = summed_loss(provider.forward(model, x, p), y)
+                    loss_sum += local_value(loss).to(torch.float64)
         finally:
             model.train(training)
-        total = _all_reduce(_all_reduce(loss_sum, stage_group), group)  # only the last stage has a loss
-        mean = (total / _all_reduce(tokens, group)).item()
+        total = all_reduce_sum(all_reduce_sum(loss_sum, stage_group), group)  # only the last stage has a loss
+        mean = (total / all_reduce_sum(tokens, group)).item()
         return {"eval_loss": mean, "eval_ppl": math.exp(min(mean, 700.0))}
 
     return evaluate

@@ -12,15 +12,14 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import _Replicate  # every micro batch gets the whole kwarg
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from shardlab.loss import local_value, summed_loss
 from shardlab.pipeline import PipelinePlan
 from shardlab.plan import Plan
 from shardlab.stages import stage_modules
@@ -40,7 +39,7 @@ SCHEDULE_NAMES = {
 class PipelineRun:
     """Runs a batch through this rank's stages under the plan's schedule; returns the last stage's summed loss."""
 
-    def __init__(self, plan: Plan, mesh: DeviceMesh, ignore_index: int) -> None:
+    def __init__(self, plan: Plan, mesh: DeviceMesh) -> None:
         pipeline = plan.pipeline
         if pipeline is None:
             raise ValueError("PipelineRun: the plan has no pipeline stages (mesh.pp is 1)")
@@ -51,7 +50,6 @@ class PipelineRun:
         self.n_stages = len(pipeline.stages)
         self.is_first = any(s.index == 0 for s in self.stages)
         self.is_last = any(s.index == self.n_stages - 1 for s in self.stages)
-        self.ignore_index = ignore_index
         self.vocab_parallel = plan.loss_parallel
         self.context_parallel = plan.context is not None
         self.scale = 1.0
@@ -64,13 +62,8 @@ class PipelineRun:
         return self.pp_mesh.get_group()
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        summed = F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=self.ignore_index
-        )
-        value = summed.detach()
-        self._summed.append(
-            value.full_tensor() if isinstance(value, DTensor) else value
-        )  # replicated under loss parallel
+        summed = summed_loss(logits, labels)
+        self._summed.append(local_value(summed.detach()))
         return summed * self.scale
 
     def _schedule_for(self, model: nn.Module, device: torch.device):

@@ -16,7 +16,6 @@ from typing import NamedTuple
 import msgspec
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -27,7 +26,8 @@ from shardlab._device_mesh import flat_view
 from shardlab._glob import matches
 from shardlab.config import Config, OptimConfig
 from shardlab.context_parallel import cp_positions
-from shardlab.data import IGNORE_INDEX, Batch
+from shardlab.data import Batch
+from shardlab.loss import all_reduce_sum, counted, local_value, summed_loss
 from shardlab.models.provider import ModelProvider, logits_of, provider_for
 from shardlab.plan import Plan
 from shardlab.routers import Routers, moe_layers
@@ -129,15 +129,11 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
     cfg = cfg.resolve(plan.mesh.world_size)
     plan.check_mesh(cfg.mesh)
     holders = plan.mesh.size("batch")  # ranks holding different tokens: FSDP averages over them
-    micro_batches = cfg.micro_batches
-    positions = None
-    if plan.context is not None:
-        positions = cp_positions(cfg.train.seq_len, plan.mesh.cp, mesh["cp"].get_local_rank())
-    group = flat_view(mesh, "batch").get_group() if mesh is not None and plan.mesh.size("batch") > 1 else None
+    layout = step_layout(cfg, plan, mesh)
+    micro_batches, positions, group, pipeline = layout
+    stage_group = pipeline.group if pipeline is not None else None
     lr_at = lr_schedule(cfg.optim, cfg.train.steps)
     max_norm = cfg.optim.max_norm
-    pipeline = PipelineRun(plan, mesh, IGNORE_INDEX) if plan.pipeline is not None else None
-    stage_group = pipeline.group if pipeline is not None else None
 
     provider = provider or provider_for(cfg)
     moe, forward = provider.moe, provider.forward
@@ -162,7 +158,7 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
         inputs, labels, at = local_tokens(batch, positions, device)
         if inputs.shape[0] % micro_batches:
             raise ValueError(f"step: {inputs.shape[0]} rows per rank do not split into {micro_batches} micro batches")
-        tokens = _all_reduce((labels != IGNORE_INDEX).sum().to(torch.float64), group)
+        tokens = all_reduce_sum(counted(labels), group)
         scale = holders / tokens.item()  # a float: a DTensor loss cannot be multiplied by a plain tensor
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         if pipeline is not None:  # the schedule splits the batch into the plan's micro batches
@@ -179,10 +175,10 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
                     model, x, y, scale, plan.loss_parallel, positions=p, extra_loss=routers and routers.loss,
                     forward=forward,
                 )  # fmt: skip
-                loss_sum += _local(loss).to(torch.float64)
+                loss_sum += local_value(loss).to(torch.float64)
         match_param_layouts(model)
         grad_norm = clip_grad_norm(model, max_norm, stage_group)
-        loss_total = _all_reduce(_all_reduce(loss_sum, stage_group), group)  # only the last stage has a loss
+        loss_total = all_reduce_sum(all_reduce_sum(loss_sum, stage_group), group)  # only the last stage has a loss
         loss = (loss_total / tokens).item()  # the step's one read of the loss, before the update it may veto
         finite = math.isfinite(loss) and math.isfinite(grad_norm)  # both the same on every rank (all-reduced)
         if not finite and skip_nonfinite is False:
@@ -205,6 +201,28 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
         return msgspec.structs.replace(state, step=state.step + 1, skipped=skipped), metrics
 
     return step
+
+
+class StepLayout(NamedTuple):
+    """What a step (and an evaluation) reads off the plan and the mesh for one layout."""
+
+    micro_batches: int
+    cp_at: torch.Tensor | None
+    """The sequence positions this context-parallel rank holds (`cp_positions`), or None without cp."""
+    group: dist.ProcessGroup | None
+    """The ranks holding different tokens (`batch`: dp_replicate x dp_shard x cp): losses and token counts are
+    summed over them; None when this rank holds the whole batch."""
+    pipeline: PipelineRun | None
+    """This rank's pipeline stages under the plan's schedule, or None without pp."""
+
+
+def step_layout(cfg: Config, plan: Plan, mesh: DeviceMesh | None) -> StepLayout:
+    cp_at = None
+    if plan.context is not None:
+        cp_at = cp_positions(cfg.train.seq_len, plan.mesh.cp, mesh["cp"].get_local_rank())
+    group = flat_view(mesh, "batch").get_group() if mesh is not None and plan.mesh.size("batch") > 1 else None
+    pipeline = PipelineRun(plan, mesh) if plan.pipeline is not None else None
+    return StepLayout(cfg.micro_batches, cp_at, group, pipeline)
 
 
 def local_tokens(
@@ -253,9 +271,7 @@ def forward_backward(
             logits = forward(model, inputs, positions)
         else:
             logits = logits_of(model(inputs) if positions is None else model(inputs, positions=positions))
-        loss = F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
-        )
+        loss = summed_loss(logits, labels)
         if after_forward is not None:
             after_forward()
         objective = loss * scale
@@ -265,21 +281,10 @@ def forward_backward(
     return loss.detach()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The loss's value as a plain tensor (under loss parallel it is a replicated DTensor)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def model_device(model: nn.Module) -> torch.device:
     """Where the model's (local shards of) parameters live: where batches go."""
     p = next(iter(model.parameters()))
     return p.to_local().device if isinstance(p, DTensor) else p.device
-
-
-def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if group is not None:
-        dist.all_reduce(t, group=group)
-    return t
 
 
 def match_param_layouts(model: nn.Module) -> None:

@@ -27,6 +27,7 @@ LAYERS = [
         "apply",
         "debug",
         "data",
+        "loss",
         "hf_datasets",
         "chat",
         "metrics",

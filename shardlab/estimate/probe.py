@@ -26,7 +26,6 @@ from typing import Any, Literal
 import msgspec
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -43,6 +42,7 @@ from shardlab.apply import apply
 from shardlab.config import Config
 from shardlab.context_parallel import cp_positions
 from shardlab.estimate._fake import fake_tensors, fake_world, forget_dtensor_dispatch, inferring_dtensor_shapes
+from shardlab.loss import summed_loss
 from shardlab.mesh import AXES, FLAT_VIEWS
 from shardlab.metrics import module_flops
 from shardlab.models.provider import ModelProvider, provider_for
@@ -349,7 +349,7 @@ def _stages_forward_backward(
             x = tokens if stage.index == 0 else torch.zeros(hidden, dtype=dtype, requires_grad=True)
             y = module(x) if positions is None else module(x, positions=positions)
             if stage.index == last:
-                y = F.cross_entropy(y.flatten(0, 1).float(), tokens.flatten(), reduction="sum")
+                y = summed_loss(y, tokens)
             outputs.append((stage.index, y))
         after_forward()
         for index, y in reversed(outputs):  # the schedule runs the backwards in reverse stage order

@@ -30,7 +30,7 @@ from shardlab.estimate.roofline import DP_AXES
 from shardlab.loop import build_model, plan_model
 from shardlab.routers import moe_layers
 from shardlab.schedule import PipelineRun
-from shardlab.step import IGNORE_INDEX, forward_backward, init_state, match_param_layouts
+from shardlab.step import forward_backward, init_state, match_param_layouts
 
 from ._harness import run_world
 from .layouts import tiny
@@ -144,7 +144,7 @@ def real_pipeline(name: str) -> dict:
     if plan.context is not None:  # this cp rank's chunks of every sequence, as the step takes them
         positions = cp_positions(cfg.train.seq_len, cfg.mesh.cp, mesh["cp"].get_local_rank())
         tokens = tokens[:, positions]
-    run = PipelineRun(plan, mesh, IGNORE_INDEX)
+    run = PipelineRun(plan, mesh)
     run(model, tokens, tokens, 1.0, positions)
     sends = []
     real_batch_p2p = schedules._batch_p2p
