@@ -5,8 +5,8 @@ ranks, from the directory's weights:
     python -m shardlab recipes/sft_hf.py --model.hf-path /tmp/chat/model --data.paths /tmp/chat/chat.jsonl
 
 Each JSONL line (or dataset row) holds `messages` ([{role, content}]); the model directory's tokenizer renders them
-with its chat template and the loss learns the assistant's tokens only. Conversations are packed into rows with
-document masks, so none attends to another."""
+with its chat template and the loss learns the assistant's tokens only. Each row holds whole conversations (and
+padding at its end), kept apart by document masks, so none attends to another."""
 
 from shardlab import Config, DataConfig, MeshSpec, ModelConfig, OptimConfig, PlanConfig, TrainConfig
 

@@ -141,7 +141,8 @@ class DataConfig(Frozen):
     """Seed of the data order (and of synthetic tokens)."""
     format: Literal["text", "chat"] = "text"
     """text: documents of text (or tokens); chat: JSONL lines or dataset rows whose `messages` ([{role, content}])
-    the tokenizer's chat template renders, the loss on the assistant's tokens only (supervised fine-tuning)."""
+    the tokenizer's chat template renders, the loss on the assistant's tokens only (supervised fine-tuning); each
+    row holds whole conversations, padded at its end."""
     truncate: bool = False
     """A chat conversation longer than train.seq_len tokens: cut to its first seq_len (True), or an error naming it
     before launch (False)."""

@@ -5,6 +5,8 @@ global batch is sequences [k*G, (k+1)*G), so it does not depend on the layout, a
 is exact. With M micro batches per step, micro batch j is sequences k*G + [j*G/M, (j+1)*G/M), and data-parallel
 rank r of D takes the r-th D-th of each: the ranks' j-th micro batches together are the same sequences in every
 layout with M micro batches (an MoE balancing loss over each global micro batch depends on which they are).
+Chat data (data.format='chat') is not cut from the stream: sequence i is a row of whole conversations and padding
+(`_WholeRows`), so no reply trains without its prompt; the rest holds as for the stream.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import Tensor
 from shardlab.chat import FIELD, ChatEncoder
 from shardlab.config import Config, DataConfig
 from shardlab.hf_datasets import dataset_documents, is_dataset
-from shardlab.packing import row_positions
+from shardlab.packing import row_positions, whole_rows
 
 if TYPE_CHECKING:
     from shardlab.tokenizer import Tokenizer
@@ -251,8 +253,16 @@ def make_loader(
         for mask in corpus.masks or ():
             digest.update(np.packbits(mask).tobytes())
 
-        def sequence(i: int) -> Row:
-            return corpus.read(i * seq_len, seq_len + 1)
+        if data.format == "chat":  # whole conversations per row, padded (`_WholeRows`)
+            backend = tokenizer.backend
+            pad = next((t for t in (backend.pad_token_id, backend.eos_token_id) if t is not None), 0)
+            rows = _WholeRows(corpus, seq_len + 1, pad)
+            digest.update(f" whole rows pad {pad}".encode())
+            sequence = rows.read
+        else:
+
+            def sequence(i: int) -> Row:
+                return corpus.read(i * seq_len, seq_len + 1)
 
         if data.document_masks:
             digest.update(b" document_masks")
@@ -293,7 +303,8 @@ class _Corpus:
         self.seed = seed
         self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Epoch `epoch`'s document order and where each document starts in it (cumulative lengths)."""
         if epoch not in self._orders:
             if len(self._orders) >= 2:
                 del self._orders[min(self._orders)]
@@ -308,7 +319,7 @@ class _Corpus:
         filled = 0
         while filled < n:
             epoch, offset = divmod(pos, self.total)
-            perm, starts = self._order(epoch)
+            perm, starts = self.order(epoch)
             j = int(np.searchsorted(starts, offset, side="right")) - 1
             doc, start = self.docs[perm[j]], offset - int(starts[j])
             take = min(n - filled, doc.size - start)
@@ -319,6 +330,44 @@ class _Corpus:
             filled += take
             pos += take
         return Row(out, begins, trainable)
+
+
+class _WholeRows:
+    """Whole documents (chat conversations) per row: each epoch's documents, in `corpus`'s order for it, placed into
+    rows of `width` tokens by `whole_rows`, the rest of a row `pad` tokens. The padding is one more document, never a
+    target (not trainable) and, with document masks, seen by no other; without them it comes after every real token,
+    which a causal mask keeps from seeing it. Row i of the stream is the (i - rows of the earlier epochs)-th of its
+    epoch, so the rows are a function of the data and the seed alone, the same in every layout and on resume."""
+
+    def __init__(self, corpus: _Corpus, width: int, pad: int) -> None:
+        self.corpus, self.width, self.pad = corpus, width, pad
+        self._firsts: list[np.ndarray] = []
+        """Per epoch so far: `whole_rows` of its order."""
+        self._before = [0]
+        """Rows before epoch e (one more entry than _firsts)."""
+
+    def read(self, i: int) -> Row:
+        while i >= self._before[-1]:
+            perm, _ = self.corpus.order(len(self._firsts))
+            self._firsts.append(whole_rows(self.corpus.lengths[perm], self.width))
+            self._before.append(self._before[-1] + self._firsts[-1].size - 1)
+        epoch = int(np.searchsorted(self._before, i, side="right")) - 1
+        perm, _ = self.corpus.order(epoch)
+        firsts, r = self._firsts[epoch], i - self._before[epoch]
+        tokens = np.full(self.width, self.pad, dtype=np.int64)
+        begins = np.zeros(self.width, dtype=bool)
+        trainable = np.zeros(self.width, dtype=bool)
+        at = 0
+        for d in perm[firsts[r] : firsts[r + 1]]:
+            doc, n = self.corpus.docs[d], self.corpus.docs[d].size
+            tokens[at : at + n] = doc
+            if self.corpus.masks is not None:
+                trainable[at : at + n] = self.corpus.masks[d]
+            begins[at] = True
+            at += n
+        if at < self.width:
+            begins[at] = True  # the padding starts a document of its own
+        return Row(tokens, begins, trainable)
 
 
 HELD_OUT = 0.01

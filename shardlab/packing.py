@@ -6,6 +6,9 @@ document starts wherever the position does not follow the previous token's by on
 `position_ids`, `masking_utils.find_packed_sequence_indices`), and every row starts one (a document cut by a row
 boundary continues as a new one). From the positions come the RoPE angles and the mask: a query sees the keys of its
 own document at or before its position. Unpacked rows have positions 0..seq_len-1: one document, the causal mask.
+
+Chat rows (`whole_rows`) hold whole conversations and end in padding: a conversation cut at a row's edge would train
+its replies without their prompt.
 """
 
 from __future__ import annotations
@@ -49,3 +52,16 @@ def packed_mask(positions: torch.Tensor) -> torch.Tensor:
     """The mask of whole packed rows: positions [b, s] -> [b, 1, s, s]."""
     docs = document_ids(positions)
     return document_mask(positions, positions, docs, docs)
+
+
+def whole_rows(lengths: np.ndarray, width: int) -> np.ndarray:
+    """Whole documents into rows of `width` tokens, in order (next fit: a row takes the next documents while they
+    fit, so a document is never cut and the rows depend on the documents' order and lengths alone). Returns the
+    index of each row's first document and, last, len(lengths). Every length must be at most `width`."""
+    firsts, used = [0], 0
+    for k, n in enumerate(lengths.tolist()):
+        if used + n > width:
+            firsts.append(k)
+            used = 0
+        used += n
+    return np.array([*firsts, lengths.size] if lengths.size else [0], dtype=np.int64)

@@ -1,21 +1,25 @@
 """Chat data for fine-tuning: the loss learns the assistant's tokens only, found the same way whether the template
-marks them ({% generation %}) or not (rendered prefix by prefix); packed with document masks; bad chat files fail
-in one line naming the file and the field.
+marks them ({% generation %}) or not (rendered prefix by prefix); each row holds whole conversations and padding that
+changes no real token's loss, the same rows in every layout; bad chat files fail in one line naming the file and the
+field.
 
 Run: pytest tests/test_chat.py (one process, a few seconds).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from shardlab.chat import ChatEncoder
-from shardlab.config import DataConfig
+from shardlab.config import DataConfig, ModelConfig
 from shardlab.data import IGNORE_INDEX, make_loader
+from shardlab.models.llama import Llama
 from shardlab.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -78,8 +82,41 @@ def chat_data(path: Path, tokenizer: Tokenizer, **kw) -> DataConfig:
     return DataConfig(source="files", paths=(str(path),), format="chat", tokenizer=tokenizer.path, **kw)
 
 
-def loader(data: DataConfig, tokenizer: Tokenizer, seq_len: int = 64):
-    return make_loader(data, seq_len=seq_len, global_batch=4, vocab_size=320, dp_rank=0, dp_size=1, tokenizer=tokenizer)
+def loader(data: DataConfig, tokenizer: Tokenizer, seq_len: int = 64, dp_size: int = 1, dp_rank: int = 0):
+    return make_loader(
+        data, seq_len=seq_len, global_batch=4, vocab_size=320, dp_rank=dp_rank, dp_size=dp_size, tokenizer=tokenizer
+    )
+
+
+def sums(n: int) -> list[list[dict[str, str]]]:
+    """n conversations of different lengths (one or two exchanges), each with its own replies."""
+    out = []
+    for i in range(n):
+        turns = [
+            {"role": "user", "content": f"add {i} and {2 * i}"},
+            {"role": "assistant", "content": f"it is {3 * i}"},
+        ]
+        if i % 3 == 0:
+            turns += [{"role": "user", "content": "and twice that"}, {"role": "assistant", "content": f"{6 * i}"}]
+        out.append(turns)
+    return out
+
+
+def segments(batch, pad: int) -> list[tuple[list[int], str]]:
+    """Each row's documents in order (a document starts where its position is 0), trailing padding dropped: its
+    tokens (the row's inputs and, for its last column, the last label) and the text of its learnt labels."""
+    out = []
+    for inputs, labels, positions in zip(batch.inputs, batch.labels, batch.positions, strict=True):
+        last = labels[-1:] if labels[-1] != IGNORE_INDEX else torch.tensor([pad])
+        tokens = torch.cat([inputs, last]).tolist()
+        cuts = [*(positions == 0).nonzero().flatten().tolist(), len(tokens)]
+        for a, b in itertools.pairwise(cuts):
+            doc, learnt = tokens[a:b], labels[a:b]
+            while doc and doc[-1] == pad:
+                doc.pop()
+            if doc:
+                out.append((doc, learnt[learnt != IGNORE_INDEX].tolist()))
+    return out
 
 
 def test_assistant_tokens_are_the_replies_and_their_end(plain: Tokenizer, marked: Tokenizer):
@@ -157,3 +194,47 @@ def test_chat_needs_a_template_and_chat_files(tmp_path: Path, plain: Tokenizer):
         loader(chat_data(text, plain), plain)
     with pytest.raises(ValueError, match=r"data\.format='chat' reads chat files"):
         DataConfig(format="chat")
+
+
+def test_rows_hold_whole_conversations_and_padding_changes_no_loss(tmp_path: Path, plain: Tokenizer):
+    chats = sums(24)
+    path = write_chat(tmp_path / "chat.jsonl", [{"messages": m} for m in chats])
+    data = chat_data(path, plain, document_masks=True)
+    encoded = {tuple(ChatEncoder(plain).encode(m, "x")[0].tolist()): m for m in chats}
+    pad = plain.backend.eos_token_id
+    batches = [loader(data, plain, seq_len=48).batch(k) for k in range(8)]
+    found = [s for b in batches for s in segments(b, pad)]
+    assert len(found) > len(chats)  # more than one epoch
+    firsts = sorted(tuple(doc) for doc, _ in found[: len(chats)])
+    assert firsts == sorted(encoded), "the first epoch's rows should hold every conversation once, each whole"
+    for doc, learnt in found:
+        replies = "".join(m["content"] + "<|end|>" for m in encoded[tuple(doc)] if m["role"] == "assistant")
+        assert plain.decode(learnt) == replies
+    for positions in (True, False):
+        batch = batches[0] if positions else loader(chat_data(path, plain), plain, seq_len=48).batch(0)
+        padding = torch.flip(torch.cumprod(torch.flip(batch.inputs == pad, [1]), 1), [1]).bool()  # trailing pads
+        assert padding.any() and (batch.labels[padding] == IGNORE_INDEX).all()
+        torch.manual_seed(0)
+        model = Llama(ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=320))
+        model.init_weights(0)
+        other = batch.inputs.masked_fill(padding, 7)
+        with torch.no_grad():
+            a, b = (model(x, positions=batch.positions) for x in (batch.inputs, other))
+        real = batch.labels != IGNORE_INDEX
+        assert torch.equal(a[real], b[real]), "a pad token changed a real token's logits"
+
+
+def test_chat_rows_are_the_same_in_every_layout_and_on_resume(tmp_path: Path, plain: Tokenizer):
+    path = write_chat(tmp_path / "chat.jsonl", [{"messages": m} for m in sums(24)])
+    data = chat_data(path, plain, document_masks=True)
+    one = loader(data, plain, seq_len=48)
+    halves = [loader(data, plain, seq_len=48, dp_size=2, dp_rank=r) for r in range(2)]
+    for k in range(6):
+        want = one.batch(k)
+        got = [h.batch(k) for h in halves]
+        for field in ("inputs", "labels", "positions"):
+            assert torch.equal(torch.cat([getattr(g, field) for g in got]), getattr(want, field))
+    one.step = 5
+    resumed = loader(data, plain, seq_len=48)
+    resumed.load_state_dict(one.state_dict())
+    assert torch.equal(next(resumed).labels, one.batch(5).labels)
