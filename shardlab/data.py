@@ -156,6 +156,7 @@ class TokenLoader:
             "seq_len": self.seq_len,
             "global_batch": self.global_batch,
             "fingerprint": self.fingerprint,
+            "document_masks": self.document_masks,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -169,6 +170,12 @@ class TokenLoader:
                     f"data: the checkpoint's loader has {field}={state.get(key)!r} but this run has {getattr(self, key)!r}; "
                     f"resume with {field}={state.get(key)!r}"
                 )
+        if "document_masks" in state and state["document_masks"] != self.document_masks:  # older states lack it
+            flag = "--data.document-masks" if state["document_masks"] else "--data.no-document-masks"
+            raise ValueError(
+                f"data: the checkpoint's loader has data.document_masks={state['document_masks']} but this run has "
+                f"{self.document_masks}; resume with {flag}"
+            )
         if state.get("fingerprint") != self.fingerprint:
             raise ValueError(
                 f"data: the checkpoint's token stream (fingerprint {state.get('fingerprint')}) differs from this run's "

@@ -90,8 +90,10 @@ def test_document_masks_change_the_fingerprint(packed: DataConfig):
     off = make_loader(DataConfig(source="files", paths=packed.paths), seq_len=SEQ, global_batch=G,
                       vocab_size=VOCAB, dp_rank=0, dp_size=1)  # fmt: skip
     assert on.fingerprint != off.fingerprint
-    with pytest.raises(ValueError, match="token stream"):
+    with pytest.raises(ValueError, match=r"data\.document_masks=True but this run has False; resume with --data\.doc"):
         off.load_state_dict(on.state_dict())
+    with pytest.raises(ValueError, match=r"data\.document_masks=False but this run has True; .* --data\.no-document"):
+        on.load_state_dict(off.state_dict())
 
 
 def test_llama_packed_rows_equal_documents_alone(packed: DataConfig):
