@@ -12,6 +12,7 @@ that drops earlier turns' reasoning) is refused in one line.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,16 +38,20 @@ class ChatEncoder:
         self.marked = bool(_GENERATION.search(template))
         """The template marks the assistant's text itself ({% generation %})."""
 
-    def __call__(self, values: list[Any], where: list[str]) -> dict[str, list[np.ndarray]]:
-        """values: each record's `messages`; where: how an error names each record (`file:line`)."""
+    def __call__(self, values: list[Any], where: Callable[[int], str]) -> dict[str, list[np.ndarray]]:
+        """values: each record's `messages`; where(j): how an error names record j (`file:line`), asked only for
+        an error."""
         ids, trainable = [], []
-        for messages, at in zip(values, where):
-            tokens, mask = self.encode(check_messages(messages, at), at)
+        for j, messages in enumerate(values):
+            try:
+                tokens, mask = self.encode(check_messages(messages))
+            except ValueError as err:
+                raise ValueError(f"{where(j)}: {err}") from None
             ids.append(tokens)
             trainable.append(mask)
         return {"ids": ids, "trainable": trainable}
 
-    def encode(self, messages: list[dict[str, str]], where: str) -> tuple[np.ndarray, np.ndarray]:
+    def encode(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
         """One conversation's ids (uint32) and its mask (True on the assistant's tokens)."""
         tok = self.tokenizer.backend
         out = tok.apply_chat_template(
@@ -64,8 +69,8 @@ class ChatEncoder:
             upto = tok.apply_chat_template(messages[: i + 1], tokenize=False)
             if not whole.startswith(upto) or start > len(upto):
                 raise ValueError(
-                    f"{where}: the chat template renders the conversation differently from its first {i + 1} "
-                    "messages, so the assistant's turns cannot be found; use a template with {% generation %} marks"
+                    f"the chat template renders the conversation differently from its first {i + 1} messages, "
+                    "so the assistant's turns cannot be found; use a template with {% generation %} marks"
                 )
             first, last = out.char_to_token(0, start), out.char_to_token(0, len(upto) - 1)
             if first is not None and last is not None:
@@ -73,13 +78,14 @@ class ChatEncoder:
         return ids, mask
 
 
-def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
-    """`messages` as a list of {"role": str, "content": str} with an assistant turn, else a one-line error."""
+def check_messages(messages: Any) -> list[dict[str, str]]:
+    """`messages` as a list of {"role": str, "content": str} with an assistant turn, else a one-line error (which
+    the caller prefixes with the record's name)."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where} has no {FIELD!r} list; a chat record is {{{FIELD!r}: [{{role, content}}, ...]}}")
+        raise ValueError(f"no {FIELD!r} list; a chat record is {{{FIELD!r}: [{{role, content}}, ...]}}")
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: {FIELD}[{j}] needs a string 'role' and a string 'content'")
+            raise ValueError(f"{FIELD}[{j}] needs a string 'role' and a string 'content'")
     if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{where}: {FIELD} has no 'assistant' message, so nothing to learn; drop the record")
+        raise ValueError(f"{FIELD} has no 'assistant' message, so nothing to learn; drop the record")
     return [{"role": m["role"], "content": m["content"]} for m in messages]

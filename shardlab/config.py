@@ -126,7 +126,8 @@ class DataConfig(Frozen):
     paths: tuple[str, ...] = ()
     """Files for source=files: .txt / .jsonl (text), .bin (pre-tokenized), or datasets read through Hugging Face
     `datasets` and tokenized once into cache_dir: .parquet / .arrow files and directories of .parquet, .arrow or
-    .jsonl files."""
+    .jsonl files (and, for format='chat', a single .jsonl file too: rendering a conversation costs far more than
+    tokenizing text)."""
     jsonl_field: str = "text"
     """Field holding the text in each JSONL line or dataset row."""
     cache_dir: str | None = None

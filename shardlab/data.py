@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 Split = Literal["all", "train", "held_out"]
 Encoder = Callable[[list[str]], list[np.ndarray]]
 """Texts -> one token array per document (bytes, or a tokenizer's ids)."""
-RecordEncoder = Callable[[list[Any], list[str]], dict[str, list[np.ndarray]]]
-"""Records' field values and how an error names each one -> {"ids": token arrays} (and, for chat, "trainable":
+RecordEncoder = Callable[[list[Any], Callable[[int], str]], dict[str, list[np.ndarray]]]
+"""Records' field values and how an error names value j -> {"ids": token arrays} (and, for chat, "trainable":
 bool arrays, True on the tokens the loss learns)."""
 
 BOS = 256
@@ -428,7 +428,8 @@ def _file_documents(
 ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
     """Token arrays (and for chat, trainable masks). .txt: one document per file; .jsonl: one per line; .bin: the
     file's tokens as one document (a memmap); .parquet, .arrow and directories: one per row, tokenized once into
-    data.cache_dir (`shardlab.hf_datasets`). `key` identifies what `records` makes of a record (for that cache)."""
+    data.cache_dir (`shardlab.hf_datasets`), and so are chat .jsonl files, whose rendering costs far more than
+    tokenizing text. `key` identifies what `records` makes of a record (for that cache)."""
     chat = data.format == "chat"
     field = FIELD if chat else data.jsonl_field
     docs: list[np.ndarray] = []
@@ -439,11 +440,10 @@ def _file_documents(
             raise ValueError(f"data.paths: {name} does not exist; check the path")
         if chat and not (is_dataset(path) or path.suffix == ".jsonl"):
             raise ValueError(f"data.paths: {name} is not chat data; data.format='chat' reads .jsonl files or datasets")
-        if is_dataset(path):
+        if is_dataset(path) or (chat and path.is_file()):
             if data.cache_dir is None:
                 raise ValueError(f"data.paths: {name} is tokenized once into data.cache_dir, which is unset; set it")
-            columns = dataset_documents(name, field, records, key, data.cache_dir)
-            wheres = [f"data.paths: {name} row {k}" for k in range(len(columns["ids"]))]
+            columns, where = dataset_documents(name, field, records, key, data.cache_dir)
         elif not path.is_file():
             raise ValueError(f"data.paths: {name} is not a file; check the path")
         elif path.suffix == ".bin":
@@ -460,16 +460,16 @@ def _file_documents(
             values, wheres = (
                 ([text], [f"data.paths: {name}"]) if path.suffix == ".txt" else _jsonl_values(name, text, field)
             )
-            columns = records(values, wheres)
+            columns, where = records(values, wheres.__getitem__), wheres.__getitem__
         else:
             raise ValueError(
                 f"data.paths: {name} has suffix {path.suffix!r}; use .txt, .jsonl, .bin, .parquet, .arrow or a directory"
             )
         if chat:
-            for ids, where in zip(columns["ids"], wheres):
+            for k, ids in enumerate(columns["ids"]):
                 if ids.size > seq_len and not data.truncate:
                     raise ValueError(
-                        f"{where}: the conversation is {ids.size} tokens, longer than train.seq_len={seq_len}; raise "
+                        f"{where(k)}: the conversation is {ids.size} tokens, longer than train.seq_len={seq_len}; raise "
                         "train.seq_len, drop the record, or set data.truncate to cut it"
                     )
             masks += [m[:seq_len] for m in columns["trainable"]]
@@ -501,11 +501,11 @@ def _jsonl_values(name: str, text: str, field: str) -> tuple[list[Any], list[str
 def _text_records(encoder: Encoder, field: str) -> RecordEncoder:
     """Text records: each value must be a string, which `encoder` tokenizes."""
 
-    def records(values: list[Any], wheres: list[str]) -> dict[str, list[np.ndarray]]:
-        for value, where in zip(values, wheres):
+    def records(values: list[Any], where: Callable[[int], str]) -> dict[str, list[np.ndarray]]:
+        for j, value in enumerate(values):
             if not isinstance(value, str):
                 raise ValueError(
-                    f"{where} has no string field {field!r}; set data.jsonl_field to the field holding the text"
+                    f"{where(j)} has no string field {field!r}; set data.jsonl_field to the field holding the text"
                 )
         return {"ids": encoder(values)}
 

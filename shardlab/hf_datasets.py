@@ -1,5 +1,6 @@
 """Parquet, Arrow and JSONL datasets (a file, or a directory of them) through Hugging Face `datasets`: read,
 tokenized once into an Arrow cache under `data.cache_dir`, and handed to the loader as one token array per row.
+An error names a JSONL row by its file and line, as the loader's own JSONL reader does.
 
 The cache is keyed by the files (paths, sizes, modification times), the text field and the tokenizer, so the first
 process tokenizes before any rank starts and every rank then maps the same Arrow file. `datasets` is imported only
@@ -9,6 +10,7 @@ when such a path is used.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,8 +19,8 @@ import numpy as np
 
 BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json"}
 """File suffix -> the `datasets` builder that reads it."""
-RecordEncoder = Callable[[list[Any], list[str]], dict[str, list[np.ndarray]]]
-"""Rows' field values and how an error names each row -> columns of arrays ("ids", and for chat "trainable")."""
+RecordEncoder = Callable[[list[Any], Callable[[int], str]], dict[str, list[np.ndarray]]]
+"""Rows' field values and how an error names value j -> columns of arrays ("ids", and for chat "trainable")."""
 
 
 def is_dataset(path: Path) -> bool:
@@ -45,8 +47,13 @@ def dataset_rows(name: str, field: str, cache_dir: str) -> tuple[Any, list[Path]
             cache_dir=str(Path(cache_dir) / "datasets"),
         )  # fmt: skip
     except Exception as e:  # whatever datasets or pyarrow raise on a user's file
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"data.paths: {name} is not a readable dataset ({first})") from None
+        if BUILDERS[files[0].suffix] == "json":
+            _check_json_lines(files)
+        while e.__cause__ is not None:  # datasets wraps the reader's own error ("Couldn't cast ...")
+            e = e.__cause__
+        lines = str(e).splitlines() or [type(e).__name__]
+        why = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+        raise ValueError(f"data.paths: {name} is not a readable dataset ({why})") from None
     if field not in rows.column_names:
         hint = "set data.jsonl_field to the field holding the text" if field != "messages" else "chat rows need it"
         raise ValueError(
@@ -57,10 +64,12 @@ def dataset_rows(name: str, field: str, cache_dir: str) -> tuple[Any, list[Path]
 
 def dataset_documents(
     name: str, field: str, records: RecordEncoder, encoder_key: str, cache_dir: str
-) -> dict[str, list[np.ndarray]]:
+) -> tuple[dict[str, list[np.ndarray]], Callable[[int], str]]:
     """Per row of dataset `name`, the arrays `records` makes of its `field` (column -> one array per row), made
-    once: the cache file's name is a hash of the files, the field and `encoder_key` (what identifies `records`)."""
+    once: the cache file's name is a hash of the files, the field and `encoder_key` (what identifies `records`);
+    and how an error names row k (`row_names`)."""
     rows, files = dataset_rows(name, field, cache_dir)
+    where = row_names(name, files)
     key = hashlib.blake2b(f"{field} {encoder_key}".encode(), digest_size=8)
     for f in files:
         stat = f.stat()
@@ -68,7 +77,7 @@ def dataset_documents(
     fingerprint = key.hexdigest()
 
     def tokenize(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[np.ndarray]]:
-        return records(batch[field], [f"data.paths: {name} row {i}" for i in indices])
+        return records(batch[field], lambda j: where(indices[j]))
 
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     ids = rows.map(
@@ -81,7 +90,45 @@ def dataset_documents(
         column = ids.data.column(key).combine_chunks()
         flat, offsets = column.values.to_numpy(zero_copy_only=False), column.offsets.to_numpy()
         out[key] = [flat[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
-    return out
+    return out, where
+
+
+def row_names(name: str, files: list[Path]) -> Callable[[int], str]:
+    """How an error names row k: `data.paths: FILE:LINE` for JSONL (the rows are the files' non-blank lines, in
+    order), else `data.paths: NAME row k`. The lines are counted on the first call, that is, only for an error."""
+    if BUILDERS[files[0].suffix] != "json":
+        return lambda k: f"data.paths: {name} row {k}"
+    lines: list[tuple[Path, np.ndarray]] = []
+
+    def where(k: int) -> str:
+        if not lines:
+            for f in files:
+                with f.open("rb") as text:
+                    lines.append((f, np.array([n for n, line in enumerate(text, 1) if line.strip()], dtype=np.int64)))
+        row = k
+        for f, numbers in lines:
+            if row < numbers.size:
+                return f"data.paths: {f}:{numbers[row]}"
+            row -= numbers.size
+        return f"data.paths: {name} row {k}"
+
+    return where
+
+
+def _check_json_lines(files: list[Path]) -> None:
+    """Name the first line of `files` that is not a JSON object, for a JSONL dataset that `datasets` cannot read."""
+    for f in files:
+        with f.open("rb") as text:
+            for n, line in enumerate(text, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as err:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8
+                    why = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
+                    raise ValueError(f"data.paths: {f}:{n} is not valid JSON ({why}); fix or drop the line") from None
+                if not isinstance(record, dict):
+                    raise ValueError(f"data.paths: {f}:{n} is not a JSON object; each line holds one record")
 
 
 def _datasets(name: str) -> Any:

@@ -79,6 +79,7 @@ def write_chat(path: Path, records: list) -> Path:
 
 
 def chat_data(path: Path, tokenizer: Tokenizer, **kw) -> DataConfig:
+    kw.setdefault("cache_dir", str(path.parent / "cache"))
     return DataConfig(source="files", paths=(str(path),), format="chat", tokenizer=tokenizer.path, **kw)
 
 
@@ -122,8 +123,8 @@ def segments(batch, pad: int) -> list[tuple[list[int], str]]:
 def test_assistant_tokens_are_the_replies_and_their_end(plain: Tokenizer, marked: Tokenizer):
     assert not ChatEncoder(plain).marked and ChatEncoder(marked).marked
     for messages in CONVERSATIONS:
-        ids, mask = ChatEncoder(plain).encode(messages, "x")
-        marked_ids, marked_mask = ChatEncoder(marked).encode(messages, "x")
+        ids, mask = ChatEncoder(plain).encode(messages)
+        marked_ids, marked_mask = ChatEncoder(marked).encode(messages)
         assert np.array_equal(ids, marked_ids)
         assert np.array_equal(mask, marked_mask), "prefix rendering and {% generation %} marks disagree"
         replies = "".join(m["content"] + "<|end|>" for m in messages if m["role"] == "assistant")
@@ -134,7 +135,7 @@ def test_prefix_inconsistent_templates_are_refused(tmp_path: Path):
     drops_history = "{% for m in messages %}{% if loop.last %}{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
     tok = make_tokenizer(tmp_path, drops_history)
     with pytest.raises(ValueError, match=r"f\.jsonl:1: the chat template renders the conversation differently"):
-        ChatEncoder(tok).encode(CONVERSATIONS[1], "f.jsonl:1")
+        ChatEncoder(tok)([CONVERSATIONS[1]], lambda j: f"f.jsonl:{j + 1}")
 
 
 def test_loss_is_on_the_assistant_tokens_only(tmp_path: Path, plain: Tokenizer):
@@ -149,20 +150,34 @@ def test_loss_is_on_the_assistant_tokens_only(tmp_path: Path, plain: Tokenizer):
     assert (batch.positions == 0).sum() > 4  # more than one conversation per row, each from position 0
 
 
-def test_a_dataset_of_chat_rows_gives_the_jsonl_batches(tmp_path: Path, plain: Tokenizer):
+def test_a_chat_file_a_directory_and_parquet_give_the_same_batches(tmp_path: Path, plain: Tokenizer):
     datasets = pytest.importorskip("datasets")
-    records = [{"messages": m} for m in CONVERSATIONS * 3]
+    records = [{"messages": m} for m in sums(12)]
     path = write_chat(tmp_path / "chat.jsonl", records)
+    (tmp_path / "shards").mkdir()
+    write_chat(tmp_path / "shards" / "a.jsonl", records[:5])
+    write_chat(tmp_path / "shards" / "b.jsonl", records[5:])
     datasets.Dataset.from_list(records).to_parquet(tmp_path / "chat.parquet")
-    want = loader(chat_data(path, plain), plain).batch(1)
-    got = loader(chat_data(tmp_path / "chat.parquet", plain, cache_dir=str(tmp_path / "cache")), plain).batch(1)
-    assert (got.inputs == want.inputs).all() and (got.labels == want.labels).all()
+    want = [loader(chat_data(path, plain, document_masks=True), plain).batch(k) for k in range(3)]
+    for other in (tmp_path / "shards", tmp_path / "chat.parquet"):
+        data = chat_data(other, plain, document_masks=True, cache_dir=str(tmp_path / f"cache-{other.name}"))
+        for k, batch in enumerate(want):
+            got = loader(data, plain).batch(k)
+            assert all(torch.equal(a, b) for a, b in zip(got, batch, strict=True))
+    # an error names the file and line in a directory too, and a line that is not JSON
+    alone = {"messages": [{"role": "user", "content": "hi"}]}
+    (tmp_path / "shards" / "b.jsonl").write_text(json.dumps(records[0]) + "\n\n" + json.dumps(alone) + "\n")
+    with pytest.raises(ValueError, match=r"shards/b\.jsonl:3: messages has no 'assistant' message"):
+        loader(chat_data(tmp_path / "shards", plain), plain)
+    write_chat(path, records[:2]).write_text(path.read_text() + "{not json\n")
+    with pytest.raises(ValueError, match=r"chat\.jsonl:3 is not valid JSON \(Expecting property name"):
+        loader(chat_data(path, plain), plain)
 
 
 @pytest.mark.parametrize(
     ("record", "message"),
     [
-        ({"text": "hi"}, r"chat\.jsonl:2 has no 'messages' list"),
+        ({"text": "hi"}, r"chat\.jsonl:2: no 'messages' list"),
         ({"messages": [{"content": "hi"}]}, r"chat\.jsonl:2: messages\[0\] needs a string 'role'"),
         ({"messages": [{"role": "user", "content": "hi"}]}, r"chat\.jsonl:2: messages has no 'assistant' message"),
     ],
@@ -200,7 +215,7 @@ def test_rows_hold_whole_conversations_and_padding_changes_no_loss(tmp_path: Pat
     chats = sums(24)
     path = write_chat(tmp_path / "chat.jsonl", [{"messages": m} for m in chats])
     data = chat_data(path, plain, document_masks=True)
-    encoded = {tuple(ChatEncoder(plain).encode(m, "x")[0].tolist()): m for m in chats}
+    encoded = {tuple(ChatEncoder(plain).encode(m)[0].tolist()): m for m in chats}
     pad = plain.backend.eos_token_id
     batches = [loader(data, plain, seq_len=48).batch(k) for k in range(8)]
     found = [s for b in batches for s in segments(b, pad)]
