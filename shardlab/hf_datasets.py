@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,11 @@ def dataset_rows(name: str, field: str, cache_dir: str) -> tuple[Any, list[Path]
             f"data.paths: {name} mixes {' and '.join(sorted(kinds))} files; give each format its own directory"
         )
     try:
-        rows = datasets.load_dataset(
-            kinds.pop(), data_files=[str(f) for f in files], split="train",
-            cache_dir=str(Path(cache_dir) / "datasets"),
-        )  # fmt: skip
+        with _quiet(datasets):
+            rows = datasets.load_dataset(
+                kinds.pop(), data_files=[str(f) for f in files], split="train",
+                cache_dir=str(Path(cache_dir) / "datasets"),
+            )  # fmt: skip
     except Exception as e:  # whatever datasets or pyarrow raise on a user's file
         if BUILDERS[files[0].suffix] == "json":
             _check_json_lines(files)
@@ -80,11 +82,12 @@ def dataset_documents(
         return records(batch[field], lambda j: where(indices[j]))
 
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    ids = rows.map(
-        tokenize, batched=True, with_indices=True, remove_columns=rows.column_names,
-        cache_file_name=str(Path(cache_dir) / f"tokens-{fingerprint}.arrow"),
-        new_fingerprint=fingerprint, desc=f"tokenizing {name}",
-    )  # fmt: skip
+    with _quiet(_datasets(name)):
+        ids = rows.map(
+            tokenize, batched=True, with_indices=True, remove_columns=rows.column_names,
+            cache_file_name=str(Path(cache_dir) / f"tokens-{fingerprint}.arrow"),
+            new_fingerprint=fingerprint,
+        )  # fmt: skip
     out = {}
     for key in ids.column_names:  # list arrays: flat values and row offsets, memory-mapped
         column = ids.data.column(key).combine_chunks()
@@ -129,6 +132,19 @@ def _check_json_lines(files: list[Path]) -> None:
                     raise ValueError(f"data.paths: {f}:{n} is not valid JSON ({why}); fix or drop the line") from None
                 if not isinstance(record, dict):
                     raise ValueError(f"data.paths: {f}:{n} is not a JSON object; each line holds one record")
+
+
+@contextmanager
+def _quiet(datasets: Any) -> Iterator[None]:
+    """No `datasets` progress bars while the CLI checks the data before launch: its output is one line per run (or
+    one error line), and the bars would come back on every rank."""
+    enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if enabled:
+            datasets.enable_progress_bars()
 
 
 def _datasets(name: str) -> Any:

@@ -58,6 +58,48 @@ def test_bad_input_is_one_line_before_launch(args, message, capsys, monkeypatch)
     assert re.search(message, error_of(args, capsys))
 
 
+CHAT = {"messages": [{"role": "user", "content": "add 2 and 3"}, {"role": "assistant", "content": "five"}]}
+LONG = {"messages": [{"role": "user", "content": "add 2 and 3 " * 20}, {"role": "assistant", "content": "five"}]}
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer with a chat template, saved as transformers saves one."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>"], initial_alphabet=alphabet)
+    tok.train_from_iterator(["add two and three: five"], trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    path = tmp_path_factory.mktemp("chat-tokenizer")
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("records", "message"),
+    [
+        ([CHAT, {"text": "hi"}], r"chat\.jsonl:2: no 'messages' list; a chat record is"),
+        (None, r"data\.paths: \S*nope\.jsonl does not exist; check the path"),
+        (
+            [CHAT, LONG],
+            r"chat\.jsonl:2: the conversation is \d+ tokens, longer than train\.seq_len=64; .*data\.truncate",
+        ),
+    ],
+)
+def test_bad_chat_data_is_one_line_before_launch(records, message, chat_tokenizer, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / ("nope.jsonl" if records is None else "chat.jsonl")
+    if records is not None:
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = ["recipes/llama_fsdp_tp.py", *TINY, "--data.source", "files", "--data.format", "chat", "--data.paths",
+            str(path), "--data.tokenizer", str(chat_tokenizer), "--train.run-dir", str(tmp_path / "run")]  # fmt: skip
+    assert re.search(message, error_of(args, capsys))
+
+
 def test_a_launched_rank_leaves_its_error_for_the_first_process(tmp_path, capsys, monkeypatch):
     """On a rank that `relaunch` started, an error is one line in the error file and nothing on the terminal."""
     from shardlab._torchrun import ERROR_FILE_ENV
