@@ -64,4 +64,4 @@ def whole_rows(lengths: np.ndarray, width: int) -> np.ndarray:
             firsts.append(k)
             used = 0
         used += n
-    return np.array([*firsts, lengths.size] if lengths.size else [0], dtype=np.int64)
+    return np.array([*firsts, lengths.size], dtype=np.int64)

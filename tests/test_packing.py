@@ -20,7 +20,7 @@ from shardlab.data import IGNORE_INDEX, make_loader
 from shardlab.models.custom import CustomModel
 from shardlab.models.llama import Llama
 from shardlab.models.provider import LlamaProvider, check_layout
-from shardlab.packing import document_ids, packed_mask, row_positions
+from shardlab.packing import document_ids, packed_mask, row_positions, whole_rows
 
 SEQ, G, VOCAB = 48, 4, 300
 TOL = 2e-5
@@ -69,6 +69,11 @@ def test_positions_restart_at_each_document():
     assert document_ids(torch.tensor(row_positions(starts))).tolist() == [0, 0, 1, 1, 1, 2, 3, 3]
     mask = packed_mask(torch.tensor([[0, 1, 0, 1]]))[0, 0]
     assert mask.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+
+
+def test_whole_rows_take_the_next_documents_while_they_fit():
+    assert whole_rows(np.array([3, 4, 2, 5, 1]), 7).tolist() == [0, 2, 4, 5]  # rows [3, 4], [2, 5], [1]
+    assert whole_rows(np.array([7, 7, 6]), 7).tolist() == [0, 1, 2, 3]
 
 
 def test_loader_positions_and_labels_keep_documents_apart(packed: DataConfig):
