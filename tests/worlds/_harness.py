@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+Check = Callable[..., Any] | tuple[Callable[..., Any], dict[str, Any]]
+"""A check, or (check, keyword arguments of its own) when checks of several modules share one world."""
 PG_TIMEOUT_S = 120
 """Collectives of 4 ranks sharing 2 cores can stall for a while; this is not the hang detector (timeout_s is)."""
 GRACE_S = 10
@@ -46,7 +48,21 @@ def _write(out: Path, key: str, outcome: Outcome) -> None:
     os.replace(tmp, out / f"{key}.{outcome.status}")  # atomic; the status is in the name
 
 
-def _rank_main(rank: int, world_size: int, port: int, checks: list[Callable], kwargs: dict, out: Path) -> None:
+def _split(check: Check, kwargs: dict[str, Any]) -> tuple[Callable[..., Any], dict[str, Any]]:
+    return (check[0], kwargs | check[1]) if isinstance(check, tuple) else (check, kwargs)
+
+
+def _name(check: Check) -> str:
+    """module.name: checks of several modules that share a world may have the same name."""
+    fn = check[0] if isinstance(check, tuple) else check
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def _short(check: Check) -> str:
+    return _name(check).rsplit(".", 1)[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, checks: list[Check], kwargs: dict, out: Path) -> None:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size}
     os.environ.update({k: str(v) for k, v in env.items()})  # for code under test that reads the launcher's env
     torch.set_num_threads(1)
@@ -57,7 +73,8 @@ def _rank_main(rank: int, world_size: int, port: int, checks: list[Callable], kw
         raise
     for i, check in enumerate(checks):
         try:
-            value = check(rank, world_size, **kwargs)
+            fn, own = _split(check, kwargs)
+            value = fn(rank, world_size, **own)
             pickle.dumps(value)  # an unpicklable value fails here, with the check's name on it
             outcome = Outcome("passed", value=value)
         except BaseException:
@@ -74,7 +91,7 @@ def _rank_main(rank: int, world_size: int, port: int, checks: list[Callable], kw
 class WorldResult:
     """What one world did: ask it with `raise_for(check)` and `value(check, rank)`."""
 
-    checks: list[Callable]
+    checks: list[Check]
     world_size: int
     outcomes: dict[str, Outcome]
     """Keyed "<check index>.<rank>" (and "setup.<rank>" if joining the process group failed)."""
@@ -84,15 +101,20 @@ class WorldResult:
     """Why the parent killed the world ("" if it did not)."""
 
     def _index(self, check: Callable | str) -> int:
-        names = [c.__name__ for c in self.checks]
-        name = check if isinstance(check, str) else check.__name__
-        if name not in names:
-            raise KeyError(f"{name} is not one of this world's checks: {', '.join(names)}")
-        return names.index(name)
+        """A check by function or by name (its own name, or module.name where checks of several modules share a
+        world)."""
+        names = [_name(c) for c in self.checks]
+        if not isinstance(check, str):
+            check = _name(check)
+        hits = [i for i, c in enumerate(self.checks) if check in (names[i], _short(c))]
+        if len(hits) != 1:
+            short = check.rsplit(".", 1)[-1]
+            raise KeyError(f"{short} is not one of this world's checks: {', '.join(map(_short, self.checks))}")
+        return hits[0]
 
     def _verdict(self, i: int) -> tuple[str, str]:
         """("passed" | "failed" | "did not finish", message) of check i on its own, assuming the world reached it."""
-        name, ranks = self.checks[i].__name__, range(self.world_size)
+        name, ranks = _short(self.checks[i]), range(self.world_size)
         got = {r: o for r in ranks if (o := self.outcomes.get(f"{i}.{r}"))}
         failed = [r for _, r in sorted((o.at, r) for r, o in got.items() if o.status == "failed")]
         crashed = [r for r in ranks if r not in got and r in self.died]
@@ -119,16 +141,16 @@ class WorldResult:
         return "failed", head + "".join(f"\nalso failed on {line}" for line in also)
 
     def _error(self, i: int) -> str | None:
-        name = self.checks[i].__name__
+        name = _short(self.checks[i])
         setup = sorted((o.at, r, o.error) for r in range(self.world_size) if (o := self.outcomes.get(f"setup.{r}")))
         if setup:
             return f"{name} was not run: rank {setup[0][1]} failed to join the world:\n{setup[0][2]}"
         for j in range(i):  # the world stops at the first check that does not pass everywhere
             kind, _ = self._verdict(j)
             if kind == "failed":
-                return f"{name} was not run: an earlier check failed ({self.checks[j].__name__})"
+                return f"{name} was not run: an earlier check failed ({_short(self.checks[j])})"
             if kind == "did not finish":
-                return f"{name} was not run: an earlier check did not finish ({self.checks[j].__name__})"
+                return f"{name} was not run: an earlier check did not finish ({_short(self.checks[j])})"
         kind, message = self._verdict(i)
         return None if kind == "passed" else message
 
@@ -157,17 +179,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(world_size: int, checks: list[Callable], timeout_s: float = 300, **kwargs: Any) -> WorldResult:
-    """Run `check(rank, world_size, **kwargs)` for each check on `world_size` spawned gloo ranks.
+def run_world(world_size: int, checks: list[Check], timeout_s: float = 300, **kwargs: Any) -> WorldResult:
+    """Run `check(rank, world_size, **kwargs)` for each check on `world_size` spawned gloo ranks; a check given as
+    (check, own) also gets its own keyword arguments.
 
     Checks must be module-level functions (the spawned ranks import them by name) and may return a picklable
     value. The parent kills the world after `timeout_s`, or GRACE_S after a rank fails or dies.
     """
     for check in checks:
-        if "<" in check.__qualname__:
-            raise TypeError(
-                f"check {check.__qualname__} must be a module-level function: the spawned ranks import checks by name"
-            )
+        qualname = (check[0] if isinstance(check, tuple) else check).__qualname__
+        if "<" in qualname:
+            raise TypeError(f"check {qualname} must be a module-level function: the spawned ranks import checks by name")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="world-") as tmp:
         out, port = Path(tmp), _free_port()
