@@ -297,17 +297,18 @@ def test_one_rank_run_writes_its_run_dir(tmp_path):
 def test_four_rank_run_relaunches_and_matches_one_rank(tmp_path):
     """python -m shardlab RECIPE re-launches itself through torchrun with 4 gloo ranks."""
 
-    def losses(recipe: str, name: str) -> list[float]:
-        run = subprocess.run(
-            [sys.executable, "-m", "shardlab", recipe, *TINY, "--train.steps", "3", "--train.run-dir", str(tmp_path / name)],
-            cwd=ROOT, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    def losses(name: str) -> list[float]:
         return [json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
-    four = losses("recipes/llama_fsdp_tp.py", "four")
-    one = losses("recipes/llama_debug.py", "one")
-    assert max(abs(a - b) for a, b in zip(four, one)) <= 1e-5, (four, one)
+    args = [*TINY, "--train.steps", "3", "--train.run-dir"]
+    run = subprocess.run(
+        [sys.executable, "-m", "shardlab", "recipes/llama_fsdp_tp.py", *args, str(tmp_path / "four")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert main([str(ROOT / "recipes" / "llama_debug.py"), *args, str(tmp_path / "one")]) == 0  # in this process
+    four, one = losses("four"), losses("one")
+    assert len(four) == 3 and max(abs(a - b) for a, b in zip(four, one)) <= 1e-5, (four, one)
 
 
 def test_plan_shows_each_parameters_optimizer_group(capsys, monkeypatch):

@@ -1,7 +1,16 @@
-"""Shared by the gloo worlds: the one-process reference run every layout is compared with."""
+"""Shared by the gloo worlds: the one-process reference run every layout is compared with, and the worlds that
+several modules' checks share.
+
+Starting ranks (spawn, import torch and shardlab, join the process group) costs more than most checks, so modules
+whose checks need nothing prepared beforehand run them in one world per size. Checks are told apart by module; the
+first failing check stops the world, and the later ones report "not run" naming it.
+"""
+
+from pathlib import Path
 
 import pytest
 
+from ._harness import WorldResult, run_world
 from .layouts import curves, tiny
 
 
@@ -10,3 +19,27 @@ def reference():
     ref = curves(tiny())
     assert ref["loss"][-1] < ref["loss"][0] - 0.5, "the reference loss should fall"
     return ref
+
+
+@pytest.fixture(scope="session")
+def shared_tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("shared")
+
+
+@pytest.fixture(scope="session")
+def shared_world4(shared_tmp) -> WorldResult:
+    """4 ranks: the dense parity layouts, the estimator's memory, the helpers, the MoE layouts."""
+    from . import test_estimate, test_helpers, test_moe, test_parity_4
+
+    moe = {"tmp": str(shared_tmp / "moe")}
+    checks = [*test_parity_4.CHECKS, *test_estimate.CHECKS, *test_helpers.CHECKS, *((c, moe) for c in test_moe.CHECKS_4)]
+    return run_world(4, checks, timeout_s=1600)
+
+
+@pytest.fixture(scope="session")
+def shared_world2(shared_tmp) -> WorldResult:
+    """2 ranks: the dense parity layouts, transformers' Llama laid out by names, the MoE layouts."""
+    from . import test_hf_llama, test_moe, test_parity_2
+
+    moe = {"tmp": str(shared_tmp / "moe")}
+    return run_world(2, [*test_parity_2.CHECKS, *test_hf_llama.CHECKS, *((c, moe) for c in test_moe.CHECKS_2)], timeout_s=1100)

@@ -15,7 +15,6 @@ from shardlab.estimate import estimate_memory
 from shardlab.loop import build_model
 from shardlab.step import init_state
 
-from ._harness import run_world
 from .layouts import tiny
 
 
@@ -56,8 +55,8 @@ CHECKS = [fsdp_tp, hsdp]
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_world(4, CHECKS, timeout_s=300)
+def world4(shared_world4):
+    return shared_world4
 
 
 @pytest.mark.world

@@ -7,8 +7,6 @@ import torch
 from shardlab import MeshSpec, P, constrain, make_mesh, shard, shard_map, visualize, visualize_spec
 from shardlab.spec import block
 
-from ._harness import run_world
-
 MESH = MeshSpec(dp_shard=2, tp=2)
 SPECS = [P("tp", "dp_shard"), P(("tp", "dp_shard"), None), P(("dp_shard", "tp"), None), P(None, "tp"), P()]
 
@@ -76,8 +74,8 @@ CHECKS = [shard_gives_jax_blocks, constrain_redistributes, visualize_matches_spe
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_world(4, CHECKS, timeout_s=200)
+def world4(shared_world4):
+    return shared_world4
 
 
 @pytest.mark.world

@@ -7,8 +7,6 @@ import torch.distributed as dist
 
 from shardlab import Activation, MeshSpec, PlanConfig, Rule, Rules, apply, make_mesh, make_plan
 
-from ._harness import run_world
-
 transformers = pytest.importorskip("transformers")
 
 HF_RULES = Rules(
@@ -70,8 +68,8 @@ CHECKS = [tp2, fsdp2]
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return run_world(2, CHECKS, timeout_s=300)
+def world2(shared_world2):
+    return shared_world2
 
 
 @pytest.mark.world

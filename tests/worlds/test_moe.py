@@ -26,7 +26,6 @@ from shardlab.loop import build_model, train
 from shardlab.routers import moe_layers
 from shardlab.step import forward_backward, init_state, make_step
 
-from ._harness import run_world
 from .layouts import (
     MID,
     TOL,
@@ -174,18 +173,22 @@ def references():
 
 
 @pytest.fixture(scope="module")
-def tmp(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("moe")
+def tmp(shared_tmp) -> Path:
+    return shared_tmp / "moe"  # what the shared worlds gave this module's checks
+
+
+CHECKS_2 = [run, bias_resume]
+CHECKS_4 = [run, placements, ep_change, idle_experts]
 
 
 @pytest.fixture(scope="module")
-def world2(tmp):
-    return run_world(2, [run, bias_resume], timeout_s=300, tmp=str(tmp))
+def world2(shared_world2):
+    return shared_world2
 
 
 @pytest.fixture(scope="module")
-def world4(tmp):
-    return run_world(4, [run, placements, ep_change, idle_experts], timeout_s=500, tmp=str(tmp))
+def world4(shared_world4):
+    return shared_world4
 
 
 @pytest.mark.world

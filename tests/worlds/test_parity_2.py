@@ -8,7 +8,6 @@ import pytest
 
 from shardlab.config import MeshSpec, OptimConfig
 
-from ._harness import run_world
 from .layouts import assert_matches, curves, placements_match_plan, tied, tiny
 
 FSDP2, TP2 = MeshSpec(dp_shard=2), MeshSpec(dp_shard=1, tp=2)
@@ -44,8 +43,8 @@ CHECKS = [placements, run]
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return run_world(2, CHECKS, timeout_s=500)
+def world2(shared_world2):
+    return shared_world2
 
 
 @pytest.mark.world

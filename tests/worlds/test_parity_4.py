@@ -9,7 +9,6 @@ import pytest
 from shardlab.config import EvalConfig, MeshSpec
 from shardlab.loop import build_model, train
 
-from ._harness import run_world
 from .layouts import assert_matches, curves, placements_match_plan, tied, tiny, with_micro_batch
 
 HSDP, FSDP_TP = MeshSpec(dp_replicate=2, dp_shard=2), MeshSpec(dp_shard=2, tp=2)
@@ -67,8 +66,8 @@ CHECKS = [placements, run, run_bf16, sharded_init_needs_cuda, run_eval]
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_world(4, CHECKS, timeout_s=600)
+def world4(shared_world4):
+    return shared_world4
 
 
 @pytest.mark.world
