@@ -1,4 +1,4 @@
-"""The data flow of DESIGN.md stays one-way: a module imports only modules of its own or earlier layers."""
+"""The data flow stays one-way (config -> plan -> apply -> step -> loop): a module imports only modules of its own or earlier layers."""
 
 import ast
 from pathlib import Path

@@ -80,7 +80,7 @@ def test_lowering_table(spec, want):
 
 
 def test_fsdp_over_tp_is_the_strided_layout_torch_builds():
-    """fully_shard over a colwise TP weight gives (_StridedShard(0, sf=tp), Shard(0)) (TORCH_NOTES)."""
+    """fully_shard over a colwise TP weight gives (_StridedShard(0, sf=tp), Shard(0)), as torch itself places it."""
     mesh = MeshSpec(dp_shard=2, tp=2)
     got = placements(P("tp", None).with_minor(0, ("dp_shard",)), mesh)
     assert got[2] == _strided.strided_shard(0, 2) and got[4] == Shard(0)

@@ -1,9 +1,10 @@
-"""run_world: one spawned gloo world per test module, many checks in it, each reported on its own.
+"""run_world: one spawned gloo world, many checks in it (one module's, or several modules' in the shared worlds of
+conftest.py), each reported on its own.
 
 Every rank runs the checks in order; after each one the ranks all-gather pass/fail, so one failure stops
 the world cleanly and later checks read "not run". Each rank writes its results to files as it goes, so a
 killed world still reports what finished, and a failure names the rank that failed first with its own
-traceback (mp.spawn can blame a bystander, TORCH_NOTES.md).
+traceback (torch's mp.spawn can blame a bystander: the first rank to exit, not the first to fail).
 """
 
 from __future__ import annotations
