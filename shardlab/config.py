@@ -294,6 +294,12 @@ class Config(Frozen):
                 f"mesh.ep={ep} needs model.moe with n_experts divisible by it (each ep rank holds n_experts / ep of "
                 f"them), not {experts}; set model.moe, or pick an ep that divides n_experts"
             )
+        if m.moe is not None and self.data.format == "chat":
+            raise ValueError(
+                "data.format='chat' with model.moe: the padding that ends chat rows would be routed, counted in the "
+                "routers' balancing statistics and take expert capacity; fine-tune a dense model, or a transformers "
+                "MoE model (model.hf_path)"
+            )
         if m.moe is not None and self.mesh.pp > 1 and self.plan.pp_balance == "flops":
             raise ValueError(
                 "plan.pp_balance='flops' with model.moe: FLOPs are counted on the meta device, where tokens cannot be "

@@ -17,6 +17,7 @@ from shardlab.config import (
     DataConfig,
     LogConfig,
     ModelConfig,
+    MoEConfig,
     OptimConfig,
     PlanConfig,
     TrainConfig,
@@ -147,6 +148,13 @@ ERRORS = [
     (lambda: OptimConfig(betas=(-0.1, 0.95)), r"^optim\.betas=\(-0\.1, 0\.95\): each must be within \[0, 1\)$"),
     (lambda: OptimConfig(eps=0.0), r"^optim\.eps=0\.0: must be > 0$"),
     (lambda: OptimConfig(weight_decay=-0.1), r"^optim\.weight_decay=-0\.1: must be >= 0$"),
+    (
+        lambda: Config(
+            model=ModelConfig(**TINY, moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=64)),
+            data=DataConfig(source="files", paths=("chats.jsonl",), format="chat"),
+        ),
+        r"^data\.format='chat' with model\.moe: the padding that ends chat rows would be routed",
+    ),
     # Nested structs are validated as they are decoded, with the JSON path appended by msgspec.
     (
         lambda: msgspec.json.decode(b'{"data": {"source": "files"}}', type=Config),
