@@ -1,0 +1,84 @@
+"""Layout search: the enumeration is exact and pure (every layout valid, none twice, pinned axes kept), memory
+prunes before any probe, and the search ranks by the estimator's step time."""
+
+import math
+
+from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig
+from shardlab.mesh import AXES
+from shardlab.pipeline import V_SHAPED
+from shardlab.search import enumerate_layouts, factorizations
+
+MODEL = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512)
+
+
+def cfg(model=MODEL, global_batch=8, seq_len=64, **plan) -> Config:
+    return Config(model=model, plan=PlanConfig(**plan), train=TrainConfig(global_batch=global_batch, seq_len=seq_len))
+
+
+def layouts(c: Config, world: int, **kw):
+    kw.setdefault("tp_divisors", c.model.tp_divisors())
+    kw.setdefault("n_layers", c.model.n_layers)
+    return enumerate_layouts(c, world, **kw)
+
+
+def test_factorizations_are_every_split_of_the_world_once():
+    splits = [tuple(s.values()) for s in factorizations(8, {})]
+    assert len(splits) == len(set(splits)) == math.comb(3 + 4, 4)  # 2^3 over 5 axes: stars and bars
+    assert all(math.prod(s) == 8 for s in splits)
+    assert {tuple(s.values()) for s in factorizations(8, {"tp": 2, "pp": 2})} == {
+        (2, 2, 1, 1, 2), (2, 1, 2, 1, 2), (2, 1, 1, 2, 2),
+    }  # fmt: skip
+    assert list(factorizations(6, {"tp": 4})) == []
+
+
+def test_every_layout_is_a_valid_config_and_none_repeats():
+    c = cfg()
+    found, _ = layouts(c, 4)
+    assert len(found) == len(set(found)) > 0
+    for layout in found:
+        run = layout.config(c).resolve(4)  # the config's own checks: raises if the layout is invalid
+        assert run.mesh.world_size == 4 and run.micro_batches == layout.micro_batches
+        assert c.model.n_heads % run.mesh.tp == 0 and c.model.n_kv_heads % run.mesh.tp == 0
+        assert run.mesh.pp * run.plan.pp_stages_per_rank <= c.model.n_layers
+    meshes = {layout.mesh for layout in found}
+    assert MeshSpec(dp_shard=2, tp=2) in meshes and MeshSpec(pp=2, dp_shard=1, cp=2) in meshes
+    assert MeshSpec(dp_shard=1, tp=4) not in meshes  # n_kv_heads=2
+    kinds = {(lay.mesh.pp > 1, lay.pp_schedule, lay.activation_checkpoint, lay.reshard_after_forward) for lay in found}
+    assert (True, "interleaved_1f1b", "full", False) in kinds and (False, None, "selective", True) in kinds
+
+
+def test_pinned_axes_and_the_batch_bound_the_search():
+    c = cfg(global_batch=4)
+    found, _ = layouts(c, 8, fixed={"tp": 2})
+    assert found and all(lay.mesh.tp == 2 for lay in found)
+    assert all(c.train.global_batch % lay.mesh.size("dp") == 0 for lay in found)  # dp 8 cannot split 4 sequences
+    assert {lay.micro_batches for lay in found if lay.mesh.pp == 1 and lay.mesh.size("dp") == 1} == {1, 2, 4}
+
+
+def test_pipelines_keep_to_their_blocks_and_one_stage_models():
+    found, _ = layouts(cfg(), 4, one_stage_pipelines=True)
+    assert {lay.pp_stages_per_rank for lay in found} == {1}
+    found, _ = layouts(cfg(), 4)
+    assert {(lay.pp_schedule, lay.pp_stages_per_rank) for lay in found if lay.mesh.pp == 4} == {
+        ("gpipe", 1),
+        ("1f1b", 1),
+    }  # 4 blocks: pp 4 leaves one stage per rank
+    assert all(lay.pp_stages_per_rank == 2 for lay in found if lay.pp_schedule in V_SHAPED)
+    assert all(lay.micro_batches % lay.mesh.pp == 0 for lay in found if lay.mesh.pp > 1)
+
+
+def test_expert_parallelism_borrows_from_dp_shard_and_cp():
+    moe = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128, vocab_size=512,
+                      moe=MoEConfig(n_experts=4, expert_ffn_dim=64))  # fmt: skip
+    found, _ = layouts(cfg(moe), 4, n_experts=4)
+    eps = {(lay.mesh.dp_shard * lay.mesh.cp, lay.mesh.ep) for lay in found}
+    assert (4, 4) in eps and (2, 2) in eps and (1, 2) not in eps
+    assert all((lay.mesh.dp_shard * lay.mesh.cp) % lay.mesh.ep == 0 for lay in found)
+
+
+def test_a_world_without_a_valid_mesh_says_what_was_refused():
+    found, refused = layouts(cfg(model=ModelConfig(dim=64, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=128,
+                                                   vocab_size=512)), 3)  # fmt: skip
+    assert found == []
+    assert len(refused) == len(list(factorizations(3, {}))) == len(AXES)
+    assert any("model.n_heads=2 is not divisible by mesh.tp=3" in r for r in refused)
