@@ -1,6 +1,8 @@
 """The probe in one process (fake world, fake tensors): exact FLOPs, linear extrapolation over blocks, and an
 estimate and roofline that hang together. Real ranks check it in tests/worlds/test_probe.py."""
 
+import math
+
 import msgspec
 import pytest
 
@@ -116,3 +118,16 @@ def test_pipelines_balanced_by_flops_are_estimated():
     e = estimate(c, plan)
     assert e.micro_batches == plan.pipeline.microbatches == 2
     assert {x.axis for x in e.collectives} == {"pp"}
+
+
+def test_without_resharding_every_fsdp_unit_stays_gathered():
+    """ZeRO-2 keeps each unit's unsharded parameters from its forward to its backward: all of them at once."""
+    from shardlab.estimate import fsdp_buffer_bytes
+
+    plans = [plan_model(cfg(MeshSpec(dp_shard=4), reshard_after_forward=r).resolve(4))[1] for r in (True, False)]
+    units = {}
+    for p in plans[0].params:
+        units[p.fsdp_unit] = units.get(p.fsdp_unit, 0) + p.local_shape[0] * 4 * math.prod(p.local_shape[1:]) * 4
+    largest = sorted(units.values(), reverse=True)
+    assert fsdp_buffer_bytes(plans[0]) == sum(largest[:2]) + largest[0]
+    assert fsdp_buffer_bytes(plans[1]) == sum(largest) + largest[0]

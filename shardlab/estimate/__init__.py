@@ -54,6 +54,8 @@ def estimate_memory(plan: Plan) -> MemoryEstimate:
 def fsdp_buffer_bytes(plan: Plan) -> int:
     """FSDP's transient buffers at their largest: two units' unsharded parameters (the one computing and the
     one prefetched) in param_dtype, plus one unit's unsharded gradients in reduce_dtype before reduce-scatter.
+    With reshard_after_forward=False every unit keeps its unsharded parameters from its forward to its backward,
+    so at the end of the forward all of them are held.
 
     Under a pipeline torch's schedule keeps every unit of the busiest rank's stages unsharded from its first
     backward to the end of the step (set_reshard_after_backward(False)), and accumulates their unsharded
@@ -76,7 +78,8 @@ def fsdp_buffer_bytes(plan: Plan) -> int:
     for p in plan.params:
         numel[p.fsdp_unit] += unsharded(p)
     largest = sorted(numel.values(), reverse=True)
-    gathered = sum(largest[:2]) * DTYPE_BYTES[f.param_dtype]
+    held = largest if not f.reshard_after_forward else largest[:2]  # ZeRO-2: every unit stays gathered until its backward
+    gathered = sum(held) * DTYPE_BYTES[f.param_dtype]
     return gathered + largest[0] * DTYPE_BYTES[f.reduce_dtype]
 
 
