@@ -107,7 +107,7 @@ def test_moe_estimate_prices_the_all_to_all_and_the_expert_shards():
 
 
 def test_unknown_device_is_one_line():
-    with pytest.raises(ValueError, match=r"^--device 'tpu' is unknown; choose one of h100, h200, a100, b200$"):
+    with pytest.raises(ValueError, match=r"^--device 'tpu' is unknown; choose one of h100, h200, a100, b200, cpu$"):
         device("tpu")
 
 

@@ -33,29 +33,43 @@ ADAM_BYTES_PER_PARAM = 7 * 4
 
 
 class Device(Frozen):
-    """Datasheet numbers of one accelerator (SXM parts, dense bf16)."""
+    """Datasheet numbers of one accelerator (SXM parts, dense bf16), or measured ones (`cpu`)."""
 
     name: str
     bf16_tflops: float
+    """Dense matmul peak in the training dtype (bf16 on GPUs; a measured device: what it reached, fp32 on CPUs)."""
     hbm_tb_s: float
     nvlink_gb_s: float
     """Per GPU, one direction."""
     network_gb_s: float
     """Per GPU, one direction, between nodes (one NIC per GPU)."""
+    memory_gib: float
+    """Memory per device, as the driver reports it (what `search` fits layouts into by default)."""
+    matmul_efficiency: float = MATMUL_EFFICIENCY
+    """Achieved / peak FLOP/s (1 for a measured device: its numbers are achieved ones)."""
+    hbm_efficiency: float = HBM_EFFICIENCY
 
 
 DEVICES: dict[str, Device] = {
-    "h100": Device(name="H100 SXM", bf16_tflops=989, hbm_tb_s=3.35, nvlink_gb_s=450, network_gb_s=50),
-    "h200": Device(name="H200 SXM", bf16_tflops=989, hbm_tb_s=4.8, nvlink_gb_s=450, network_gb_s=50),
-    "a100": Device(name="A100 SXM 80GB", bf16_tflops=312, hbm_tb_s=2.04, nvlink_gb_s=300, network_gb_s=25),
-    "b200": Device(name="B200", bf16_tflops=2250, hbm_tb_s=8.0, nvlink_gb_s=900, network_gb_s=50),
+    "h100": Device(name="H100 SXM", bf16_tflops=989, hbm_tb_s=3.35, nvlink_gb_s=450, network_gb_s=50, memory_gib=79.6),
+    "h200": Device(name="H200 SXM", bf16_tflops=989, hbm_tb_s=4.8, nvlink_gb_s=450, network_gb_s=50, memory_gib=140.4),
+    "a100": Device(
+        name="A100 SXM 80GB", bf16_tflops=312, hbm_tb_s=2.04, nvlink_gb_s=300, network_gb_s=25, memory_gib=80
+    ),
+    "b200": Device(name="B200", bf16_tflops=2250, hbm_tb_s=8.0, nvlink_gb_s=900, network_gb_s=50, memory_gib=179.1),
 }
-"""Network: 400 Gb/s InfiniBand per GPU (200 Gb/s HDR on A100 systems)."""
+"""Network: 400 Gb/s InfiniBand per GPU (200 Gb/s HDR on A100 systems). Memory: nvidia-smi's total (81,559 MiB on
+an H100 SXM, 143,771 on an H200, 81,920 on an A100 80GB, 183,359 on a B200)."""
 
 
-def device(name: str) -> Device:
+def device(name: str, world: int = 1) -> Device:
+    """A named device; `cpu` is this machine as `world` ranks share it (measured once, then read from a cache)."""
+    if name == "cpu":
+        from shardlab.estimate.cpu import cpu_device
+
+        return cpu_device(world)
     if name not in DEVICES:
-        raise ValueError(f"--device {name!r} is unknown; choose one of {', '.join(DEVICES)}")
+        raise ValueError(f"--device {name!r} is unknown; choose one of {', '.join(DEVICES)}, cpu")
     return DEVICES[name]
 
 
@@ -99,8 +113,8 @@ def collective_seconds(c: Collective, mesh: MeshSpec, dev: Device) -> float:
 
 
 def compute_seconds(p: Probe, dev: Device) -> float:
-    flops_s = dev.bf16_tflops * 1e12 * MATMUL_EFFICIENCY
-    bytes_s = dev.hbm_tb_s * 1e12 * HBM_EFFICIENCY
+    flops_s = dev.bf16_tflops * 1e12 * dev.matmul_efficiency
+    bytes_s = dev.hbm_tb_s * 1e12 * dev.hbm_efficiency
     return sum(count * max(flops / flops_s, moved / bytes_s) for flops, moved, count in p.ops)
 
 
@@ -129,7 +143,7 @@ def step_time(
     fsdp = seconds(lambda axis: axis in DP_AXES)
     tp = seconds(lambda axis: axis not in DP_AXES and axis != "pp")
     pp = seconds(lambda axis: axis == "pp")
-    optimizer = params_per_rank * ADAM_BYTES_PER_PARAM / (dev.hbm_tb_s * 1e12 * HBM_EFFICIENCY)
+    optimizer = params_per_rank * ADAM_BYTES_PER_PARAM / (dev.hbm_tb_s * 1e12 * dev.hbm_efficiency)
     busy = max(compute, fsdp) + tp + pp
     idle = busy * bubble / (1 - bubble)
     step = busy + idle + optimizer

@@ -1,0 +1,118 @@
+"""cpu_device(world) -> Device: this machine as `world` CPU ranks see it, measured once and cached.
+
+CPU ranks share the machine's cores (each gets cores // world threads, as `shardlab.launch` sets), so a rank's
+FLOP/s and memory bandwidth are measured with `world` processes running at once, and the collective bandwidth is a
+gloo all-reduce among them. The numbers are achieved ones (efficiencies 1), so the roofline applies them as they
+are. The cache (SHARDLAB_CACHE, else ~/.cache/shardlab) is keyed by the world size and checked against the cores,
+the processor and torch's version; delete it to measure again.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardlab.estimate.roofline import Device
+
+MATMUL = 512
+"""Square fp32 matmul side measured: the debug models' projections are a few hundred wide."""
+COPY_BYTES = 64 * 2**20
+COLLECTIVE_BYTES = 16 * 2**20
+SECONDS = 0.5
+"""Each measurement runs at least this long on every rank."""
+
+
+class _Cached(msgspec.Struct):
+    machine: str
+    device: Device
+
+
+def _machine() -> str:
+    return f"{_cores()} cores, {platform.processor() or platform.machine()}, torch {torch.__version__}"
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cache_path(world: int) -> Path:
+    root = Path(os.environ.get("SHARDLAB_CACHE") or Path.home() / ".cache" / "shardlab")
+    return root / f"cpu-device-{world}-ranks.json"
+
+
+def cpu_device(world: int) -> Device:
+    """This machine for `world` ranks: read from the cache when it was measured here, else measured (a few seconds)."""
+    path = cache_path(world)
+    if path.is_file():
+        try:
+            cached = msgspec.json.decode(path.read_bytes(), type=_Cached)
+            if cached.machine == _machine():
+                return cached.device
+        except msgspec.DecodeError:
+            pass  # a damaged cache is measured again
+    dev = measure(world)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(msgspec.json.encode(_Cached(machine=_machine(), device=dev)))
+    tmp.replace(path)
+    return dev
+
+
+def measure(world: int) -> Device:
+    """Run the measurements on `world` processes at once; each number is the ranks' median."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = mp.get_context("spawn").Manager().list([None] * world) if world > 1 else [None]
+        if world == 1:
+            _rank(0, 1, f"{tmp}/store", results)
+        else:
+            mp.spawn(_rank, args=(world, f"{tmp}/store", results), nprocs=world, join=True)
+        flops, copy_bytes, link = (statistics.median(r[i] for r in results) for i in range(3))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world / 2**30
+    return Device(
+        name=f"CPU ({world} rank{'s' * (world > 1)} on {_cores()} cores, measured)", bf16_tflops=flops / 1e12,
+        hbm_tb_s=copy_bytes / 1e12, nvlink_gb_s=link / 1e9, network_gb_s=link / 1e9, memory_gib=memory,
+        matmul_efficiency=1.0, hbm_efficiency=1.0,
+    )  # fmt: skip
+
+
+def _timed(fn, barrier) -> float:
+    """Seconds per call of `fn`, over about SECONDS, every rank starting together (so all of them share the cores
+    throughout)."""
+    fn()
+    barrier()
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < SECONDS or calls < 1:
+        fn()
+        calls += 1
+    return elapsed / calls
+
+
+def _rank(rank: int, world: int, store: str, results) -> None:
+    torch.set_num_threads(max(1, _cores() // world))
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    barrier = dist.barrier if world > 1 else (lambda: None)
+    try:
+        a, b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
+        flops = 2 * MATMUL**3 / _timed(lambda: torch.mm(a, b), barrier)
+        src, dst = torch.empty(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
+        copy_bytes = 2 * COPY_BYTES / _timed(lambda: dst.copy_(src), barrier)
+        if world > 1:
+            buffer = torch.ones(COLLECTIVE_BYTES // 4)
+            seconds = _timed(lambda: dist.all_reduce(buffer), barrier)
+            link = COLLECTIVE_BYTES * 2 * (world - 1) / world / seconds  # as roofline.collective_seconds counts it
+        else:
+            link = copy_bytes  # one rank has no collectives; any finite number serves
+        results[rank] = (flops, copy_bytes, link)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
