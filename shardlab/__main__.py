@@ -15,16 +15,23 @@ from shardlab._torchrun import EXIT_STOPPED, STOPPED_FILE_ENV
 USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world N] [--max-restarts N]
        python -m shardlab plan RECIPE [--section.field VALUE ...] [--world N]
        python -m shardlab estimate RECIPE [--section.field VALUE ...] [--world N] [--device h100|h200|a100|b200]
+       python -m shardlab search RECIPE --world N [--device D] [--memory GiB] [--top K] [--out FILE] [--json]
+                                [--section.field VALUE ...]
        python -m shardlab export RUN_DIR --to-hf OUT [--recipe RECIPE]
 
   RECIPE      a Python file defining `config = shardlab.Config(...)` (see recipes/)
   plan        print the layout (per-parameter specs, placements, bytes per rank) and exit; no processes
   estimate    per-rank memory, communication per mesh axis, FLOPs and a roofline step time (worst rank), from
               the plan and one micro batch run on fake tensors in a fake world of that size; no devices
+  search      every layout of the recipe's model and batch on N ranks (mesh, checkpointing, micro batches, pipeline
+              schedule, resharding; a --mesh.AXIS override pins that axis), those that fit --memory (default: the
+              device's) ranked by estimated step time; --top K rows (5), --json for scripts, --out FILE writes the
+              winner as a recipe
   export      write the newest checkpoint of RUN_DIR (or a step directory) as Hugging Face safetensors; a
               recipe's own model needs its recipe (--recipe), which names the transformers class (HFExport)
   --world N   world size for the mesh's -1 axis (default: the launcher's WORLD_SIZE, else the fixed axes' product)
-  --device D  the accelerator `estimate` predicts step time for (default h100)
+  --device D  the accelerator `estimate` and `search` predict step time for (default h100); cpu: this machine,
+              measured once (matmul, memory and gloo bandwidth with --world ranks sharing its cores) and cached
   --max-restarts N  start the ranks again, up to N times, when one dies (torch.distributed.run's restarts); each
               restart resumes from the run's last checkpoint; an error a restart would meet again (a ValueError:
               a bad value) is not retried; ignored under an outside launcher (torchrun, srun)
@@ -60,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    command = args.pop(0) if args[0] in ("plan", "estimate", "export") else "train"
+    command = args.pop(0) if args[0] in ("plan", "estimate", "search", "export") else "train"
     if not args:
         print(USAGE, file=sys.stderr)
         return 2
@@ -97,7 +104,8 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
 
     world = _pop_world(overrides)
     max_restarts = _pop_max_restarts(overrides)
-    device_name = _pop_flag(overrides, "--device") if command == "estimate" else None
+    device_name = _pop_flag(overrides, "--device") if command in ("estimate", "search") else None
+    search_flags = _pop_search_flags(overrides) if command == "search" else None
     recipe = load_recipe(recipe_path)
     launched = under_launcher()
     rank = int(os.environ.get("RANK", "0"))
@@ -111,6 +119,8 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
             config=(tyro.conf.AvoidSubcommands,),  # a recipe's model.moe / rope_scaling: plain --flags, no subcommand
         )
     cfg = cfg.validated()
+    if command == "search":
+        return _search(cfg, recipe, world, device_name, search_flags, _pinned_axes(overrides, cfg))
     if launched:
         world = int(os.environ["WORLD_SIZE"])
     elif world is None:
@@ -169,6 +179,63 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
             dist.barrier()  # no rank leaves before rank 0 has announced: a launcher stops the rest at the first exit
         dist.destroy_process_group()
     return code
+
+
+def _pop_search_flags(args: list[str]) -> dict:
+    """search's own flags: --memory GiB, --top K, --out FILE, --json."""
+    memory, top, out = (_pop_flag(args, f) for f in ("--memory", "--top", "--out"))
+    as_json = "--json" in args
+    if as_json:
+        args.remove("--json")
+    try:
+        gib = None if memory is None else float(memory)
+    except ValueError:
+        gib = -1.0
+    if gib is not None and not gib > 0:
+        raise ValueError(f"--memory {memory!r}: expected GiB per rank, a number > 0")
+    if top is not None and (not top.isdigit() or int(top) < 1):
+        raise ValueError(f"--top {top!r}: expected how many layouts to show, an integer >= 1")
+    if out == "":
+        raise ValueError("--out: expected the path of the recipe file to write")
+    return {"memory": gib, "top": 5 if top is None else int(top), "out": out, "json": as_json}
+
+
+def _pinned_axes(overrides: list[str], cfg) -> dict[str, int]:
+    """Mesh axes an override names (`--mesh.tp 8`): the search keeps them at the config's value."""
+    from shardlab.mesh import AXES
+
+    named = {a.split("=", 1)[0].removeprefix("--mesh.").replace("-", "_") for a in overrides if a.startswith("--mesh.")}
+    pinned = {a: getattr(cfg.mesh, a) for a in (*AXES, "ep") if a in named}
+    if any(size == -1 for size in pinned.values()):
+        raise ValueError("search: a pinned mesh axis is -1; pin axes to sizes, the search fills the rest")
+    return pinned
+
+
+def _search(cfg, recipe, world: int | None, device_name: str | None, flags: dict, pinned: dict[str, int]) -> int:
+    from pathlib import Path
+
+    from shardlab.estimate.roofline import device
+    from shardlab.estimate.search import layout_recipe, search, search_json, search_table
+    from shardlab.models.provider import provider_for
+
+    if world is None:
+        raise ValueError("search: --world N is required (the number of ranks to lay the model out on)")
+    dev = device(device_name or "h100", world)
+    memory = round((flags["memory"] or dev.memory_gib) * 2**30)
+    provider = provider_for(cfg, recipe.model(cfg))
+    found = search(cfg, world, provider, recipe.rules, dev, memory, fixed=pinned, top=flags["top"])
+    print(search_json(found).decode() if flags["json"] else search_table(found, dev, memory))
+    if flags["out"]:
+        best = found.best[0]
+        note = (
+            f"Estimated {best.step_s:.3f} s per step, {best.tokens_per_s_per_device:,.0f} tokens/s per device and "
+            f"{best.peak / 2**30:.1f} GiB peak on {dev.name} (shardlab/estimate/roofline.py states the model)."
+        )
+        own = recipe.model(cfg) is not None or recipe.rules(cfg) is not None
+        Path(flags["out"]).write_text(layout_recipe(cfg, best.layout, world, str(recipe.path), own, note))
+        if not flags["json"]:
+            print(f"shardlab: wrote {flags['out']}")
+    return 0
 
 
 def _announce(line: str, rank: int, local_rank: int) -> None:

@@ -18,7 +18,7 @@ import msgspec
 from shardlab._base import Frozen
 from shardlab.config import Config, check_tp_divisors
 from shardlab.mesh import AXES, MeshSpec
-from shardlab.pipeline import LOOPED, ONE_STAGE, V_SHAPED, Schedule, split_stages
+from shardlab.pipeline import LOOPED, ONE_STAGE, V_SHAPED, ZERO_BUBBLE, Schedule, split_stages
 
 AC_MODES = ("none", "selective", "full")
 """Least recomputation first: a layout that fits with less recomputes less."""
@@ -146,6 +146,10 @@ def _variants(cfg: Config, mesh: MeshSpec, n_layers: int, one_stage: bool) -> It
         schedules = [(s, v) for s, v in schedules if mesh.pp * v <= n_layers]
         micro = [m for m in divisors(per_rank) if m % mesh.pp == 0]  # torch's looped schedules need m % pp == 0
     for (schedule, v), m, ac, r in itertools.product(schedules, micro, AC_MODES, reshard):
+        if schedule in ZERO_BUBBLE and fsdp and r:  # the weight gradients come after FSDP resharded (make_plan refuses)
+            continue
+        if schedule == "dualpipev" and m < mesh.pp * v:  # torch's DualPipeV needs a micro batch per stage
+            continue
         yield Layout(
             mesh=mesh, activation_checkpoint=ac, micro_batches=m, pp_schedule=schedule, pp_stages_per_rank=v,
             reshard_after_forward=r,

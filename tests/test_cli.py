@@ -51,6 +51,23 @@ def error_of(args, capsys) -> str:
         (["recipes/llama3_405b_pp.py", "--world", "512"], r"train.init='sharded' with mesh.pp > 1"),
         (["recipes/llama_fsdp_tp.py", "--train.init", "sharded", "--train.device", "cpu"], r"needs CUDA"),
         (["README.md"], r"recipe 'README.md' is not a Python file"),
+        (["search", "recipes/llama_debug.py"], r"search: --world N is required"),
+        (
+            ["search", "recipes/llama_debug.py", "--world", "5", "--mesh.tp", "2"],
+            r"mesh.tp=2 = 2 ranks does not divide",
+        ),
+        (
+            ["search", "recipes/llama_debug.py", "--world", "7"],
+            r"^error: search: no valid layout of 7 ranks: 5 mesh\(es\) tried, none fits the model and batch; the first: ",
+        ),
+        (["search", "recipes/llama_debug.py", "--world", "4", "--mesh.tp", "3"], r"model.n_heads=16 is not divisible"),
+        (
+            ["search", "recipes/llama_debug.py", "--world", "4", "--memory", "0.0001"],
+            r"none of the 462 layouts of 4 ranks fits 0.1 MiB per rank \(462 exceed it by parameters, gradients and "
+            r"optimizer state alone, 0 estimated\); the closest, .*, needs .* MiB before activations",
+        ),
+        (["search", "recipes/llama_debug.py", "--world", "4", "--top", "0"], r"--top '0': expected how many"),
+        (["search", "recipes/llama_debug.py", "--world", "4", "--memory", "x"], r"--memory 'x': expected GiB per rank"),
     ],
 )
 def test_bad_input_is_one_line_before_launch(args, message, capsys, monkeypatch):
@@ -333,3 +350,28 @@ def test_export_errors_are_one_line(tmp_path, capsys, args, message):
     assert main(["export", str(tmp_path), *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_search_ranks_the_layouts_that_fit_and_writes_the_winner(tmp_path, capsys, monkeypatch):
+    """Dense FSDP or TP on 2 ranks (the other axes pinned): the table, the same ranking as JSON, and a recipe that
+    runs the winner with the same model and batch."""
+    monkeypatch.chdir(ROOT)
+    args = ["search", "recipes/llama_debug.py", *TINY, "--world", "2", "--mesh.pp", "1", "--mesh.cp", "1",
+            "--mesh.dp-replicate", "1", "--top", "3"]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "best.py")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Search on H100 SXM, 79.6 GiB per rank: 30 layouts, 0 dropped by their plan")
+    assert lines[1].split() == ["#", "mesh", "AC", "micro", "schedule", "peak", "GiB", "comm", "s/step", "by", "axis",
+                                "tokens/s/dev", "MFU"]  # fmt: skip
+    assert re.match(r"^dp_shard=2, AC none, 1 micro(, no reshard)? (wins|ties)", lines[-2])
+    assert main([*args, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    steps = [c["step_s"] for c in found["best"]]
+    assert steps == sorted(steps) and len(steps) == 3
+    best = found["best"][0]["layout"]
+    from shardlab.recipe import load_recipe
+
+    written = load_recipe(tmp_path / "best.py").config
+    assert written.mesh.dp_shard == best["mesh"]["dp_shard"] and written.mesh.tp == best["mesh"]["tp"]
+    assert written.plan.activation_checkpoint == best["activation_checkpoint"]
+    assert (written.model.dim, written.train.global_batch) == (64, 8)

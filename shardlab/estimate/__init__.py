@@ -18,10 +18,10 @@ import torch.distributed as dist
 from shardlab._base import Frozen
 from shardlab.config import Config
 from shardlab.estimate._fake import fake_world
-from shardlab.estimate.probe import Collective, probe, stage_boundary
+from shardlab.estimate.probe import Collective, Probe, probe, stage_boundary
 from shardlab.estimate.roofline import DP_AXES, Device, StepTime, collective_seconds, step_time
 from shardlab.models.provider import ModelProvider, provider_for
-from shardlab.pipeline import in_flight
+from shardlab.pipeline import LOOPED, ONE_STAGE, V_SHAPED, in_flight
 from shardlab.plan import ParamPlan, Plan
 from shardlab.rules import Rules
 from shardlab.schedule import stage_actions
@@ -78,7 +78,7 @@ def fsdp_buffer_bytes(plan: Plan) -> int:
     for p in plan.params:
         numel[p.fsdp_unit] += unsharded(p)
     largest = sorted(numel.values(), reverse=True)
-    held = largest if not f.reshard_after_forward else largest[:2]  # ZeRO-2: every unit stays gathered until its backward
+    held = largest[:2] if f.reshard_after_forward else largest  # ZeRO-2: each unit stays gathered until its backward
     gathered = sum(held) * DTYPE_BYTES[f.param_dtype]
     return gathered + largest[0] * DTYPE_BYTES[f.reduce_dtype]
 
@@ -115,9 +115,12 @@ def estimate(
     rules: Rules | None = None,
     dev: Device | None = None,
     provider: ModelProvider | None = None,
+    probes: dict[bytes, Probe] | None = None,
 ) -> Estimate:
     """The estimate for `cfg` (resolved) laid out by `plan`, with step time on `dev` when given; provider: the
-    model (default: the one the config names).
+    model (default: the one the config names); probes: a cache that estimates of the same model and rules share
+    (`cached_probe`), so layouts that differ only in what the probe does not see (the pipeline schedule within its
+    shape, the number of micro batches at the same rows) probe once.
 
     A pipelined layout is probed as its busiest pp rank (the most blocks): one pipeline micro batch through each
     of that rank's stages. Per step: m micro batches; FSDP's collectives as often as torch's schedule order makes
@@ -135,8 +138,8 @@ def estimate(
         blocks = sum(len(s.blocks) for s in pipe.stages_of(rank))
         held = in_flight(pipe.schedule, cfg.mesh.pp, pipe.stages_per_rank, micro)
     provider = provider or provider_for(cfg)
-    p = probe(cfg, rules, pp_rank=rank, blocks=blocks, provider=provider)
-    forward = probe(other_cfg, rules, forward_only=True, pp_rank=rank, blocks=blocks, provider=provider)
+    p = cached_probe(probes, cfg, rules, pp_rank=rank, blocks=blocks, provider=provider)
+    forward = cached_probe(probes, other_cfg, rules, forward_only=True, pp_rank=rank, blocks=blocks, provider=provider)
     extra_blocks = (held - 1) * (blocks or 0)  # activations of the other micro batches in flight: blocks only
     if pipe is None:
         collectives = [_times(c, micro) for c in p.collectives]
@@ -167,6 +170,34 @@ def estimate(
         executed_flops=micro * p.flops,
         time=time,
     )
+
+
+def cached_probe(
+    cache: dict[bytes, Probe] | None,
+    cfg: Config,
+    rules: Rules | None,
+    *,
+    forward_only: bool = False,
+    pp_rank: int,
+    blocks: int | None,
+    provider: ModelProvider,
+) -> Probe:
+    """`probe`, remembered in `cache` (None: not remembered) under what it depends on: the config with its pipeline
+    schedule replaced by the first of its shape (the probe runs the stages, not the schedule; the shape places the
+    stages), the pp rank and its blocks. A whole probe answers a forward-only one (same forward, same activations)."""
+    if cache is None:
+        return probe(cfg, rules, forward_only=forward_only, pp_rank=pp_rank, blocks=blocks, provider=provider)
+    schedule = cfg.plan.pp_schedule
+    shape = next(group for group in (ONE_STAGE, LOOPED, V_SHAPED) if schedule in group)
+    canonical = msgspec.structs.replace(cfg.plan, pp_schedule=shape[0])
+    key = msgspec.json.encode((msgspec.structs.replace(cfg, plan=canonical), pp_rank, blocks))
+    if key in cache:
+        return cache[key]
+    if forward_only and b"forward" + key in cache:
+        return cache[b"forward" + key]
+    p = probe(cfg, rules, forward_only=forward_only, pp_rank=pp_rank, blocks=blocks, provider=provider)
+    cache[b"forward" + key if forward_only else key] = p
+    return p
 
 
 def _stage_actions(cfg: Config, plan: Plan, pp_rank: int) -> dict[int, str]:

@@ -1,0 +1,283 @@
+"""search(cfg, world) -> Search: the fastest layouts that fit, ranked by the estimator's step time.
+
+The layouts are `shardlab.search.enumerate_layouts`'s. What is cheap and exact comes first: each layout's
+parameters, gradients, AdamW state and FSDP buffers are read off its plan (one plan per mesh, pipeline shape and
+resharding, on one meta model), and a layout whose state alone exceeds the memory is dropped before any probe. The
+rest are estimated (`shardlab.estimate.estimate`) with probes shared through one cache. Within one mesh, schedule
+and resharding, fewer micro batches and less recomputation never make a step slower in the estimator's model (the
+same work in larger kernels, fewer FSDP gathers; recomputation only adds work), so once a layout fits, the ones it
+beats that way are not estimated: they cannot win, and they are not shown.
+"""
+
+from __future__ import annotations
+
+import math
+import pprint
+import time
+from collections.abc import Callable, Mapping
+
+import msgspec
+import torch
+
+from shardlab._base import Frozen
+from shardlab.config import Config
+from shardlab.estimate import Estimate, estimate, estimate_memory, fsdp_buffer_bytes
+from shardlab.estimate.probe import Probe
+from shardlab.estimate.roofline import Device, collective_seconds
+from shardlab.metrics import module_flops
+from shardlab.models.provider import ModelProvider, check_layout
+from shardlab.plan import Plan, make_plan
+from shardlab.rules import Rules
+from shardlab.search import AC_MODES, Layout, enumerate_layouts
+
+RulesOf = Callable[[Config], Rules | None]
+
+
+class Candidate(Frozen):
+    """One estimated layout."""
+
+    layout: Layout
+    peak: int
+    """Bytes on the worst rank at its peak (`Estimate.peak`)."""
+    step_s: float
+    tokens_per_s_per_device: float
+    mfu: float
+    comm_s: tuple[tuple[str, float], ...]
+    """Seconds per step of communication on each mesh axis (overlapped or not), largest first."""
+    parts: tuple[tuple[str, float], ...]
+    """Where the step goes: compute, exposed FSDP, TP/CP/EP, pp sends, bubble, optimizer (seconds)."""
+
+
+class Search(Frozen):
+    """The ranking and what it took."""
+
+    best: tuple[Candidate, ...]
+    """Layouts that fit, fastest first (at most `top`)."""
+    layouts: int
+    """Valid layouts enumerated."""
+    over_memory: int
+    """Dropped by their plan alone, before any probe."""
+    estimated: int
+    probes: int
+    seconds: float
+
+
+def _candidate(layout: Layout, e: Estimate, cfg: Config, dev: Device) -> Candidate:
+    t = e.time
+    comm: dict[str, float] = {}
+    for c in e.collectives:
+        comm[c.axis] = comm.get(c.axis, 0.0) + collective_seconds(c, cfg.mesh, dev)
+    parts = {
+        "compute": t.compute_s,
+        "exposed FSDP": max(t.compute_s, t.fsdp_comm_s) - t.compute_s,
+        "TP/CP/EP comm": t.tp_comm_s,
+        "PP sends": t.pp_comm_s,
+        "bubble": t.bubble_s,
+        "optimizer": t.optimizer_s,
+    }
+    return Candidate(
+        layout=layout, peak=e.peak, step_s=t.step_s, tokens_per_s_per_device=t.tokens_per_s_per_device, mfu=t.mfu,
+        comm_s=tuple(sorted(comm.items(), key=lambda kv: -kv[1])), parts=tuple(parts.items()),
+    )  # fmt: skip
+
+
+def search(
+    cfg: Config,
+    world: int,
+    provider: ModelProvider,
+    rules_of: RulesOf,
+    dev: Device,
+    memory: int,
+    *,
+    fixed: Mapping[str, int] | None = None,
+    top: int = 5,
+) -> Search:
+    """The `top` fastest layouts of `cfg`'s model and batch on `world` ranks of `dev` within `memory` bytes per rank.
+
+    fixed: mesh axes the user pinned (axis -> size); rules_of: the recipe's rules for a config (None: the model's).
+    A request nothing satisfies is a ValueError of one line saying what was tried and what came closest.
+    """
+    start = time.perf_counter()
+    layouts, refused = enumerate_layouts(
+        cfg, world, fixed=fixed, tp_divisors=provider.tp_divisors(), n_layers=provider.n_layers,
+        n_experts=provider.moe.n_experts if provider.moe is not None else 0,
+        one_stage_pipelines=(rules_of(cfg) or provider.rules(cfg.plan)).stage_call != "tensor",
+    )  # fmt: skip
+    if not layouts:
+        pinned = " x ".join(f"mesh.{a}={s}" for a, s in (fixed or {}).items())
+        if not refused:
+            raise ValueError(f"search: {pinned} = {math.prod(fixed.values())} ranks does not divide --world {world}")
+        raise ValueError(
+            f"search: no valid layout of {world} ranks{' with ' + pinned if pinned else ''}: {len(refused)} "
+            f"mesh(es) tried, none fits the model and batch; the first: {refused[0]}"
+        )
+    model = provider.meta_model()
+    flops = _stage_flops(cfg, model, provider)
+    plans: dict[bytes, Plan] = {}
+
+    def plan_of(run: Config) -> Plan:
+        key = msgspec.json.encode(run.mesh) + msgspec.json.encode(run.plan)
+        if key not in plans:
+            check_layout(run, provider)
+            plans[key] = make_plan(model, run.mesh, rules_of(run) or provider.rules(run.plan), run.plan, flops)
+        return plans[key]
+
+    def state(layout: Layout) -> int:
+        """Bytes the plan fixes (all but activations): the same for every checkpointing and micro batch count."""
+        shape = Layout(
+            mesh=layout.mesh, activation_checkpoint="none", micro_batches=layout.mesh.pp,
+            pp_schedule=layout.pp_schedule, pp_stages_per_rank=layout.pp_stages_per_rank,
+            reshard_after_forward=layout.reshard_after_forward,
+        )  # fmt: skip
+        plan = plan_of(shape.config(cfg).resolve(world))
+        return estimate_memory(plan).total + fsdp_buffer_bytes(plan)
+
+    frames: dict[tuple, list[Layout]] = {}
+    over, closest_state = 0, None
+    for layout in layouts:
+        try:
+            fixed_bytes = state(layout)
+        except ValueError as err:  # the model's own limits (e.g. tp vs a transformers model's heads)
+            refused.append(f"{layout.mesh.describe()}: {err}")
+            continue
+        if fixed_bytes > memory:
+            over += 1
+            if closest_state is None or fixed_bytes < closest_state[0]:
+                closest_state = (fixed_bytes, layout)
+            continue
+        frame = (layout.mesh, layout.pp_schedule, layout.pp_stages_per_rank, layout.reshard_after_forward)
+        frames.setdefault(frame, []).append(layout)
+
+    probes: dict[bytes, Probe] = {}
+    fits: list[Candidate] = []
+    closest: Candidate | None = None
+    estimated = 0
+    for frame_layouts in frames.values():
+        done: list[Layout] = []  # layouts that fit in this frame
+        for layout in sorted(frame_layouts, key=lambda x: (AC_MODES.index(x.activation_checkpoint), x.micro_batches)):
+            if any(_beats(d, layout) for d in done):
+                continue
+            run = layout.config(cfg).resolve(world)
+            e = estimate(run, plan_of(run), rules_of(run), dev, provider, probes)
+            estimated += 1
+            candidate = _candidate(layout, e, run, dev)
+            if e.peak <= memory:
+                fits.append(candidate)
+                done.append(layout)
+            elif closest is None or e.peak < closest.peak:
+                closest = candidate
+    if not fits:
+        raise ValueError(_nothing_fits(world, memory, len(layouts), over, estimated, closest, closest_state, refused))
+    fits.sort(key=lambda c: c.step_s)
+    return Search(
+        best=tuple(fits[:top]), layouts=len(layouts), over_memory=over, estimated=estimated, probes=len(probes),
+        seconds=time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def _beats(fit: Layout, other: Layout) -> bool:
+    """`fit` (which fits) is never slower than `other` of the same frame: no more recomputation and, without a
+    pipeline, no more micro batches (a pipeline's bubble shrinks with more of them: only the same count)."""
+    less_ac = AC_MODES.index(fit.activation_checkpoint) <= AC_MODES.index(other.activation_checkpoint)
+    if fit.mesh.pp > 1:
+        return less_ac and fit.micro_batches == other.micro_batches
+    return less_ac and fit.micro_batches <= other.micro_batches
+
+
+def _stage_flops(cfg: Config, model: torch.nn.Module, provider: ModelProvider) -> dict[str, float] | None:
+    """Each module's FLOPs, which make_plan needs to balance pipeline stages by FLOPs (counted once per search)."""
+    if cfg.plan.pp_balance != "flops":
+        return None
+    sample = torch.zeros(1, cfg.train.seq_len, dtype=torch.long, device="meta")
+    return module_flops(model, sample, provider.forward)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _nothing_fits(
+    world: int,
+    memory: int,
+    layouts: int,
+    over: int,
+    estimated: int,
+    closest: Candidate | None,
+    closest_state: tuple[int, Layout] | None,
+    refused: list[str],
+) -> str:
+    tried = f"search: none of the {layouts} layouts of {world} ranks fits {_gib(memory)} per rank"
+    if closest is not None:
+        near = f"the closest, {closest.layout.describe()}, peaks at {_gib(closest.peak)}"
+    elif closest_state is not None:
+        near = f"the closest, {closest_state[1].describe()}, needs {_gib(closest_state[0])} before activations"
+    else:
+        near = f"the model refused every mesh ({refused[0]})" if refused else "no layout could be planned"
+    counts = f"{over} exceed it by parameters, gradients and optimizer state alone, {estimated} estimated"
+    return f"{tried} ({counts}); {near}; raise --memory or --world, or shrink the batch"
+
+
+def why(best: Candidate, runner_up: Candidate | None) -> str:
+    """One line on why the winner wins: against the runner-up, the part of the step that differs most."""
+    if runner_up is None:
+        return f"{best.layout.describe()} is the only layout that fits"
+    mine, theirs = dict(best.parts), dict(runner_up.parts)
+    part = max(mine, key=lambda k: theirs[k] - mine[k])
+    faster = runner_up.step_s / best.step_s - 1
+    if faster < 1e-3:
+        return f"{best.layout.describe()} ties with {runner_up.layout.describe()} (within 0.1%)"
+    return (
+        f"{best.layout.describe()} wins, {100 * faster:.1f}% faster than {runner_up.layout.describe()}: "
+        f"{part} {mine[part]:.3g} s against {theirs[part]:.3g} s per step"
+    )
+
+
+def search_table(s: Search, dev: Device, memory: int) -> str:
+    """The ranking as text, for `python -m shardlab search`."""
+    header = ("#", "mesh", "AC", "micro", "schedule", "peak GiB", "comm s/step by axis", "tokens/s/dev", "MFU")
+    rows = [header]
+    for i, c in enumerate(s.best, 1):
+        lay = c.layout
+        schedule = "-" if lay.pp_schedule is None else f"{lay.pp_schedule} x{lay.pp_stages_per_rank}"
+        if not lay.reshard_after_forward:
+            schedule = "no reshard" if lay.pp_schedule is None else f"{schedule}, no reshard"
+        comm = " ".join(f"{axis} {sec:.3g}" for axis, sec in c.comm_s) or "-"
+        rows.append((
+            str(i), lay.mesh.describe().rsplit(" (", 1)[0], lay.activation_checkpoint, str(lay.micro_batches),
+            schedule, f"{c.peak / 2**30:.2f}", comm, f"{c.tokens_per_s_per_device:,.0f}", f"{100 * c.mfu:.1f}%",
+        ))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [
+        f"Search on {dev.name}, {_gib(memory)} per rank: {s.layouts} layouts, {s.over_memory} dropped by their plan "
+        f"before any probe, {s.estimated} estimated ({s.probes} probes) in {s.seconds:.1f} s",
+        *("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows),
+        why(s.best[0], s.best[1] if len(s.best) > 1 else None),
+    ]
+    return "\n".join(lines)
+
+
+def search_json(s: Search) -> bytes:
+    """The ranking for scripts: each candidate's layout, peak bytes, step time, tokens/s per device, MFU, comm."""
+    return msgspec.json.encode(s)
+
+
+def layout_recipe(cfg: Config, layout: Layout, world: int, source: str, own: bool, note: str) -> str:
+    """A recipe file running `cfg`'s model and batch with `layout`: the whole config as data. `own`: the source recipe
+    defines its own model or rules, which the file then takes from it (by its path, `source`)."""
+    run = layout.config(cfg).resolve(world)
+    data = pprint.pformat(msgspec.to_builtins(run), indent=4, width=116, sort_dicts=False)
+    lines = [
+        f'"""{cfg.name} laid out by `python -m shardlab search`: {layout.describe()} on {world} ranks.',
+        f'{note}"""',
+        "",
+        "import msgspec",
+        "",
+        "from shardlab import Config",
+    ]
+    if own:
+        lines += ["from shardlab.recipe import load_recipe", "", f"_source = load_recipe({source!r})"]
+    lines += ["", f"config = msgspec.convert(\n{data},\n    Config,\n)"]
+    if own:
+        lines += ["", "", "def rules(cfg):", "    return _source.rules(cfg)", "", "", "def model(cfg):",
+                  "    return _source.model(cfg)"]  # fmt: skip
+    return "\n".join(lines) + "\n"
