@@ -1,0 +1,152 @@
+"""The search against reality on CPU ranks: estimated and measured step times of layouts that differ.
+
+    python scripts/search_vs_cpu.py [--steps 8] [--out runs/search-vs-cpu.md]
+
+A wider debug model (dim 512, 4 blocks, 8 heads, seq 256, 8 sequences per step) on 4 gloo ranks of this machine:
+FSDP 4, HSDP 2x2, FSDP 2 x TP 2, TP 4, PP 2 x FSDP 2 and CP 2 x FSDP 2, each without and with full activation
+checkpointing, and the layout `python -m shardlab search --device cpu` picks from all of them. Each layout is
+estimated with `--device cpu` (this machine measured with 4 ranks sharing its cores) and run for --steps steps
+(median step time after step 2). Prints a markdown table, the Spearman rank correlation of estimated and measured
+times, and how much slower than the measured best the estimator's pick is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import msgspec
+from _shardlab_run import run_shardlab
+
+RECIPE = "recipes/llama_debug.py"
+MODEL = ["--model.dim", "512", "--model.n-layers", "4", "--model.n-heads", "8", "--model.n-kv-heads", "8",
+         "--model.ffn-dim", "1536", "--model.vocab-size", "2048", "--train.seq-len", "256", "--train.global-batch", "8",
+         "--data.source", "synthetic"]  # fmt: skip
+MESHES = {
+    "FSDP 4": dict(dp_shard=4),
+    "HSDP 2x2": dict(dp_replicate=2, dp_shard=2),
+    "FSDP 2 x TP 2": dict(dp_shard=2, tp=2),
+    "TP 4": dict(dp_shard=1, tp=4),
+    "PP 2 x FSDP 2": dict(pp=2, dp_shard=2),
+    "CP 2 x FSDP 2": dict(dp_shard=2, cp=2),
+}
+WORLD = 4
+
+
+def config(name: str, ac: str):
+    """The recipe with the model above, laid out as MESHES[name] with checkpointing `ac`."""
+    import tyro
+
+    from shardlab._base import deferred_checks
+    from shardlab.config import Config
+    from shardlab.mesh import MeshSpec
+    from shardlab.recipe import load_recipe
+
+    with deferred_checks():
+        cfg = tyro.cli(Config, default=load_recipe(RECIPE).config, args=MODEL)
+    mesh = MeshSpec(**MESHES[name])
+    plan = msgspec.structs.replace(cfg.plan, activation_checkpoint=ac)
+    return msgspec.structs.replace(cfg.validated(), mesh=mesh, plan=plan).resolve(WORLD)
+
+
+def overrides(cfg) -> list[str]:
+    axes = [
+        f"--mesh.{a.replace('_', '-')}={getattr(cfg.mesh, a)}" for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    ]
+    ac = f"--plan.activation-checkpoint={cfg.plan.activation_checkpoint}"
+    micro = [f"--plan.pp-microbatches={cfg.plan.pp_microbatches}"] if cfg.plan.pp_microbatches else []
+    if cfg.train.micro_batch:
+        micro.append(f"--train.micro-batch={cfg.train.micro_batch}")
+    return [*MODEL, *axes, ac, *micro, f"--plan.pp-schedule={cfg.plan.pp_schedule}",
+            f"--plan.pp-stages-per-rank={cfg.plan.pp_stages_per_rank}",
+            f"--plan.{'' if cfg.plan.reshard_after_forward else 'no-'}reshard-after-forward"]  # fmt: skip
+
+
+def estimated(cfg, dev) -> float:
+    from shardlab.estimate import estimate
+    from shardlab.loop import plan_model
+
+    _, plan = plan_model(cfg)
+    return estimate(cfg, plan, dev=dev).time.step_s
+
+
+def measured(cfg, steps: int) -> float:
+    _, metrics = run_shardlab(RECIPE, [*overrides(cfg), "--world", str(WORLD), "--train.steps", str(steps),
+                                       "--checkpoint.resume", "none"], quiet=True)  # fmt: skip
+    return statistics.median(m["step_s"] for m in metrics if m["step"] > 2)
+
+
+def ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0.0] * len(values)
+    for rank, i in enumerate(order):
+        out[i] = float(rank)
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    return statistics.correlation(ranks(a), ranks(b))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    from shardlab.estimate.roofline import device
+    from shardlab.estimate.search import search
+    from shardlab.models.provider import provider_for
+    from shardlab.recipe import load_recipe
+
+    dev = device("cpu", WORLD)
+    print(f"device: {dev}", flush=True)
+    rows = []
+    for name in MESHES:
+        for ac in ("none", "full"):
+            cfg = config(name, ac)
+            rows.append((f"{name}, AC {ac}", cfg, estimated(cfg, dev)))
+    base = config("FSDP 4", "none")
+    found = search(
+        base, WORLD, provider_for(base), load_recipe(RECIPE).rules, dev, round(dev.memory_gib * 2**30), top=1
+    )
+    pick = found.best[0]
+    rows.append((f"search's pick: {pick.layout.describe()}", pick.layout.config(base).resolve(WORLD), pick.step_s))
+    print(f"search: {found.layouts} layouts, {found.estimated} estimated in {found.seconds:.1f} s", flush=True)
+    results = []
+    for label, cfg, est in rows:
+        results.append((label, est, measured(cfg, args.steps)))
+        print(f"{label}: estimated {est:.3f} s, measured {results[-1][2]:.3f} s", flush=True)
+    fixed = results[:-1]
+    rho = spearman([e for _, e, _ in fixed], [m for _, _, m in fixed])
+    best_measured = min(m for _, _, m in results)
+    among = min(fixed, key=lambda r: r[1])
+    lines = [
+        "| layout | estimated s/step | measured s/step | estimated rank | measured rank |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    er, mr = ranks([e for _, e, _ in fixed]), ranks([m for _, _, m in fixed])
+    for i, (label, est, meas) in enumerate(results):
+        rank = (f"{int(er[i]) + 1}", f"{int(mr[i]) + 1}") if i < len(fixed) else ("-", "-")
+        lines.append(f"| {label} | {est:.3f} | {meas:.3f} | {rank[0]} | {rank[1]} |")
+    lines += [
+        "",
+        f"Spearman rank correlation (the 12 fixed layouts): {rho:.2f}",
+        f"estimator's pick among them, {among[0]}: {among[2] / min(m for _, _, m in fixed) - 1:+.1%} against the "
+        "measured best of them",
+        f"search's pick over all {found.layouts} layouts: {results[-1][2] / best_measured - 1:+.1%} against the "
+        "measured best of every layout run",
+        f"device: {dev.name}: {dev.bf16_tflops * 1e3:.1f} GFLOP/s, {dev.hbm_tb_s * 1e3:.1f} GB/s, "
+        f"all-reduce {dev.nvlink_gb_s:.2f} GB/s per rank",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(f"python {' '.join(sys.argv)}\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
