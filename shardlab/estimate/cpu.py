@@ -27,6 +27,7 @@ MATMUL = 512
 """Square fp32 matmul side measured: the debug models' projections are a few hundred wide."""
 COPY_BYTES = 64 * 2**20
 COLLECTIVE_BYTES = 16 * 2**20
+COLLECTIVE_CALLS = 8
 SECONDS = 0.5
 """Each measurement runs at least this long on every rank."""
 
@@ -84,16 +85,16 @@ def measure(world: int) -> Device:
     )  # fmt: skip
 
 
-def _timed(fn, barrier) -> float:
-    """Seconds per call of `fn`, over about SECONDS, every rank starting together (so all of them share the cores
-    throughout)."""
+def _timed(fn, barrier, calls: int | None = None) -> float:
+    """Seconds per call of `fn`, every rank starting together (so all of them share the cores throughout): over
+    about SECONDS, or exactly `calls` calls (a collective: every rank must make as many)."""
     fn()
     barrier()
-    calls, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < SECONDS or calls < 1:
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < SECONDS if calls is None else done < calls:
         fn()
-        calls += 1
-    return elapsed / calls
+        done += 1
+    return (time.perf_counter() - start) / done
 
 
 def _rank(rank: int, world: int, store: str, results) -> None:
@@ -108,7 +109,7 @@ def _rank(rank: int, world: int, store: str, results) -> None:
         copy_bytes = 2 * COPY_BYTES / _timed(lambda: dst.copy_(src), barrier)
         if world > 1:
             buffer = torch.ones(COLLECTIVE_BYTES // 4)
-            seconds = _timed(lambda: dist.all_reduce(buffer), barrier)
+            seconds = _timed(lambda: dist.all_reduce(buffer), barrier, calls=COLLECTIVE_CALLS)
             link = COLLECTIVE_BYTES * 2 * (world - 1) / world / seconds  # as roofline.collective_seconds counts it
         else:
             link = copy_bytes  # one rank has no collectives; any finite number serves
