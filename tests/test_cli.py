@@ -64,7 +64,7 @@ def error_of(args, capsys) -> str:
         (
             ["search", "recipes/llama_debug.py", "--world", "4", "--memory", "0.0001"],
             r"none of the 462 layouts of 4 ranks fits 0.1 MiB per rank \(462 exceed it by parameters, gradients and "
-            r"optimizer state alone, 0 estimated\); the closest, .*, needs .* MiB before activations",
+            r"optimizer state alone, 0 estimated\); the closest, .*, needs .* MiB or more before activations",
         ),
         (["search", "recipes/llama_debug.py", "--world", "4", "--top", "0"], r"--top '0': expected how many"),
         (["search", "recipes/llama_debug.py", "--world", "4", "--memory", "x"], r"--memory 'x': expected GiB per rank"),
@@ -367,7 +367,7 @@ def test_search_ranks_the_layouts_that_fit_and_writes_the_winner(tmp_path, capsy
     assert main([*args, "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
     steps = [c["step_s"] for c in found["best"]]
-    assert steps == sorted(steps) and len(steps) == 3
+    assert steps == sorted(steps) and len(steps) == 2  # per mesh, the fastest fitting layout beats its siblings
     best = found["best"][0]["layout"]
     from shardlab.recipe import load_recipe
 

@@ -6,7 +6,7 @@ import math
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig
 from shardlab.mesh import AXES
 from shardlab.pipeline import V_SHAPED
-from shardlab.search import enumerate_layouts, factorizations
+from shardlab.search import Layout, enumerate_layouts, factorizations
 
 MODEL = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512)
 
@@ -82,3 +82,23 @@ def test_a_world_without_a_valid_mesh_says_what_was_refused():
     assert found == []
     assert len(refused) == len(list(factorizations(3, {}))) == len(AXES)
     assert any("model.n_heads=2 is not divisible by mesh.tp=3" in r for r in refused)
+
+
+def test_layouts_whose_plan_exceeds_the_memory_are_dropped_before_any_probe():
+    """FSDP 2 or DDP 2: with the memory just under DDP's state (whole parameters, gradients and AdamW state on each
+    rank), no DDP layout is estimated and FSDP wins."""
+    from shardlab.estimate import estimate_memory, fsdp_buffer_bytes
+    from shardlab.estimate.roofline import device
+    from shardlab.estimate.search import search
+    from shardlab.loop import plan_model
+    from shardlab.models.provider import LlamaProvider
+
+    c = cfg(global_batch=2)
+    fixed = {"pp": 1, "cp": 1, "tp": 1}
+    fsdp, ddp = MeshSpec(dp_shard=2), MeshSpec(dp_replicate=2, dp_shard=1)
+    _, plan = plan_model(Layout(mesh=ddp, activation_checkpoint="none", micro_batches=1).config(c).resolve(2))
+    memory = estimate_memory(plan).total + fsdp_buffer_bytes(plan) - 1
+    found = search(c, 2, LlamaProvider(c.model), lambda _: None, device("h100"), memory, fixed=fixed, top=9)
+    assert found.over_memory == sum(lay.mesh == ddp for lay in layouts(c, 2, fixed=fixed)[0]) > 0
+    assert all(b.layout.mesh == fsdp and b.peak <= memory for b in found.best)
+    assert found.best[0].layout == Layout(mesh=fsdp, activation_checkpoint="none", micro_batches=1)

@@ -116,11 +116,13 @@ def estimate(
     dev: Device | None = None,
     provider: ModelProvider | None = None,
     probes: dict[bytes, Probe] | None = None,
+    compare_checkpointing: bool = True,
 ) -> Estimate:
     """The estimate for `cfg` (resolved) laid out by `plan`, with step time on `dev` when given; provider: the
     model (default: the one the config names); probes: a cache that estimates of the same model and rules share
     (`cached_probe`), so layouts that differ only in what the probe does not see (the pipeline schedule within its
-    shape, the number of micro batches at the same rows) probe once.
+    shape, the number of micro batches at the same rows) probe once; compare_checkpointing=False skips the forward
+    with the other checkpointing choice (activations_other is then the layout's own activations).
 
     A pipelined layout is probed as its busiest pp rank (the most blocks): one pipeline micro batch through each
     of that rank's stages. Per step: m micro batches; FSDP's collectives as often as torch's schedule order makes
@@ -128,6 +130,8 @@ def estimate(
     (`pipeline.in_flight`); the sends between stages; the analytic bubble.
     """
     other = "full" if cfg.plan.activation_checkpoint == "none" else "none"
+    if not compare_checkpointing:
+        other = cfg.plan.activation_checkpoint
     other_cfg = msgspec.structs.replace(cfg, plan=msgspec.structs.replace(cfg.plan, activation_checkpoint=other))
     pipe = plan.pipeline
     if pipe is None:
@@ -139,7 +143,11 @@ def estimate(
         held = in_flight(pipe.schedule, cfg.mesh.pp, pipe.stages_per_rank, micro)
     provider = provider or provider_for(cfg)
     p = cached_probe(probes, cfg, rules, pp_rank=rank, blocks=blocks, provider=provider)
-    forward = cached_probe(probes, other_cfg, rules, forward_only=True, pp_rank=rank, blocks=blocks, provider=provider)
+    forward = (
+        cached_probe(probes, other_cfg, rules, forward_only=True, pp_rank=rank, blocks=blocks, provider=provider)
+        if compare_checkpointing
+        else p
+    )
     extra_blocks = (held - 1) * (blocks or 0)  # activations of the other micro batches in flight: blocks only
     if pipe is None:
         collectives = [_times(c, micro) for c in p.collectives]

@@ -5,8 +5,9 @@ parameters, gradients, AdamW state and FSDP buffers are read off its plan (one p
 resharding, on one meta model), and a layout whose state alone exceeds the memory is dropped before any probe. The
 rest are estimated (`shardlab.estimate.estimate`) with probes shared through one cache. Within one mesh, schedule
 and resharding, fewer micro batches and less recomputation never make a step slower in the estimator's model (the
-same work in larger kernels, fewer FSDP gathers; recomputation only adds work), so once a layout fits, the ones it
-beats that way are not estimated: they cannot win, and they are not shown.
+same work in larger kernels, fewer FSDP gathers; recomputation only adds work), nor does keeping the weights
+gathered between forward and backward (reshard_after_forward=False: fewer gathers), so once a layout fits, the ones
+it beats that way are not estimated: they cannot win, and they are not shown.
 """
 
 from __future__ import annotations
@@ -132,11 +133,21 @@ def search(
         plan = plan_of(shape.config(cfg).resolve(world))
         return estimate_memory(plan).total + fsdp_buffer_bytes(plan)
 
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def floor(layout: Layout) -> int:
+        """At least this much state per rank, without a plan: parameters, gradients and two AdamW moments, each split
+        at most over dp_shard x cp x tp x pp (the busiest rank holds at least the mean)."""
+        m = layout.mesh
+        return 4 * param_bytes // (m.dp_shard * m.cp * m.tp * m.pp)
+
     frames: dict[tuple, list[Layout]] = {}
     over, closest_state = 0, None
     for layout in layouts:
         try:
-            fixed_bytes = state(layout)
+            fixed_bytes = floor(layout)
+            if fixed_bytes <= memory:
+                fixed_bytes = state(layout)
         except ValueError as err:  # the model's own limits (e.g. tp vs a transformers model's heads)
             refused.append(f"{layout.mesh.describe()}: {err}")
             continue
@@ -145,7 +156,7 @@ def search(
             if closest_state is None or fixed_bytes < closest_state[0]:
                 closest_state = (fixed_bytes, layout)
             continue
-        frame = (layout.mesh, layout.pp_schedule, layout.pp_stages_per_rank, layout.reshard_after_forward)
+        frame = (layout.mesh, layout.pp_schedule, layout.pp_stages_per_rank)
         frames.setdefault(frame, []).append(layout)
 
     probes: dict[bytes, Probe] = {}
@@ -154,11 +165,11 @@ def search(
     estimated = 0
     for frame_layouts in frames.values():
         done: list[Layout] = []  # layouts that fit in this frame
-        for layout in sorted(frame_layouts, key=lambda x: (AC_MODES.index(x.activation_checkpoint), x.micro_batches)):
+        for layout in sorted(frame_layouts, key=_cheapest_first):
             if any(_beats(d, layout) for d in done):
                 continue
             run = layout.config(cfg).resolve(world)
-            e = estimate(run, plan_of(run), rules_of(run), dev, provider, probes)
+            e = estimate(run, plan_of(run), rules_of(run), dev, provider, probes, compare_checkpointing=False)
             estimated += 1
             candidate = _candidate(layout, e, run, dev)
             if e.peak <= memory:
@@ -175,13 +186,20 @@ def search(
     )  # fmt: skip
 
 
+def _cheapest_first(layout: Layout) -> tuple[int, int, bool]:
+    """The order in which a frame's layouts are tried: those that would beat the rest come first."""
+    return AC_MODES.index(layout.activation_checkpoint), layout.micro_batches, layout.reshard_after_forward
+
+
 def _beats(fit: Layout, other: Layout) -> bool:
-    """`fit` (which fits) is never slower than `other` of the same frame: no more recomputation and, without a
+    """`fit` (which fits) is never slower than `other` of the same mesh and schedule: no more recomputation, no more
+    FSDP gathers (it keeps its weights gathered from forward to backward, or `other` does not) and, without a
     pipeline, no more micro batches (a pipeline's bubble shrinks with more of them: only the same count)."""
     less_ac = AC_MODES.index(fit.activation_checkpoint) <= AC_MODES.index(other.activation_checkpoint)
+    fewer_gathers = not fit.reshard_after_forward or other.reshard_after_forward
     if fit.mesh.pp > 1:
-        return less_ac and fit.micro_batches == other.micro_batches
-    return less_ac and fit.micro_batches <= other.micro_batches
+        return less_ac and fewer_gathers and fit.micro_batches == other.micro_batches
+    return less_ac and fewer_gathers and fit.micro_batches <= other.micro_batches
 
 
 def _stage_flops(cfg: Config, model: torch.nn.Module, provider: ModelProvider) -> dict[str, float] | None:
@@ -210,7 +228,7 @@ def _nothing_fits(
     if closest is not None:
         near = f"the closest, {closest.layout.describe()}, peaks at {_gib(closest.peak)}"
     elif closest_state is not None:
-        near = f"the closest, {closest_state[1].describe()}, needs {_gib(closest_state[0])} before activations"
+        near = f"the closest, {closest_state[1].describe()}, needs {_gib(closest_state[0])} or more before activations"
     else:
         near = f"the model refused every mesh ({refused[0]})" if refused else "no layout could be planned"
     counts = f"{over} exceed it by parameters, gradients and optimizer state alone, {estimated} estimated"
