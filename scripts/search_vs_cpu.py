@@ -13,6 +13,7 @@ times, and how much slower than the measured best the estimator's pick is.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -93,8 +94,10 @@ def spearman(a: list[float], b: list[float]) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, help="write the table here, and the measured times beside it as JSON")
+    parser.add_argument("--measured", type=Path, help="reuse the measured times of an earlier --out (its JSON)")
     args = parser.parse_args()
+    known = json.loads(args.measured.read_text()) if args.measured else {}
     from shardlab.estimate.roofline import device
     from shardlab.estimate.search import search
     from shardlab.models.provider import provider_for
@@ -116,7 +119,9 @@ def main() -> int:
     print(f"search: {found.layouts} layouts, {found.estimated} estimated in {found.seconds:.1f} s", flush=True)
     results = []
     for label, cfg, est in rows:
-        results.append((label, est, measured(cfg, args.steps)))
+        key = " ".join(overrides(cfg))
+        results.append((label, est, known[key] if key in known else measured(cfg, args.steps)))
+        known[key] = results[-1][2]
         print(f"{label}: estimated {est:.3f} s, measured {results[-1][2]:.3f} s", flush=True)
     fixed = results[:-1]
     rho = spearman([e for _, e, _ in fixed], [m for _, _, m in fixed])
@@ -145,6 +150,7 @@ def main() -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(f"python {' '.join(sys.argv)}\n\n{text}\n")
+        args.out.with_suffix(".json").write_text(json.dumps(known, indent=1))
     return 0
 
 

@@ -37,8 +37,13 @@ class _Cached(msgspec.Struct):
     device: Device
 
 
+CACHE_FORMAT = 2
+"""Bumped whenever Device changes, so an older cache is measured again."""
+
+
 def _machine() -> str:
-    return f"{_cores()} cores, {platform.processor() or platform.machine()}, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    return f"{_cores()} cores, {cpu}, torch {torch.__version__}, format {CACHE_FORMAT}"
 
 
 def _cores() -> int:
@@ -81,7 +86,7 @@ def measure(world: int) -> Device:
     return Device(
         name=f"CPU ({world} rank{'s' * (world > 1)} on {_cores()} cores, measured)", bf16_tflops=flops / 1e12,
         hbm_tb_s=copy_bytes / 1e12, nvlink_gb_s=link / 1e9, network_gb_s=link / 1e9, memory_gib=memory,
-        matmul_efficiency=1.0, hbm_efficiency=1.0,
+        matmul_efficiency=1.0, hbm_efficiency=1.0, shared_cores=True,
     )  # fmt: skip
 
 

@@ -9,7 +9,8 @@ The model, stated so it can be argued with:
 - FSDP's collectives (dp axes) overlap with compute (prefetch): they cost only what exceeds it. TP's and CP's
   (K/V all-gathers) are on the critical path (eager TP, no async TP, no overlap of the gathers). Scalar all-reduces of the loss and norm are left out.
 - Pipelines: the sends between stages are on the critical path; the rank idles the schedule's analytic
-  bubble fraction of the step (shardlab.pipeline.bubble_fraction), the optimizer step comes after.
+  bubble fraction of the step (shardlab.pipeline.bubble_fraction), the optimizer step comes after. Ranks that
+  time-share one machine's cores (`--device cpu`) lose nothing to the bubble: the busy ranks get the idle ones' cores.
 - The AdamW step streams 7 fp32 words per local parameter (read p, g, m, v; write p, m, v) through HBM.
 - No kernel-launch or Python overheads, no stragglers: a floor, which real runs approach from above.
 """
@@ -48,6 +49,9 @@ class Device(Frozen):
     matmul_efficiency: float = MATMUL_EFFICIENCY
     """Achieved / peak FLOP/s (1 for a measured device: its numbers are achieved ones)."""
     hbm_efficiency: float = HBM_EFFICIENCY
+    shared_cores: bool = False
+    """The ranks time-share one machine's cores (CPU ranks): a rank idling in the pipeline bubble leaves its cores to
+    the others, so the bubble costs no time (the per-rank numbers are measured with every rank busy)."""
 
 
 DEVICES: dict[str, Device] = {
@@ -145,7 +149,7 @@ def step_time(
     pp = seconds(lambda axis: axis == "pp")
     optimizer = params_per_rank * ADAM_BYTES_PER_PARAM / (dev.hbm_tb_s * 1e12 * dev.hbm_efficiency)
     busy = max(compute, fsdp) + tp + pp
-    idle = busy * bubble / (1 - bubble)
+    idle = 0.0 if dev.shared_cores else busy * bubble / (1 - bubble)
     step = busy + idle + optimizer
     per_device = global_tokens / mesh.world_size / step
     mfu = per_device * model_flops_per_token / (dev.bf16_tflops * 1e12)
