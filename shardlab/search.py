@@ -22,6 +22,9 @@ from shardlab.pipeline import LOOPED, ONE_STAGE, V_SHAPED, ZERO_BUBBLE, Schedule
 
 AC_MODES = ("none", "selective", "full")
 """Least recomputation first: a layout that fits with less recomputes less."""
+PIPELINE_MICRO_PER_STAGE = (1, 2, 4, 8)
+"""A pipeline's micro batches, in multiples of pp (torch's looped schedules need m % pp == 0): the 1F1B bubble
+(p - 1) / (m + p - 1) is below 1/9 at m = 8 p, and each further micro batch shrinks every kernel."""
 LOOPED_STAGES_PER_RANK = (2, 4)
 """Stages per rank tried for looped schedules (V-shaped ones run exactly 2, one-stage ones 1)."""
 
@@ -144,7 +147,7 @@ def _variants(cfg: Config, mesh: MeshSpec, n_layers: int, one_stage: bool) -> It
             schedules += [(s, v) for s in LOOPED for v in LOOPED_STAGES_PER_RANK]
             schedules += [(s, 2) for s in V_SHAPED]
         schedules = [(s, v) for s, v in schedules if mesh.pp * v <= n_layers]
-        micro = [m for m in divisors(per_rank) if m % mesh.pp == 0]  # torch's looped schedules need m % pp == 0
+        micro = [k * mesh.pp for k in PIPELINE_MICRO_PER_STAGE if per_rank % (k * mesh.pp) == 0]
     for (schedule, v), m, ac, r in itertools.product(schedules, micro, AC_MODES, reshard):
         if schedule in ZERO_BUBBLE and fsdp and r:  # the weight gradients come after FSDP resharded (make_plan refuses)
             continue

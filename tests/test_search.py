@@ -65,6 +65,8 @@ def test_pipelines_keep_to_their_blocks_and_one_stage_models():
     }  # 4 blocks: pp 4 leaves one stage per rank
     assert all(lay.pp_stages_per_rank == 2 for lay in found if lay.pp_schedule in V_SHAPED)
     assert all(lay.micro_batches % lay.mesh.pp == 0 for lay in found if lay.mesh.pp > 1)
+    many, _ = layouts(cfg(global_batch=64), 2)
+    assert {lay.micro_batches for lay in many if lay.mesh.pp == 2} == {2, 4, 8, 16}  # pp x (1, 2, 4, 8)
 
 
 def test_expert_parallelism_borrows_from_dp_shard_and_cp():
