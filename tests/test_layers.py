@@ -21,7 +21,7 @@ LAYERS = [
     {"packing"},
     {"spec", "rules", "hf.names"},
     {"context_parallel", "expert_parallel", "styles"},
-    {"models.moe", "models.llama", "models.llama_rules", "_plan_text", "plan"},
+    {"models.moe", "models.llama", "models.llama_rules", "_plan_text", "plan", "search"},
     {"stages"},
     {
         "apply",
@@ -46,8 +46,8 @@ LAYERS = [
     {"step"},
     {"evaluate"},
     {"estimate.probe"},
-    {"estimate.roofline"},
-    {"estimate", "checkpoint"},
+    {"estimate.roofline", "estimate.cpu"},
+    {"estimate", "estimate.search", "checkpoint"},
     {"loop", "recipe"},
     {"__main__", "__init__"},
 ]
