@@ -1,4 +1,4 @@
-"""Any model through the whole loop on 4 gloo ranks, each layout reproducing the one-process curve (fp32, 5 steps,
+"""Any model through the whole loop on 4 gloo ranks, each layout reproducing the one-process curve (fp32, 4 steps,
 loss within 1e-5, grad norm within 1e-4 relative).
 
 transformers causal LMs trained by directory (`model.hf_path`), starting from the directory's safetensors weights,
@@ -60,7 +60,7 @@ LAYOUTS = {
     "qwen3_moe": ("tp2-no_sp", "fsdp2xtp2-ep2"),
 }
 """Every layout on at least one family (FSDP: Phi-3; HSDP: Mixtral), every family in FSDP x TP where tp is allowed."""
-STEPS = 5
+STEPS = 4
 """Fewer steps than the other worlds (the suite's time budget); every layout still trains through its warmup."""
 
 
