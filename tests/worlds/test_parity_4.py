@@ -9,7 +9,7 @@ import pytest
 from shardlab.config import EvalConfig, MeshSpec
 from shardlab.loop import build_model, train
 
-from .layouts import assert_matches, curves, placements_match_plan, tied, tiny, with_micro_batch
+from .layouts import STEPS, assert_matches, curves, placements_match_plan, tied, tiny, with_micro_batch
 
 HSDP, FSDP_TP = MeshSpec(dp_replicate=2, dp_shard=2), MeshSpec(dp_shard=2, tp=2)
 LAYOUTS = {
@@ -104,7 +104,7 @@ def test_evaluation_matches_single_process(world4, layout):
     history = train(evaluated(), write=False)
     want = {key: [m[key] for m in history if key in m] for key in ("loss", "eval_loss")}
     got = world4.value(run_eval)[layout]
-    assert len(got["eval_loss"]) == len(want["eval_loss"]) == 3
+    assert len(got["eval_loss"]) == len(want["eval_loss"]) == STEPS // 2
     for key in want:
         diff = max(abs(a - b) for a, b in zip(got[key], want[key], strict=True))
         assert diff <= 1e-5, f"{layout} {key}: {got[key]} vs {want[key]}"

@@ -50,7 +50,7 @@ def config(name: str) -> Config:
     cfg = tiny(**plan)
     moe = MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=256) if name.startswith("moe") else None
     model = msgspec.structs.replace(
-        cfg.model, dim=256, ffn_dim=512, n_heads=4, n_kv_heads=4, vocab_size=8192, n_layers=8, moe=moe
+        cfg.model, dim=256, ffn_dim=512, n_heads=4, n_kv_heads=4, vocab_size=8192, n_layers=4, moe=moe
     )
     return msgspec.structs.replace(
         cfg, mesh=mesh, model=model, train=msgspec.structs.replace(cfg.train, seq_len=256)
