@@ -106,3 +106,19 @@ def test_layouts_whose_plan_exceeds_the_memory_are_dropped_before_any_probe():
     assert found.over_memory == sum(lay.mesh == ddp for lay in layouts(c, 2, fixed=fixed)[0]) > 0
     assert all(b.layout.mesh == fsdp and b.peak <= memory for b in found.best)
     assert found.estimated < sum(lay.mesh == fsdp for lay in layouts(c, 2, fixed=fixed)[0])  # beaten ones skipped
+
+
+def test_keeping_the_weights_gathered_never_needs_less_memory():
+    """What lets the search drop a layout with reshard_after_forward=False where the same layout resharding did not
+    fit: it holds every unit's gathered weights, and its forward leaves at least as much for the backward."""
+    from shardlab.estimate import estimate
+    from shardlab.loop import plan_model
+
+    c = cfg(msgspec.structs.replace(MODEL, n_layers=2), global_batch=2)
+    found = []
+    for reshard in (True, False):
+        run = Layout(mesh=MeshSpec(dp_shard=2), activation_checkpoint="none", micro_batches=1,
+                     reshard_after_forward=reshard).config(c).resolve(2)  # fmt: skip
+        found.append(estimate(run, plan_model(run)[1], compare_checkpointing=False))
+    assert 0 < found[0].activations <= found[1].activations
+    assert found[0].fsdp_buffers < found[1].fsdp_buffers and found[0].peak < found[1].peak

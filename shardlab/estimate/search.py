@@ -3,11 +3,13 @@
 The layouts are `shardlab.search.enumerate_layouts`'s. What is cheap and exact comes first: each layout's
 parameters, gradients, AdamW state and FSDP buffers are read off its plan (one plan per mesh, pipeline shape and
 resharding, on one meta model), and a layout whose state alone exceeds the memory is dropped before any probe. The
-rest are estimated (`shardlab.estimate.estimate`) with probes shared through one cache. Within one mesh, schedule
-and resharding, fewer micro batches and less recomputation never make a step slower in the estimator's model (the
-same work in larger kernels, fewer FSDP gathers; recomputation only adds work), nor does keeping the weights
-gathered between forward and backward (reshard_after_forward=False: fewer gathers), so once a layout fits, the ones
-it beats that way are not estimated: they cannot win, and they are not shown.
+rest are estimated (`shardlab.estimate.estimate`) with probes shared through one cache; a layout that keeps FSDP's
+weights gathered from forward to backward needs more memory than the same layout resharding them, so where that one
+did not fit it is dropped without a probe of its own. Within one mesh and schedule, fewer micro batches and less recomputation
+never make a step slower in the estimator's model (the same work in larger kernels, fewer FSDP gathers;
+recomputation only adds work), nor does keeping the weights gathered between forward and backward
+(reshard_after_forward=False: fewer gathers), so once a layout fits, the ones it beats that way are not estimated:
+they cannot win, and they are not shown.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class Search(Frozen):
     """Valid layouts enumerated."""
     over_memory: int
     """Dropped by their plan alone, before any probe."""
+    too_big: int
+    """Dropped without a probe of their own: they keep FSDP's weights gathered from forward to backward, and the
+    same layout resharding them, which needs less memory, did not fit."""
     estimated: int
     probes: int
     seconds: float
@@ -142,6 +147,7 @@ def search(
         return 4 * param_bytes // (m.dp_shard * m.cp * m.tp * m.pp)
 
     frames: dict[tuple, list[Layout]] = {}
+    state_of: dict[Layout, int] = {}
     over, closest_state = 0, None
     for layout in layouts:
         try:
@@ -156,17 +162,22 @@ def search(
             if closest_state is None or fixed_bytes < closest_state[0]:
                 closest_state = (fixed_bytes, layout)
             continue
+        state_of[layout] = fixed_bytes
         frame = (layout.mesh, layout.pp_schedule, layout.pp_stages_per_rank)
         frames.setdefault(frame, []).append(layout)
 
     probes: dict[bytes, Probe] = {}
+    unfit: set[Layout] = set()  # estimated layouts that resharded and still did not fit
     fits: list[Candidate] = []
     closest: Candidate | None = None
-    estimated = 0
+    estimated = too_big = 0
     for frame_layouts in frames.values():
         done: list[Layout] = []  # layouts that fit in this frame
         for layout in sorted(frame_layouts, key=_cheapest_first):
             if any(_beats(d, layout) for d in done):
+                continue
+            if msgspec.structs.replace(layout, reshard_after_forward=True) in unfit:
+                too_big += 1  # keeping the weights gathered needs more memory than resharding, which did not fit
                 continue
             run = layout.config(cfg).resolve(world)
             e = estimate(run, plan_of(run), rules_of(run), dev, provider, probes, compare_checkpointing=False)
@@ -175,20 +186,25 @@ def search(
             if e.peak <= memory:
                 fits.append(candidate)
                 done.append(layout)
-            elif closest is None or e.peak < closest.peak:
-                closest = candidate
+            else:
+                unfit.add(layout)
+                if closest is None or e.peak < closest.peak:
+                    closest = candidate
     if not fits:
         raise ValueError(_nothing_fits(world, memory, len(layouts), over, estimated, closest, closest_state, refused))
     fits.sort(key=lambda c: c.step_s)
     return Search(
-        best=tuple(fits[:top]), layouts=len(layouts), over_memory=over, estimated=estimated, probes=len(probes),
+        best=tuple(fits[:top]), layouts=len(layouts), over_memory=over, too_big=too_big, estimated=estimated,
+        probes=len(probes),
         seconds=time.perf_counter() - start,
     )  # fmt: skip
 
 
 def _cheapest_first(layout: Layout) -> tuple[int, int, bool]:
-    """The order in which a frame's layouts are tried: those that would beat the rest come first."""
-    return AC_MODES.index(layout.activation_checkpoint), layout.micro_batches, layout.reshard_after_forward
+    """The order in which a frame's layouts are tried: less recomputation and fewer micro batches first (they beat
+    the rest), resharding before keeping the weights gathered (which needs more memory: skipped where resharding did
+    not fit)."""
+    return AC_MODES.index(layout.activation_checkpoint), layout.micro_batches, not layout.reshard_after_forward
 
 
 def _beats(fit: Layout, other: Layout) -> bool:
@@ -267,7 +283,9 @@ def search_table(s: Search, dev: Device, memory: int) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [
         f"Search on {dev.name}, {_gib(memory)} per rank: {s.layouts} layouts, {s.over_memory} dropped by their plan "
-        f"before any probe, {s.estimated} estimated ({s.probes} probes) in {s.seconds:.1f} s",
+        f"before any probe and {s.too_big} as their resharding sibling was too big, {s.estimated} estimated "
+        f"({s.probes} probes) "
+        f"in {s.seconds:.1f} s",
         *("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows),
         why(s.best[0], s.best[1] if len(s.best) > 1 else None),
     ]
