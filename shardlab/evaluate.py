@@ -5,7 +5,7 @@ Forward only, without gradients and with the model in eval mode; the training st
 torch's random state are untouched, so evaluation never changes the training curve. Each rank sums its rows'
 token losses; the sums are reduced over the ranks holding different tokens (and over pipeline stages), so the
 numbers are the same in every layout. The held-out text is `eval.paths`, or the training data's last documents
-(`shardlab.data.hold_out`), which training then leaves out.
+(`shardlab.documents.hold_out`), which training then leaves out.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlab.config import Config
-from shardlab.data import Split, TokenLoader, make_loader, run_data
+from shardlab.data import TokenLoader, make_loader, run_data
+from shardlab.documents import Split
 from shardlab.loss import all_reduce_sum, counted, local_value, summed_loss
 from shardlab.models.provider import ModelProvider
 from shardlab.plan import Plan

@@ -1,6 +1,6 @@
 """Text -> token ids with a local tokenizer: a transformers tokenizer directory or a `tokenizer.json` file.
 
-Never downloads. Without a tokenizer shardlab's tokens are bytes (`shardlab.data.encode`); with one, each document
+Never downloads. Without a tokenizer shardlab's tokens are bytes (`shardlab.documents.encode`); with one, each document
 is the tokenizer's ids between its BOS and EOS tokens (where it has them), so packed documents stay apart. A
 transformers model directory that holds a tokenizer is the default for that model (`tokenizer_path`). The files
 that describe it (chat template included) go into every checkpoint and every export (`Tokenizer.files`).

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from shardlab.config import DataConfig
-from shardlab.data import BOS, EOS, Batch, TokenLoader, decode, encode, make_loader
+from shardlab.data import Batch, TokenLoader, make_loader
+from shardlab.documents import BOS, EOS, decode, encode
 
 SEQ, G = 16, 8
 TXT = "héllo wörld\n" * 3

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from shardlab.config import Config, DataConfig, EvalConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
-from shardlab.data import hold_out, make_loader
+from shardlab.data import make_loader
+from shardlab.documents import hold_out
 from shardlab.evaluate import eval_loader, make_eval
 from shardlab.loop import build_model, train
 from shardlab.models.provider import provider_for

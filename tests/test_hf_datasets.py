@@ -67,7 +67,7 @@ def test_tokenized_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.Monke
     def refuse(texts: list[str]) -> list:
         raise AssertionError("tokenized again")
 
-    monkeypatch.setattr(data_module, "_byte_encode", refuse)
+    monkeypatch.setattr(data_module, "byte_encode", refuse)
     assert all(torch.equal(a, b) for a, b in zip(batches(data, steps=2), first, strict=True))
 
 

@@ -26,6 +26,7 @@ LAYERS = [
     {
         "apply",
         "debug",
+        "documents",
         "data",
         "loss",
         "hf_datasets",
