@@ -36,8 +36,9 @@ class HFExport:
     """How a recipe's own model is written as a transformers model: `architecture`, a transformers class name
     (e.g. "GPT2LMHeadModel"); `config`, the factory's keyword arguments -> that class's config.json fields (its
     `model_type` and `architectures` are filled in); `tensors`, (parameter name, whole tensor, the factory's keyword
-    arguments) -> the checkpoint tensors it becomes, (name, tensor) pairs in that class's names and layout. The export checks the result against
-    the class built from the config, name by name and shape by shape, before anything is gathered."""
+    arguments) -> the checkpoint tensors it becomes, (name, tensor) pairs in that class's names and layout. The
+    export checks the result against the class built from the config, name by name and shape by shape, before
+    anything is gathered."""
 
     architecture: str
     config: Callable[..., dict[str, Any]]
