@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from shardlab.data import IGNORE_INDEX
 
@@ -19,6 +19,18 @@ def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy summed over the tokens whose label is not IGNORE_INDEX, in fp32: [b, s, vocab] and [b, s]
     (vocab-sharded DTensor logits under loss parallel give a replicated DTensor)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def scaled(loss: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """`loss * scale`, where the scale may be a 0-dim tensor kept on the device (the step does not read its token
+    count back to the host): under loss parallel the loss is a replicated DTensor, which takes such a scale as a
+    replicated DTensor on its mesh."""
+    if not isinstance(scale, torch.Tensor):
+        return loss * scale
+    scale = scale.to(loss.dtype)
+    if isinstance(loss, DTensor):
+        scale = DTensor.from_local(scale, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
+    return loss * scale
 
 
 def counted(labels: torch.Tensor) -> torch.Tensor:

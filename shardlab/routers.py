@@ -30,9 +30,11 @@ class Balance(NamedTuple):
     """Summed over layers: E x sum_e(share of slots_e x mean score_e); differentiable, the same on every rank."""
     counts: torch.Tensor
     """[layers, E] token slots per expert."""
-    dropped: int
-    tokens: int
-    """Tokens of the global micro batch."""
+    dropped: torch.Tensor
+    """Token slots dropped over capacity, summed over layers (a float64 scalar)."""
+    tokens: torch.Tensor
+    """Tokens of the global micro batch (a float64 scalar). Statistics stay on the device: nothing is read back to
+    the host until the step reads its metrics."""
 
 
 def balance(layers: list[MoE], group: dist.ProcessGroup | None) -> Balance:
@@ -55,12 +57,12 @@ def balance(layers: list[MoE], group: dist.ProcessGroup | None) -> Balance:
         score_sum = funcol.all_reduce(score_sum, "sum", group)  # differentiable: backward sums the gradients
     for layer in layers:
         layer.stats = None
-    n_tokens, dropped = tokens.tolist()
+    n_tokens, dropped = tokens.unbind()
     k = layers[0].cfg.top_k
     share = counts / (n_tokens * k)
-    mean_score = score_sum / n_tokens
+    mean_score = score_sum / n_tokens.to(score_sum.dtype)
     aux = (layers[0].cfg.n_experts * (share.to(mean_score.dtype) * mean_score).sum(-1)).sum()
-    return Balance(aux_loss=aux, counts=counts.round().to(torch.long), dropped=int(dropped), tokens=round(n_tokens))
+    return Balance(aux_loss=aux, counts=counts.round().to(torch.long), dropped=dropped, tokens=n_tokens)
 
 
 @torch.no_grad()
@@ -95,7 +97,7 @@ class Routers:
     ) -> None:
         self.layers, self.group, self.micro_batches, self.stage_group = layers, group, micro_batches, stage_group
         self.counts = torch.zeros(len(layers), n_experts, dtype=torch.long, device=device)
-        self.aux, self.dropped = 0.0, 0
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # the balancing loss, dropped slots
         self._history: list[list[Balance]] = [[] for _ in layers]
         self._hooks = [
             layer.register_forward_hook(self._reduce_in_forward(history), prepend=True)
@@ -115,8 +117,8 @@ class Routers:
 
     def _count(self, b: Balance) -> None:
         self.counts = self.counts + b.counts.to(self.counts.device)
-        self.aux += b.aux_loss.item() / self.micro_batches
-        self.dropped += b.dropped
+        aux = b.aux_loss.detach().to(torch.float64) / self.micro_batches
+        self.sums = self.sums + torch.stack([aux, b.dropped]).to(self.sums.device)
 
     def _reduce_in_forward(self, history: list[Balance]):
         """A forward hook for one MoE layer inside a pipeline stage: reduce its statistics over `group` now (every
@@ -136,8 +138,9 @@ class Routers:
                 return None
             # d aux / d (global score sum) = E x share_e / tokens; the loss is the global micro batch's, so each of
             # the `holders` ranks backpropagates all of it into its own score sum (FSDP then averages them).
-            share = b.counts[0].to(score_sum.dtype) / (b.tokens * cfg.top_k)
-            weight = share * (cfg.n_experts / b.tokens * holders * cfg.aux_loss_coef / self.micro_batches)
+            tokens = b.tokens.to(score_sum.dtype)
+            share = b.counts[0].to(score_sum.dtype) / (tokens * cfg.top_k)
+            weight = share * (cfg.n_experts / tokens * holders * cfg.aux_loss_coef / self.micro_batches)
             return _with_balancing_grad(output, score_sum, weight)
 
         return reduce
@@ -160,24 +163,32 @@ class Routers:
     def update_bias(self) -> None:
         update_bias(self.layers, self.counts)
 
-    def metrics(self) -> dict[str, float | list[int]]:
-        """moe_aux_loss (summed over layers, whether or not it is trained on), dropped token slots, the busiest
-        expert's load over the mean (worst layer), and tokens per expert summed over layers (and stages)."""
+    def summary(self) -> torch.Tensor:
+        """The step's router metrics on the device, one float64 vector (`metrics` names them): the balancing
+        loss, dropped slots, max load, then tokens per expert; reduced over stages. The step reads it from the
+        host together with its loss, in one read."""
         counts = self.counts.to(torch.float64)
         tokens = counts.sum(0)
-        sums = torch.tensor([self.aux, float(self.dropped)], dtype=torch.float64, device=counts.device)
+        sums = self.sums.clone()
         load = counts.max(-1).values / counts.mean(-1)
         max_load = (load.max() if len(load) else torch.zeros((), dtype=torch.float64, device=counts.device)).reshape(1)
         if self.stage_group is not None:
             dist.all_reduce(tokens, group=self.stage_group)
             dist.all_reduce(sums, group=self.stage_group)
             dist.all_reduce(max_load, op=dist.ReduceOp.MAX, group=self.stage_group)
-        aux, dropped = sums.tolist()
+        return torch.cat([sums, max_load, tokens])
+
+    @staticmethod
+    def metrics(summary: list[float]) -> dict[str, float | list[int]]:
+        """`summary`, read: moe_aux_loss (summed over layers, whether or not it is trained on), dropped token slots,
+        the busiest expert's load over the mean (worst layer), and tokens per expert summed over layers (and
+        stages)."""
+        aux, dropped, max_load, *tokens = summary
         return {
             "moe_aux_loss": aux,
             "moe_dropped": dropped,
-            "moe_max_load": max_load.item(),
-            "moe_tokens_per_expert": [round(t) for t in tokens.tolist()],
+            "moe_max_load": max_load,
+            "moe_tokens_per_expert": [round(t) for t in tokens],
         }
 
 

@@ -19,7 +19,7 @@ from torch.distributed.pipelining.microbatch import _Replicate  # every micro ba
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor.parallel import loss_parallel
 
-from shardlab.loss import local_value, summed_loss
+from shardlab.loss import local_value, scaled, summed_loss
 from shardlab.pipeline import PipelinePlan
 from shardlab.plan import Plan
 from shardlab.stages import stage_modules
@@ -52,7 +52,7 @@ class PipelineRun:
         self.is_last = any(s.index == self.n_stages - 1 for s in self.stages)
         self.vocab_parallel = plan.loss_parallel
         self.context_parallel = plan.context is not None
-        self.scale = 1.0
+        self.scale: torch.Tensor | None = None
         self._summed: list[torch.Tensor] = []
         self._model: nn.Module | None = None
         self._schedule = None
@@ -64,7 +64,7 @@ class PipelineRun:
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         summed = summed_loss(logits, labels)
         self._summed.append(local_value(summed.detach()))
-        return summed * self.scale
+        return summed if self.scale is None else scaled(summed, self.scale)
 
     def _schedule_for(self, model: nn.Module, device: torch.device):
         if self._model is not model:
@@ -104,7 +104,7 @@ class PipelineRun:
         model: nn.Module,
         inputs: torch.Tensor,
         labels: torch.Tensor,
-        scale: float,
+        scale: torch.Tensor | float,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forward and backward of the whole batch; the summed (unscaled) loss on the last stage, else 0.
@@ -129,7 +129,7 @@ class PipelineRun:
         """Forward only (torch's `schedule.eval`): the summed loss of the batch on the last stage, else 0."""
         schedule = self._schedule_for(model, inputs.device)
         kwargs = self._kwargs(schedule, positions)
-        self.scale, self._summed = 1.0, []
+        self.scale, self._summed = None, []
         args = (inputs,) if self.is_first else ()
         if not self.is_last:
             schedule.eval(*args, **kwargs)

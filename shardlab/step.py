@@ -27,7 +27,7 @@ from shardlab._glob import matches
 from shardlab.config import Config, OptimConfig
 from shardlab.context_parallel import cp_positions
 from shardlab.data import Batch
-from shardlab.loss import all_reduce_sum, counted, local_value, summed_loss
+from shardlab.loss import all_reduce_sum, counted, local_value, scaled, summed_loss
 from shardlab.models.provider import ModelProvider, logits_of, provider_for
 from shardlab.plan import Plan
 from shardlab.routers import Routers, moe_layers
@@ -159,7 +159,7 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
         if inputs.shape[0] % micro_batches:
             raise ValueError(f"step: {inputs.shape[0]} rows per rank do not split into {micro_batches} micro batches")
         tokens = all_reduce_sum(counted(labels), group)
-        scale = holders / tokens.item()  # a float: a DTensor loss cannot be multiplied by a plain tensor
+        scale = holders / tokens  # stays on the device: the step reads the host once, after the backward
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         if pipeline is not None:  # the schedule splits the batch into the plan's micro batches
             try:
@@ -179,8 +179,12 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
         match_param_layouts(model)
         grad_norm = clip_grad_norm(model, max_norm, stage_group)
         loss_total = all_reduce_sum(all_reduce_sum(loss_sum, stage_group), group)  # only the last stage has a loss
-        loss = (loss_total / tokens).item()  # the step's one read of the loss, before the update it may veto
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)  # both the same on every rank (all-reduced)
+        # The step's one host read: the update is vetoed on a non-finite loss or norm (the same on every rank).
+        read = torch.stack([loss_total / tokens, grad_norm.to(loss_total.device)])
+        if routers is not None:
+            read = torch.cat([read, routers.summary().to(read.device)])
+        loss, grad_norm, *moe_metrics = read.tolist()
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite and skip_nonfinite is False:
             opt.zero_grad(set_to_none=True)
             raise NonFiniteError(
@@ -197,7 +201,7 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
         if skip_nonfinite:
             metrics["skipped_steps"] = skipped
         if routers is not None:
-            metrics |= routers.metrics()
+            metrics |= routers.metrics(moe_metrics)
         return msgspec.structs.replace(state, step=state.step + 1, skipped=skipped), metrics
 
     return step
@@ -251,14 +255,15 @@ def forward_backward(
     model: nn.Module,
     inputs: torch.Tensor,
     labels: torch.Tensor,
-    scale: float,
+    scale: torch.Tensor | float,
     vocab_parallel: bool,
     after_forward: Callable[[], None] | None = None,
     positions: torch.Tensor | None = None,
     extra_loss: Callable[[], torch.Tensor | None] | None = None,
     forward: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One micro batch: summed cross-entropy, backward of loss * scale; returns the (detached) summed loss.
+    """One micro batch: summed cross-entropy, backward of loss * scale (a 0-dim tensor); returns the (detached)
+    summed loss.
 
     vocab_parallel: the logits are vocab-sharded DTensors (the plan's loss_parallel). after_forward runs between
     the loss and the backward (the estimator measures what the forward left alive there). positions: where the
@@ -274,7 +279,7 @@ def forward_backward(
         loss = summed_loss(logits, labels)
         if after_forward is not None:
             after_forward()
-        objective = loss * scale
+        objective = scaled(loss, scale)
         extra = extra_loss() if extra_loss is not None else None
         # two roots: under loss parallel the objective is a DTensor, the routers' balancing loss a plain tensor
         torch.autograd.backward([objective] if extra is None else [objective, extra])
@@ -295,23 +300,28 @@ def match_param_layouts(model: nn.Module) -> None:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float | None, stage_group: dist.ProcessGroup | None = None) -> float:
+def clip_grad_norm(
+    model: nn.Module, max_norm: float | None, stage_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Global L2 norm of all gradients (DTensors on any mix of meshes), clipped to max_norm in place.
 
     Gradients are grouped by (mesh, placements): a group's squared norm is summed locally, then
     all-reduced over each mesh dim that shards it (Replicate dims hold copies). With pipeline stages, the
-    stages' squared norms are summed over `stage_group` (the pp group). Returns the norm before clipping,
-    the same number one process computes.
+    stages' squared norms are summed over `stage_group` (the pp group). Returns the norm before clipping as a
+    float64 scalar on the gradients' device, the number one process computes; nothing is read back to the host
+    (the factor is applied on the device, 1 where the norm is within max_norm, as torch's `clip_grad_norm_`).
     """
     groups: dict[object, list[torch.Tensor]] = {}
     for p in model.parameters():
         if p.grad is not None:
             key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
             groups.setdefault(key, []).append(p.grad)
-    total_sq = 0.0
+    device = model_device(model)
+    total_sq = torch.zeros((), dtype=torch.float64, device=device)
+    local: dict[object, list[torch.Tensor]] = {}
     for key, grads in groups.items():
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        sq = torch.stack([n.double() for n in torch._foreach_norm(local)]).pow(2).sum()
+        local[key] = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        sq = torch.stack([n.double() for n in torch._foreach_norm(local[key])]).pow(2).sum()
         if key is not None:
             mesh, placements = key
             for dim, placement in enumerate(placements):
@@ -321,13 +331,12 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None, stage_group: dist.P
                     )
                 if not placement.is_replicate() and mesh.size(dim) > 1:
                     dist.all_reduce(sq, group=mesh.get_group(dim))
-        total_sq += sq.item()
+        total_sq += sq.to(device)
     if stage_group is not None:
-        summed = torch.tensor(total_sq, dtype=torch.float64, device=model_device(model))
-        dist.all_reduce(summed, group=stage_group)
-        total_sq = summed.item()
-    total = math.sqrt(total_sq)
-    if max_norm is not None and max_norm / (total + 1e-6) < 1.0:
-        for grads in groups.values():
-            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
+        dist.all_reduce(total_sq, group=stage_group)
+    total = total_sq.sqrt()
+    if max_norm is not None:
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grads in local.values():
+            torch._foreach_mul_(grads, factor.to(grads[0].device, grads[0].dtype))
     return total

@@ -2,6 +2,8 @@
 
 import copy
 import math
+import os
+import sys
 
 import msgspec
 import pytest
@@ -9,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from shardlab._activation_checkpoint import is_checkpointed
-from shardlab.config import Config, DataConfig, MeshSpec, ModelConfig, OptimConfig, TrainConfig
+from shardlab.config import Config, DataConfig, MeshSpec, ModelConfig, MoEConfig, OptimConfig, TrainConfig
 from shardlab.data import Batch
 from shardlab.loop import build_model
 from shardlab.step import NonFiniteError, clip_grad_norm, init_state, lr_schedule, make_step
@@ -39,10 +41,12 @@ def test_clip_grad_norm_matches_torch():
         b.grad = a.grad.clone()  # deepcopy does not copy .grad
     norm = clip_grad_norm(model, 1.0)
     want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-    assert norm == pytest.approx(want.item(), rel=1e-6)
+    assert norm.item() == pytest.approx(want.item(), rel=1e-6)
     for a, b in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
-    assert clip_grad_norm(model, None) == pytest.approx(1.0, rel=1e-5)  # already clipped: reported, not changed
+    unclipped = [p.grad.clone() for p in model.parameters()]
+    assert clip_grad_norm(model, 2.0).item() == pytest.approx(1.0, rel=1e-5)  # within max_norm: reported, unchanged
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), unclipped))
 
 
 def tiny(micro_batch: int | None = None) -> Config:
@@ -92,6 +96,40 @@ def test_loss_is_the_mean_over_counted_tokens():
     _, metrics = make_step(cfg, plan, mesh)(init_state(model, cfg.optim), Batch(b.inputs, labels))
     assert metrics["loss"] == pytest.approx(want, rel=1e-6)
     assert math.isfinite(metrics["grad_norm"]) and metrics["lr"] == pytest.approx(cfg.optim.lr / 3)
+
+
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_step_reads_the_host_once(monkeypatch, moe):
+    """Every host read stalls a GPU between kernels: the step's own code reads the device once (the loss, the
+    gradient norm and the router metrics together: the update's veto needs the first two), whatever the micro
+    batches and clipping. MoE layers also read each micro batch's tokens per expert, which sizes the experts'
+    matmuls: one read per layer and micro batch, nothing else."""
+    reads: list[str] = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, _original=original, _name=name):
+            caller = sys._getframe(1).f_code.co_filename
+            if f"{os.sep}shardlab{os.sep}" in caller and f"{os.sep}tests{os.sep}" not in caller:
+                reads.append(f"{_name} in {caller}:{sys._getframe(1).f_lineno}")
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    cfg = tiny(micro_batch=2)
+    if moe:
+        cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, moe=MoEConfig(n_experts=4)))
+    model, plan, mesh = build_model(cfg)
+    step, state = make_step(cfg, plan, mesh), init_state(model, cfg.optim)
+    for seed in range(2):
+        reads.clear()
+        state, metrics = step(state, batch(seed))
+        routing = [r for r in reads if r.startswith("tolist in") and os.path.join("models", "moe.py:") in r]
+        assert len(reads) - len(routing) == 1, reads
+        assert len(routing) == (cfg.model.n_layers * 2 if moe else 0), reads
+    assert math.isfinite(metrics["loss"]) and isinstance(metrics["grad_norm"], float)
 
 
 def test_same_state_and_batch_give_the_same_result():

@@ -190,7 +190,9 @@ def run_world(world_size: int, checks: list[Check], timeout_s: float = 300, **kw
     for check in checks:
         qualname = (check[0] if isinstance(check, tuple) else check).__qualname__
         if "<" in qualname:
-            raise TypeError(f"check {qualname} must be a module-level function: the spawned ranks import checks by name")
+            raise TypeError(
+                f"check {qualname} must be a module-level function: the spawned ranks import checks by name"
+            )
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="world-") as tmp:
         out, port = Path(tmp), _free_port()

@@ -32,7 +32,12 @@ def shared_world4(shared_tmp) -> WorldResult:
     from . import test_estimate, test_helpers, test_moe, test_parity_4
 
     moe = {"tmp": str(shared_tmp / "moe")}
-    checks = [*test_parity_4.CHECKS, *test_estimate.CHECKS, *test_helpers.CHECKS, *((c, moe) for c in test_moe.CHECKS_4)]
+    checks = [
+        *test_parity_4.CHECKS,
+        *test_estimate.CHECKS,
+        *test_helpers.CHECKS,
+        *((c, moe) for c in test_moe.CHECKS_4),
+    ]
     return run_world(4, checks, timeout_s=1600)
 
 
@@ -42,4 +47,6 @@ def shared_world2(shared_tmp) -> WorldResult:
     from . import test_hf_llama, test_moe, test_parity_2
 
     moe = {"tmp": str(shared_tmp / "moe")}
-    return run_world(2, [*test_parity_2.CHECKS, *test_hf_llama.CHECKS, *((c, moe) for c in test_moe.CHECKS_2)], timeout_s=1100)
+    return run_world(
+        2, [*test_parity_2.CHECKS, *test_hf_llama.CHECKS, *((c, moe) for c in test_moe.CHECKS_2)], timeout_s=1100
+    )
