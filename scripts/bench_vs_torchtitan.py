@@ -1,6 +1,7 @@
 """shardlab vs torchtitan on CPU ranks, same model, data, batch, layout and timing rule, run back to back.
 
     python scripts/bench_vs_torchtitan.py 4 2 2                 # FSDP 2 x TP 2, fp32, no activation checkpointing
+    python scripts/bench_vs_torchtitan.py 4 2 2 --seq-len 512 --steps 6   # a short configuration while iterating
     python scripts/bench_vs_torchtitan.py 1 1 1 --dtype bfloat16
     python scripts/bench_vs_torchtitan.py 2 2 1 --skip-torchtitan
 
@@ -8,7 +9,9 @@ Mirrors the torchtitan harness's README (its location in TORCHTITAN_HARNESS: a f
 torchtitan's llama3 debug model (shardlab's default
 ModelConfig), seq 2048, 8 sequences per data-parallel rank, AdamW 8e-4 with clipping at 1.0, the
 stdlib-docstrings JSONL the peer's setup.sh writes (in the folder TT_WORK names), and tok/s = (STEPS - 2) x global tokens / (time
-of step STEPS - time of step 2). Prints one summary line per run and the ratio.
+of step STEPS - time of step 2). The two run back to back in both orders, shardlab torchtitan torchtitan shardlab
+(`--rounds` times), so a machine that slows down or speeds up during the runs favours neither; prints one summary
+line per run, each round's ratio and their mean.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ TT_WORK = Path(work) if (work := os.environ.get("TT_WORK")) else None
 shardlab reads its default data (the stdlib)."""
 
 
-def bench_shardlab(n: int, dp: int, tp: int, steps: int, dtype: str, ac: str) -> dict:
+def bench_shardlab(n: int, dp: int, tp: int, steps: int, dtype: str, ac: str, seq: int) -> dict:
     data = TT_WORK / "data" / "docstrings.jsonl" if TT_WORK is not None else None
     data_args = ["--data.source", "files", "--data.paths", str(data)] if data is not None and data.exists() else []
     env = {**os.environ}
@@ -36,11 +39,11 @@ def bench_shardlab(n: int, dp: int, tp: int, steps: int, dtype: str, ac: str) ->
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     _, rows = run_shardlab("recipes/llama_debug.py", [
         "--world", str(n), "--mesh.dp-shard", str(dp), "--mesh.tp", str(tp), "--train.steps", str(steps),
-        "--train.seq-len", "2048", "--train.global-batch", str(8 * dp), "--optim.decay", "linear",
+        "--train.seq-len", str(seq), "--train.global-batch", str(8 * dp), "--optim.decay", "linear",
         "--plan.param-dtype", dtype, "--plan.activation-checkpoint", ac, *data_args,
     ], env=env)  # fmt: skip
     by_step = {r["step"]: r for r in rows}
-    tokens = (steps - 2) * 8 * dp * 2048
+    tokens = (steps - 2) * 8 * dp * seq
     elapsed = by_step[steps]["time"] - by_step[2]["time"]
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return {
@@ -52,12 +55,12 @@ def bench_shardlab(n: int, dp: int, tp: int, steps: int, dtype: str, ac: str) ->
     }
 
 
-def run_torchtitan(n: int, dp: int, tp: int, steps: int, dtype: str, ac: str) -> dict:
+def run_torchtitan(n: int, dp: int, tp: int, steps: int, dtype: str, ac: str, seq: int) -> dict:
     if PEER is None:
         raise SystemExit(
             "set TORCHTITAN_HARNESS to the torchtitan harness folder (setup.sh, run.sh), or --skip-torchtitan"
         )
-    flags = ["--training.mixed_precision_param", dtype, f"activation_checkpoint:{ac}"]
+    flags = ["--training.mixed_precision_param", dtype, "--training.seq_len", str(seq), f"activation_checkpoint:{ac}"]
     out = subprocess.run(
         [str(PEER / "run.sh"), str(n), str(dp), str(tp), str(steps), *flags], capture_output=True, text=True
     )
@@ -84,17 +87,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--ac", choices=("none", "full"), default="none")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=1, help="A B B A rounds")
     parser.add_argument("--skip-torchtitan", action="store_true")
     a = parser.parse_args()
     if a.n != a.dp_shard * a.tp:
         raise SystemExit(f"n={a.n} must equal dp_shard x tp = {a.dp_shard * a.tp}")
-    ours = bench_shardlab(a.n, a.dp_shard, a.tp, a.steps, a.dtype, a.ac)
-    print(line("shardlab", a.n, a.dp_shard, a.tp, a.steps, a.dtype, a.ac, ours), flush=True)
+    parts = (a.n, a.dp_shard, a.tp, a.steps, a.dtype, a.ac)
     if a.skip_torchtitan:
+        print(line("shardlab", *parts, bench_shardlab(*parts, a.seq_len)), flush=True)
         return
-    theirs = run_torchtitan(a.n, a.dp_shard, a.tp, a.steps, a.dtype, a.ac)
-    print(line("torchtitan", a.n, a.dp_shard, a.tp, a.steps, a.dtype, a.ac, theirs))
-    print(f"ratio shardlab/torchtitan tok/s = {ours['tok_s_total'] / theirs['tok_s_total']:.2f}")
+    ratios = []
+    for _ in range(a.rounds):
+        runs: dict[str, list[dict]] = {"shardlab": [], "torchtitan": []}
+        for tool in ("shardlab", "torchtitan", "torchtitan", "shardlab"):
+            bench = bench_shardlab if tool == "shardlab" else run_torchtitan
+            runs[tool].append(bench(*parts, a.seq_len))
+            print(line(tool, *parts, runs[tool][-1]), flush=True)
+        ours, theirs = ([r["tok_s_total"] for r in runs[t]] for t in ("shardlab", "torchtitan"))
+        ratios.append(sum(ours) / sum(theirs))
+        print(f"round {len(ratios)}: ratio shardlab/torchtitan tok/s = {ratios[-1]:.3f}", flush=True)
+    print(f"ratio shardlab/torchtitan tok/s: mean {sum(ratios) / len(ratios):.3f} over {len(ratios)} A B B A rounds")
 
 
 if __name__ == "__main__":

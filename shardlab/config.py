@@ -219,6 +219,9 @@ class LogConfig(Frozen):
     """wandb project name."""
     peak_tflops: float | None = None
     """Per-device peak TFLOP/s for the MFU estimate; None looks known GPUs up (bf16 dense), no MFU on CPU."""
+    profile_step: Positive | None = None
+    """Trace this step with torch.profiler: every rank writes run_dir/profile/rank<r>.json (Chrome trace format:
+    chrome://tracing or Perfetto) and rank 0 prints its ten most expensive ops; None: no profiling."""
 
 
 class EvalConfig(Frozen):
@@ -319,6 +322,11 @@ class Config(Frozen):
                 )
         if self.mesh.is_resolved:
             self._check_batch(self.mesh.size("dp"))
+        if self.log.profile_step is not None and self.log.profile_step > self.train.steps:
+            raise ValueError(
+                f"log.profile_step={self.log.profile_step} is after the run's last step (train.steps="
+                f"{self.train.steps}); pick a step in 1..{self.train.steps}, past the first (warm-up) one"
+            )
         if self.plan.cpu_offload:
             raise ValueError(
                 "plan.cpu_offload: FSDP CPU offload is not supported yet (no GPU test covers it); leave it False"

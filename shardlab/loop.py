@@ -7,9 +7,11 @@ only its own stages), applies the plan, then steps. Returns the per-step metrics
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -192,7 +194,8 @@ def train(
     ):
         while state.step < last:
             start = time.perf_counter()  # the step time includes loading the batch, as torchtitan's does
-            state, metrics = step(state, next(loader))
+            with profiled(state.step + 1 == cfg.log.profile_step, run_dir / "profile", rank):
+                state, metrics = step(state, next(loader))
             stop = state.step < last and preemption.requested()  # after the last step there is nothing to stop
             elapsed = time.perf_counter() - start
             fault_point(f"step:{state.step}")
@@ -230,3 +233,22 @@ def _elsewhere(plan: Plan, mesh: DeviceMesh | None) -> list[tuple[str, tuple[int
         return []
     own = {s.index for s in plan.pipeline.stages_of(mesh["pp"].get_local_rank())}
     return [(n, p.shape) for p in plan.params if p.stage not in own for n in (p.fqn, *p.aliases)]
+
+
+@contextlib.contextmanager
+def profiled(enabled: bool, folder: Path, rank: int) -> Iterator[None]:
+    """torch.profiler around what runs inside (log.profile_step): this rank's Chrome trace in `folder`, and on rank 0
+    the ops that took the most time, so a slow step can be read op by op and compared with another trainer's."""
+    if not enabled:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+    folder.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(folder / f"rank{rank}.json"))
+    if rank == 0:
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=10), flush=True)

@@ -155,6 +155,10 @@ ERRORS = [
         ),
         r"^data\.format='chat' with model\.moe: the padding that ends chat rows would be routed",
     ),
+    (
+        lambda: Config(train=TrainConfig(steps=3), log=LogConfig(profile_step=4)),
+        r"^log\.profile_step=4 is after the run's last step \(train\.steps=3\); pick a step in 1\.\.3",
+    ),
     # Nested structs are validated as they are decoded, with the JSON path appended by msgspec.
     (
         lambda: msgspec.json.decode(b'{"data": {"source": "files"}}', type=Config),

@@ -106,3 +106,24 @@ def test_a_resumed_run_drops_the_torn_tail_and_the_steps_after_its_checkpoint(tm
     with MetricsWriter(tmp_path, QUIET, total_steps=4, enabled=True, start_step=2) as writer:
         writer.record(3, {"loss": 1.5})
     assert [(row["step"], row["loss"]) for row in lines(tmp_path)] == [(1, 4.0), (2, 3.0), (3, 1.5)]
+
+
+def test_profile_step_traces_that_step_on_every_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """log.profile_step writes the step's Chrome trace (its matmuls and the optimizer in it) and prints the top ops;
+    other steps are not traced."""
+    from shardlab.config import Config, DataConfig, MeshSpec, ModelConfig, TrainConfig
+    from shardlab.loop import train
+
+    cfg = Config(
+        mesh=MeshSpec(dp_shard=1),
+        model=ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=300),
+        train=TrainConfig(steps=2, seq_len=16, global_batch=2, run_dir=str(tmp_path)),
+        log=LogConfig(wandb="disabled", progress=False, profile_step=2),
+        data=DataConfig(source="synthetic"),
+    )
+    train(cfg)
+    events = json.loads((tmp_path / "profile" / "rank0.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names, sorted(n for n in names if n)[:40]
+    assert "Self CPU" in capsys.readouterr().out
+    assert list((tmp_path / "profile").iterdir()) == [tmp_path / "profile" / "rank0.json"]
