@@ -6,6 +6,7 @@ Run: pytest tests/test_metrics.py (~5 s, most of it the offline wandb run; it ne
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -127,3 +128,10 @@ def test_profile_step_traces_that_step_on_every_rank(tmp_path: Path, capsys: pyt
     assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names, sorted(n for n in names if n)[:40]
     assert "Self CPU" in capsys.readouterr().out
     assert list((tmp_path / "profile").iterdir()) == [tmp_path / "profile" / "rank0.json"]
+    trace = str(tmp_path / "profile" / "rank0.json")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "compare_profiles.py"
+    out = subprocess.run(
+        [sys.executable, script, trace, trace, "--top", "1000"], capture_output=True, text=True, check=True
+    ).stdout
+    mm = next(line.split() for line in out.splitlines() if line.startswith("aten::mm "))
+    assert mm[2] == mm[4] != "0" and mm[5] == "0.0", out  # the same trace twice: same calls, no difference
