@@ -48,7 +48,7 @@ LAYERS = [
     {"evaluate"},
     {"estimate.probe"},
     {"estimate.roofline", "estimate.cpu"},
-    {"estimate", "estimate.search", "checkpoint"},
+    {"estimate", "estimate.shared", "estimate.search", "checkpoint"},
     {"loop", "recipe"},
     {"__main__", "__init__"},
 ]

@@ -122,3 +122,34 @@ def test_keeping_the_weights_gathered_never_needs_less_memory():
         found.append(estimate(run, plan_model(run)[1], compare_checkpointing=False))
     assert 0 < found[0].activations <= found[1].activations
     assert found[0].fsdp_buffers < found[1].fsdp_buffers and found[0].peak < found[1].peak
+
+
+def test_a_plan_derived_for_another_schedule_and_resharding_is_the_plan_made_for_it():
+    """The search plans once per mesh and stage placement and derives the rest (`_derived`): it must be equal."""
+    from shardlab.estimate.search import _derived
+    from shardlab.models.provider import LlamaProvider
+    from shardlab.plan import make_plan
+
+    c = cfg(global_batch=16, param_dtype="bfloat16")
+    found, _ = layouts(c, 4, fixed={"pp": 2, "dp_shard": 2})
+    model = LlamaProvider(c.model).meta_model()
+    bases = {}
+    checked = set()
+    for layout in found:
+        run = layout.config(c).resolve(4)
+        kind = (run.plan.pp_schedule, run.plan.pp_stages_per_rank, run.micro_batches, run.plan.activation_checkpoint)
+        if kind[:3] in checked and kind[3] != "selective":
+            continue
+        checked.add(kind[:3])
+        schedule = run.plan.pp_schedule
+        placement = (
+            "zbv_zero_bubble" if schedule in V_SHAPED else "1f1b" if schedule in ("gpipe", "1f1b") else "looped_bfs"
+        )
+        base_plan = msgspec.structs.replace(run.plan, reshard_after_forward=False, pp_schedule=placement,
+                                            pp_microbatches=None, activation_checkpoint="none")  # fmt: skip
+        key = (run.mesh, base_plan)
+        if key not in bases:
+            bases[key] = make_plan(model, run.mesh, LlamaProvider(c.model).rules(base_plan), base_plan)
+        made = make_plan(model, run.mesh, LlamaProvider(c.model).rules(run.plan), run.plan)
+        assert _derived(bases[key], run) == made, layout.describe()
+    assert len(checked) > len(bases) > 1

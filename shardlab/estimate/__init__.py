@@ -133,14 +133,7 @@ def estimate(
     if not compare_checkpointing:
         other = cfg.plan.activation_checkpoint
     other_cfg = msgspec.structs.replace(cfg, plan=msgspec.structs.replace(cfg.plan, activation_checkpoint=other))
-    pipe = plan.pipeline
-    if pipe is None:
-        micro, rank, blocks, held, bubble = cfg.micro_batches, 0, None, 1.0, 0.0
-    else:
-        micro, bubble = pipe.microbatches, pipe.bubble
-        rank = busiest_pp_rank(plan)
-        blocks = sum(len(s.blocks) for s in pipe.stages_of(rank))
-        held = in_flight(pipe.schedule, cfg.mesh.pp, pipe.stages_per_rank, micro)
+    rank, blocks = probed_rank(plan)
     provider = provider or provider_for(cfg)
     p = cached_probe(probes, cfg, rules, pp_rank=rank, blocks=blocks, provider=provider)
     forward = (
@@ -148,12 +141,48 @@ def estimate(
         if compare_checkpointing
         else p
     )
+    return estimate_from(cfg, plan, p, forward, other, dev, provider)
+
+
+def probed_rank(plan: Plan) -> tuple[int, int | None]:
+    """The pp rank a layout is probed as (its busiest) and the blocks its stages hold (None without a pipeline)."""
+    if plan.pipeline is None:
+        return 0, None
+    rank = busiest_pp_rank(plan)
+    return rank, sum(len(s.blocks) for s in plan.pipeline.stages_of(rank))
+
+
+def estimate_from(
+    cfg: Config,
+    plan: Plan,
+    p: Probe,
+    forward: Probe,
+    other: str,
+    dev: Device | None,
+    provider: ModelProvider,
+    actions: dict[tuple, dict[int, str]] | None = None,
+) -> Estimate:
+    """The estimate of `cfg` laid out by `plan` from its probe `p` (and `forward`, the forward with the `other`
+    checkpointing choice): everything the probe does not see (micro batches, the schedule's order, sends, bubble,
+    memory) comes from the config and the plan. actions: a cache of the pipeline schedule's per-stage order."""
+    pipe = plan.pipeline
+    rank, blocks = probed_rank(plan)
+    if pipe is None:
+        micro, held, bubble = cfg.micro_batches, 1.0, 0.0
+    else:
+        micro, bubble = pipe.microbatches, pipe.bubble
+        held = in_flight(pipe.schedule, cfg.mesh.pp, pipe.stages_per_rank, micro)
     extra_blocks = (held - 1) * (blocks or 0)  # activations of the other micro batches in flight: blocks only
     if pipe is None:
         collectives = [_times(c, micro) for c in p.collectives]
     else:
-        actions = _stage_actions(cfg, plan, rank)
-        collectives = _merge_stages(_times(c, _runs(c, actions[c.stage], plan)) for c in p.collectives)
+        key = (pipe.schedule, cfg.mesh.pp, pipe.stages_per_rank, micro, len(pipe.stages), rank)
+        if actions is None or key not in actions:
+            found = _stage_actions(cfg, plan, rank)
+            if actions is None:
+                actions = {}
+            actions[key] = found
+        collectives = _merge_stages(_times(c, _runs(c, actions[key][c.stage], plan)) for c in p.collectives)
         collectives += _pipeline_sends(cfg, plan, micro, provider.dim)
     memory = estimate_memory(plan)
     fpt = provider.flops_per_token(cfg.train.seq_len)

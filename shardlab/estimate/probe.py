@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
@@ -362,8 +363,14 @@ class _ForwardDone(Exception):
 
 
 def _param_storages(model: nn.Module) -> set[int]:
-    """Storages of the parameters as registered now (FSDP's unsharded ones between forward and backward)."""
-    local = (p._local_tensor if isinstance(p, DTensor) else p for p in model.parameters())
+    """Storages of the parameters as registered now (FSDP's unsharded ones between forward and backward), and
+    FSDP's sharded ones, which its lazy init re-allocates in the first forward and which stay alive while the
+    unsharded ones are registered (reshard_after_forward=False): the plan counts them, not the activations."""
+    local = [p._local_tensor if isinstance(p, DTensor) else p for p in model.parameters()]
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group  # torch keeps the shards there, unregistered
+            local += [fp._sharded_param_data for fp in group.fsdp_params] if group is not None else []
     return {t.untyped_storage()._cdata for t in local}
 
 
@@ -385,12 +392,73 @@ def probe(
     With pipeline stages: one pipeline micro batch through the stages of pp rank `pp_rank` (this process is its
     first rank), which hold `blocks` blocks in cfg's plan (default: an even share).
     """
+    return measure(cfg, rules, forward_only=forward_only, pp_rank=pp_rank, provider=provider).at(blocks)
+
+
+class Measurement:
+    """The probes of a model cut to two sizes (or of the whole model), from which `at` gives any number of blocks."""
+
+    def __init__(self, records: list[_Recorder], n: int, k: int, v: int, stages: int) -> None:
+        self.records = [
+            (r.collectives.copy(), r.collective_bytes.copy(), r.ops.copy(), r.flops, r.activation_bytes)
+            for r in records
+        ]
+        self.n, self.k, self.v, self.stages = n, k, v, stages
+
+    def at(self, blocks: int | None = None) -> Probe:
+        """The probe of the probed rank holding `blocks` blocks (default: an even share of the model's)."""
+        n, k, v = self.n, self.k, self.v
+        held = (n * v // self.stages if blocks is None else blocks) if self.stages > 1 else n
+        if len(self.records) == 1:
+            a = b = self.records[0]
+            scale = 0.0
+            per_block = a[4] / held
+        else:
+            a, b = self.records
+            # quantity(held) = quantity(2k v) + (held - 2k v) / (k v) * (quantity(3k v) - quantity(2k v))
+            scale = (held - 2 * k * v) / (k * v)
+            per_block = (b[4] - a[4]) / (k * v)
+        exact = abs(scale - round(scale)) < 1e-9  # uneven pipeline stages land between two probed sizes
+
+        def extend(x: int, y: int) -> int:
+            value = x + scale * (y - x)
+            if value < 0 or (exact and abs(value - round(value)) > 1e-6 * max(1.0, abs(value))):
+                raise AssertionError(f"probe: a quantity is not linear in blocks ({x}, then {y} with {k * v} more)")
+            return round(value)
+
+        keys = a[0].keys() | b[0].keys()
+        collectives = tuple(
+            Collective(
+                axis=axis, kind=kind, phase=phase, group_size=size, stage=stage,
+                count=extend(a[0][key], b[0][key]), bytes=extend(a[1][key], b[1][key]),
+            )
+            for key in sorted(keys, key=str)
+            for axis, kind, phase, size, stage in [key]
+        )  # fmt: skip
+        ops = tuple(sorted((f, m, extend(a[2][(f, m)], b[2][(f, m)])) for f, m in a[2].keys() | b[2].keys()))
+        return Probe(
+            collectives=tuple(c for c in collectives if c.count),
+            flops=extend(a[3], b[3]),
+            ops=tuple(op for op in ops if op[2]),
+            activation_bytes=extend(a[4], b[4]),
+            block_activation_bytes=round(per_block),
+        )
+
+
+def measure(
+    cfg: Config,
+    rules: Rules | None = None,
+    *,
+    forward_only: bool = False,
+    pp_rank: int = 0,
+    provider: ModelProvider | None = None,
+) -> Measurement:
+    """`probe`'s runs, before they are extended to a number of blocks: probes of one model serve every count."""
     provider = provider or provider_for(cfg)
     n = provider.n_layers
     k = cfg.plan.ac_every if cfg.plan.activation_checkpoint == "selective" else 1
     pp, v = cfg.mesh.pp, cfg.plan.pp_stages_per_rank if cfg.mesh.pp > 1 else 1
     stages = pp * v  # the model's blocks split into `stages` stages, v of them on this rank
-    held = (n * v // stages if blocks is None else blocks) if pp > 1 else n
     # Two and three periods per stage: the first and the last block differ from the middle ones (FSDP prefetches
     # and reshards them differently), so every probe holds both and the difference is one middle period.
     sizes = (n,) if n <= 3 * k * stages else (2 * k * stages, 3 * k * stages)
@@ -400,38 +468,4 @@ def probe(
         # would run on the first one's groups.
         mesh = make_mesh(cfg.mesh, "cpu")
         records = [_probe_layers(cfg, rules, provider, mesh, size, forward_only) for size in sizes]
-    if len(records) == 1:
-        a = b = records[0]
-        scale = 0.0
-        per_block = a.activation_bytes / held
-    else:
-        a, b = records
-        # quantity(held) = quantity(2k v) + (held - 2k v) / (k v) * (quantity(3k v) - quantity(2k v))
-        scale = (held - 2 * k * v) / (k * v)
-        per_block = (b.activation_bytes - a.activation_bytes) / (k * v)
-    exact = abs(scale - round(scale)) < 1e-9  # uneven pipeline stages land between two probed sizes
-
-    def extend(x: int, y: int) -> int:
-        value = x + scale * (y - x)
-        if value < 0 or (exact and abs(value - round(value)) > 1e-6 * max(1.0, abs(value))):
-            raise AssertionError(f"probe: a quantity is not linear in blocks ({x}, then {y} with {k * v} more)")
-        return round(value)
-
-    keys = a.collectives.keys() | b.collectives.keys()
-    collectives = tuple(
-        Collective(
-            axis=axis, kind=kind, phase=phase, group_size=size, stage=stage,
-            count=extend(a.collectives[key], b.collectives[key]),
-            bytes=extend(a.collective_bytes[key], b.collective_bytes[key]),
-        )
-        for key in sorted(keys, key=str)
-        for axis, kind, phase, size, stage in [key]
-    )  # fmt: skip
-    ops = tuple(sorted((f, m, extend(a.ops[(f, m)], b.ops[(f, m)])) for f, m in a.ops.keys() | b.ops.keys()))
-    return Probe(
-        collectives=tuple(c for c in collectives if c.count),
-        flops=extend(a.flops, b.flops),
-        ops=tuple(op for op in ops if op[2]),
-        activation_bytes=extend(a.activation_bytes, b.activation_bytes),
-        block_activation_bytes=round(per_block),
-    )
+    return Measurement(records, n, k, v, stages)

@@ -24,11 +24,13 @@ import torch
 
 from shardlab._base import Frozen
 from shardlab.config import Config
-from shardlab.estimate import Estimate, estimate, estimate_memory, fsdp_buffer_bytes
-from shardlab.estimate.probe import Probe
+from shardlab.estimate import Estimate, estimate_memory, fsdp_buffer_bytes
+from shardlab.estimate.probe import Measurement
 from shardlab.estimate.roofline import Device, collective_seconds
+from shardlab.estimate.shared import estimate_shared
 from shardlab.metrics import module_flops
 from shardlab.models.provider import ModelProvider, check_layout
+from shardlab.pipeline import ONE_STAGE, V_SHAPED, bubble_fraction
 from shardlab.plan import Plan, make_plan
 from shardlab.rules import Rules
 from shardlab.search import AC_MODES, Layout, enumerate_layouts
@@ -122,11 +124,18 @@ def search(
     plans: dict[bytes, Plan] = {}
 
     def plan_of(run: Config) -> Plan:
-        key = msgspec.json.encode(run.mesh) + msgspec.json.encode(run.plan)
+        """One make_plan per mesh and stage placement: checkpointing, resharding and the schedule within a placement
+        change only the plan's own fields for them and its pipeline's schedule, micro batches and bubble
+        (`_derived`)."""
+        schedule = run.plan.pp_schedule
+        placement = "zbv_zero_bubble" if schedule in V_SHAPED else "1f1b" if schedule in ONE_STAGE else "looped_bfs"
+        base_plan = msgspec.structs.replace(run.plan, reshard_after_forward=False, pp_schedule=placement,
+                                            pp_microbatches=None, activation_checkpoint="none")  # fmt: skip
+        key = msgspec.json.encode(run.mesh) + msgspec.json.encode(base_plan)
         if key not in plans:
             check_layout(run, provider)
-            plans[key] = make_plan(model, run.mesh, rules_of(run) or provider.rules(run.plan), run.plan, flops)
-        return plans[key]
+            plans[key] = make_plan(model, run.mesh, rules_of(run) or provider.rules(base_plan), base_plan, flops)
+        return _derived(plans[key], run)
 
     def state(layout: Layout) -> int:
         """Bytes the plan fixes (all but activations): the same for every checkpointing and micro batch count."""
@@ -166,7 +175,8 @@ def search(
         frame = (layout.mesh, layout.pp_schedule, layout.pp_stages_per_rank)
         frames.setdefault(frame, []).append(layout)
 
-    probes: dict[bytes, Probe] = {}
+    measured: dict[bytes, Measurement] = {}  # probes of twins, shared by every layout with the same twin
+    actions: dict[tuple, dict[int, str]] = {}  # pipeline schedule orders
     unfit: set[Layout] = set()  # estimated layouts that resharded and still did not fit
     fits: list[Candidate] = []
     closest: Candidate | None = None
@@ -180,7 +190,7 @@ def search(
                 too_big += 1  # keeping the weights gathered needs more memory than resharding, which did not fit
                 continue
             run = layout.config(cfg).resolve(world)
-            e = estimate(run, plan_of(run), rules_of(run), dev, provider, probes, compare_checkpointing=False)
+            e = estimate_shared(run, plan_of(run), rules_of(run), dev, provider, measured, actions)
             estimated += 1
             candidate = _candidate(layout, e, run, dev)
             if e.peak <= memory:
@@ -195,9 +205,21 @@ def search(
     fits.sort(key=lambda c: c.step_s)
     return Search(
         best=tuple(fits[:top]), layouts=len(layouts), over_memory=over, too_big=too_big, estimated=estimated,
-        probes=len(probes),
+        probes=len(measured),
         seconds=time.perf_counter() - start,
     )  # fmt: skip
+
+
+def _derived(base: Plan, run: Config) -> Plan:
+    """`base` (the plan of `run`'s mesh and stage placement) with `run`'s checkpointing, resharding, schedule and
+    micro batches."""
+    fsdp = base.fsdp and msgspec.structs.replace(base.fsdp, reshard_after_forward=run.plan.reshard_after_forward)
+    pipe = base.pipeline
+    if pipe is not None:
+        schedule, m = run.plan.pp_schedule, run.micro_batches
+        bubble = bubble_fraction(schedule, run.mesh.pp, pipe.stages_per_rank, m)
+        pipe = msgspec.structs.replace(pipe, schedule=schedule, microbatches=m, bubble=bubble)
+    return msgspec.structs.replace(base, fsdp=fsdp, pipeline=pipe, activation_checkpoint=run.plan.activation_checkpoint)
 
 
 def _cheapest_first(layout: Layout) -> tuple[int, int, bool]:

@@ -1,0 +1,84 @@
+"""The search's estimate from a twin's probe agrees with the exact estimate (`shardlab.estimate.estimate`).
+
+The twin keeps each rank's local shapes and stages but only 2 ranks on each data-parallel axis and on pp, so many
+layouts share one probe. What it cannot see is FSDP's per-shard copy and padding traffic, which shrinks with the
+tokens per micro batch against the parameters; at one 256-token sequence per micro batch on this model it stays within STEP_TOLERANCE.
+"""
+
+import msgspec
+import pytest
+
+from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig
+from shardlab.estimate import estimate
+from shardlab.estimate.roofline import device
+from shardlab.estimate.shared import twin
+from shardlab.loop import plan_model
+from shardlab.models.provider import provider_for
+from shardlab.search import Layout
+
+STEP_TOLERANCE = 0.03
+"""Relative step time: FSDP's copies into and out of the gathered buffers read and write each rank's shard."""
+PEAK_TOLERANCE = 0.002
+"""Relative peak memory: FSDP pads each sharded dim to a multiple of the shards."""
+
+DENSE = ModelConfig(dim=64, n_layers=16, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512)
+MOE = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128, vocab_size=512,
+                  moe=MoEConfig(n_experts=4, expert_ffn_dim=64))  # fmt: skip
+
+
+def lay(mesh: MeshSpec, ac: str = "none", micro: int = 1, schedule=None, v: int = 1, reshard: bool = True) -> Layout:
+    return Layout(mesh=mesh, activation_checkpoint=ac, micro_batches=micro, pp_schedule=schedule,
+                  pp_stages_per_rank=v, reshard_after_forward=reshard)  # fmt: skip
+
+
+CASES = {
+    "fsdp 8, 2 micro": (DENSE, lay(MeshSpec(dp_shard=8), micro=2)),
+    "hsdp 4 x 2, selective": (DENSE, lay(MeshSpec(dp_replicate=4, dp_shard=2), "selective")),
+    "fsdp 4 x tp 2, full, no reshard": (DENSE, lay(MeshSpec(dp_shard=4, tp=2), "full", reshard=False)),
+    "cp 2 x fsdp 4": (DENSE, lay(MeshSpec(dp_shard=4, cp=2))),
+    "pp 4 x fsdp 2, 1f1b, full": (DENSE, lay(MeshSpec(pp=4, dp_shard=2), "full", micro=8, schedule="1f1b")),
+    "pp 4 x fsdp 2, interleaved": (DENSE, lay(MeshSpec(pp=4, dp_shard=2), micro=4, schedule="interleaved_1f1b", v=2)),
+    "ep 2 of fsdp 8": (MOE, lay(MeshSpec(dp_shard=8, ep=2))),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_twin_estimate_agrees_with_the_exact_one(name):
+    from shardlab.estimate.shared import estimate_shared
+
+    model, layout = CASES[name]
+    base = Config(model=model, plan=PlanConfig(param_dtype="bfloat16", reduce_dtype="float32"),
+                  train=TrainConfig(global_batch=16, seq_len=256))  # fmt: skip
+    cfg = layout.config(base).resolve(8)
+    _, plan = plan_model(cfg)
+    provider, dev = provider_for(cfg), device("h100")
+    twin_cfg, _ = twin(cfg, plan, provider.n_layers)
+    assert twin_cfg.mesh.world_size < cfg.mesh.world_size  # the case shares its probe with larger layouts
+    exact = estimate(cfg, plan, None, dev, provider, compare_checkpointing=False)
+    shared = estimate_shared(cfg, plan, None, dev, provider, {})
+    assert shared.time.step_s == pytest.approx(exact.time.step_s, rel=STEP_TOLERANCE)
+    assert shared.peak == pytest.approx(exact.peak, rel=PEAK_TOLERANCE)
+    assert shared.executed_flops == exact.executed_flops
+    comm = {(c.axis, c.kind, c.phase, c.group_size, c.count) for c in exact.collectives}
+    assert {(c.axis, c.kind, c.phase, c.group_size, c.count) for c in shared.collectives} == comm
+
+
+def test_layouts_that_differ_in_data_parallel_size_and_pp_share_one_twin():
+    base = Config(model=DENSE, plan=PlanConfig(param_dtype="bfloat16", reduce_dtype="float32"),
+                  train=TrainConfig(global_batch=64, seq_len=64))  # fmt: skip
+    twins = set()
+    for layout in (lay(MeshSpec(dp_shard=16), micro=4), lay(MeshSpec(dp_replicate=2, dp_shard=4), micro=8),
+                   lay(MeshSpec(dp_replicate=4, dp_shard=8), micro=2)):  # fmt: skip
+        cfg = layout.config(base).resolve(layout.mesh.world_size)
+        twin_cfg, _ = twin(cfg, plan_model(cfg)[1], DENSE.n_layers)
+        twins.add((twin_cfg.mesh.dp_shard, twin_cfg.train.global_batch // twin_cfg.mesh.size("dp")))
+    assert twins == {(2, 1)}  # one row per micro batch, FSDP over 2
+    pipes = set()
+    for pp in (4, 8):
+        cfg = lay(MeshSpec(pp=pp, dp_shard=2), micro=pp, schedule="1f1b").config(msgspec.structs.replace(
+            base, train=msgspec.structs.replace(base.train, global_batch=2 * pp))).resolve(2 * pp)  # fmt: skip
+        twin_cfg, rank = twin(cfg, plan_model(cfg)[1], DENSE.n_layers)
+        pipes.add(
+            (twin_cfg.mesh.pp, rank, twin_cfg.train.global_batch // twin_cfg.mesh.size("dp") // twin_cfg.micro_batches)
+        )
+    assert pipes == {(2, 0, 1)}
