@@ -21,7 +21,9 @@ STEP_TOLERANCE = 0.03
 PEAK_TOLERANCE = 0.002
 """Relative peak memory: FSDP pads each sharded dim to a multiple of the shards."""
 
-DENSE = ModelConfig(dim=64, n_layers=16, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512)
+DENSE = ModelConfig(dim=64, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512)
+DEEP = msgspec.structs.replace(DENSE, n_layers=16)
+"""Deep enough that both estimates extrapolate over blocks with pp 4 (the exact one probes 8 and 12 blocks)."""
 MOE = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128, vocab_size=512,
                   moe=MoEConfig(n_experts=4, expert_ffn_dim=64))  # fmt: skip
 
@@ -33,11 +35,9 @@ def lay(mesh: MeshSpec, ac: str = "none", micro: int = 1, schedule=None, v: int 
 
 CASES = {
     "fsdp 8, 2 micro": (DENSE, lay(MeshSpec(dp_shard=8), micro=2)),
-    "hsdp 4 x 2, selective": (DENSE, lay(MeshSpec(dp_replicate=4, dp_shard=2), "selective")),
-    "fsdp 4 x tp 2, full, no reshard": (DENSE, lay(MeshSpec(dp_shard=4, tp=2), "full", reshard=False)),
-    "cp 2 x fsdp 4": (DENSE, lay(MeshSpec(dp_shard=4, cp=2))),
-    "pp 4 x fsdp 2, 1f1b, full": (DENSE, lay(MeshSpec(pp=4, dp_shard=2), "full", micro=8, schedule="1f1b")),
-    "pp 4 x fsdp 2, interleaved": (DENSE, lay(MeshSpec(pp=4, dp_shard=2), micro=4, schedule="interleaved_1f1b", v=2)),
+    "hsdp 4 x tp 2, full, no reshard": (DENSE, lay(MeshSpec(dp_replicate=4, dp_shard=1, tp=2), "full", reshard=False)),
+    "cp 2 x fsdp 4, selective": (DENSE, lay(MeshSpec(dp_shard=4, cp=2), "selective")),
+    "pp 4 x fsdp 2, 1f1b, full": (DEEP, lay(MeshSpec(pp=4, dp_shard=2), "full", micro=8, schedule="1f1b")),
     "ep 2 of fsdp 8": (MOE, lay(MeshSpec(dp_shard=8, ep=2))),
 }
 
