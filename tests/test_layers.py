@@ -47,7 +47,7 @@ LAYERS = [
     {"step"},
     {"evaluate"},
     {"estimate.probe"},
-    {"estimate.roofline", "estimate.cpu"},
+    {"estimate.kernels", "estimate.roofline", "estimate.cpu"},
     {"estimate", "estimate.shared", "estimate.search", "checkpoint"},
     {"loop", "recipe"},
     {"__main__", "__init__"},

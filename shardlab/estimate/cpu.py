@@ -2,9 +2,13 @@
 
 CPU ranks share the machine's cores (each gets cores // world threads, as `shardlab.launch` sets), so a rank's
 FLOP/s and memory bandwidth are measured with `world` processes running at once, and the collective bandwidth is a
-gloo all-reduce among them. The numbers are achieved ones (efficiencies 1), so the roofline applies them as they
-are. The cache (SHARDLAB_CACHE, else ~/.cache/shardlab) is keyed by the world size and checked against the cores,
-the processor and torch's version; delete it to measure again.
+gloo all-reduce among them. The peak is the fastest matmul measured and the bandwidth a large copy's; the kernel
+table (shardlab.estimate.kernels: matmuls, attention and adds of several sizes, and the cost of a tiny op) says how
+far below them each op runs, and `busy_speed` how much faster a rank runs while others idle. Other jobs on the
+machine slow every measurement alike (the estimate then runs slow too), and take the cores that idle ranks free; a
+job that starts or stops between the calibration and a run biases the comparison. The cache (SHARDLAB_CACHE, else
+~/.cache/shardlab) is keyed by the world size and checked against the cores, the processor and torch's version;
+delete it to measure again.
 """
 
 from __future__ import annotations
@@ -21,14 +25,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardlab.estimate.kernels import Rates, median_rates, table, timer
+from shardlab.estimate.kernels import measure as measure_kernels
 from shardlab.estimate.roofline import Device
 
-MATMUL = 512
-"""Square fp32 matmul side measured: the debug models' projections are a few hundred wide."""
+BUSY_MATMUL = 512
+"""Square matmul side timed with some ranks idle: the debug models' projections are a few hundred wide."""
 COPY_BYTES = 64 * 2**20
 COLLECTIVE_BYTES = 16 * 2**20
 COLLECTIVE_CALLS = 8
-SECONDS = 0.5
+SECONDS = 0.3
 """Each measurement runs at least this long on every rank."""
 
 
@@ -37,7 +43,7 @@ class _Cached(msgspec.Struct):
     device: Device
 
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 """Bumped whenever Device changes, so an older cache is measured again."""
 
 
@@ -81,12 +87,16 @@ def measure(world: int) -> Device:
             _rank(0, 1, f"{tmp}/store", results)
         else:
             mp.spawn(_rank, args=(world, f"{tmp}/store", results), nprocs=world, join=True)
-        flops, copy_bytes, link = (statistics.median(r[i] for r in results) for i in range(3))
+        copy_bytes, link = (statistics.median(r[i] for r in results) for i in range(2))
+        rates = median_rates([msgspec.convert(r[2], Rates) for r in results])
+        speed = tuple(results[0][3])
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world / 2**30
+    peak = max(r for _, r in rates.matmul)
+    command = f"shardlab.estimate.cpu.measure({world}) on {_machine()}"
     return Device(
-        name=f"CPU ({world} rank{'s' * (world > 1)} on {_cores()} cores, measured)", bf16_tflops=flops / 1e12,
+        name=f"CPU ({world} rank{'s' * (world > 1)} on {_cores()} cores, measured)", bf16_tflops=peak / 1e12,
         hbm_tb_s=copy_bytes / 1e12, nvlink_gb_s=link / 1e9, network_gb_s=link / 1e9, memory_gib=memory,
-        matmul_efficiency=1.0, hbm_efficiency=1.0, shared_cores=True,
+        matmul_efficiency=1.0, hbm_efficiency=1.0, kernels=table(rates, peak, copy_bytes, command), busy_speed=speed,
     )  # fmt: skip
 
 
@@ -102,14 +112,27 @@ def _timed(fn, barrier, calls: int | None = None) -> float:
     return (time.perf_counter() - start) / done
 
 
+def _busy_speed(rank: int, world: int, barrier) -> list[float]:
+    """Rank 0's matmul speed while ranks 0 .. k - 1 run it and the others wait in a barrier (as a pipeline rank
+    waits for its input), k = 1 .. world, relative to all of them running it."""
+    a, b = torch.randn(BUSY_MATMUL, BUSY_MATMUL), torch.randn(BUSY_MATMUL, BUSY_MATMUL)
+    timed = timer(torch.device("cpu"), SECONDS, barrier)
+    seconds = []
+    for k in range(1, world + 1):
+        if rank < k:
+            seconds.append(timed(lambda: torch.mm(a, b)))
+        else:
+            barrier()
+    barrier()
+    return [seconds[-1] / s for s in seconds] if rank == 0 else []
+
+
 def _rank(rank: int, world: int, store: str, results) -> None:
     torch.set_num_threads(max(1, _cores() // world))
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     barrier = dist.barrier if world > 1 else (lambda: None)
     try:
-        a, b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
-        flops = 2 * MATMUL**3 / _timed(lambda: torch.mm(a, b), barrier)
         src, dst = torch.empty(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
         copy_bytes = 2 * COPY_BYTES / _timed(lambda: dst.copy_(src), barrier)
         if world > 1:
@@ -118,7 +141,8 @@ def _rank(rank: int, world: int, store: str, results) -> None:
             link = COLLECTIVE_BYTES * 2 * (world - 1) / world / seconds  # as roofline.collective_seconds counts it
         else:
             link = copy_bytes  # one rank has no collectives; any finite number serves
-        results[rank] = (flops, copy_bytes, link)
+        rates = measure_kernels(timer(torch.device("cpu"), SECONDS, barrier), torch.device("cpu"), torch.float32)
+        results[rank] = (copy_bytes, link, msgspec.to_builtins(rates), _busy_speed(rank, world, barrier))
     finally:
         if world > 1:
             dist.destroy_process_group()

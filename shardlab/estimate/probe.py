@@ -86,6 +86,9 @@ CPU_ATTENTION = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward: (sdpa_backward_flop_count, 4, 7),
 }
 """CPU's flash attention, which torch's flop counter lacks: (formula, tensors it reads shapes of, is_causal's position)."""
+OpKind = Literal["matmul", "attention", "memory"]
+"""How the roofline prices an op (shardlab.estimate.kernels): attention kernels, other ops with FLOPs, ops without."""
+ATTENTION = {*CPU_ATTENTION, *(p for p in flop_registry if "attention" in str(p))}
 
 
 class Collective(Frozen):
@@ -110,8 +113,8 @@ class Probe(Frozen):
     collectives: tuple[Collective, ...]
     flops: int
     """Executed FLOPs: matmuls and attention (causal attention as run, half the square), recomputation included."""
-    ops: tuple[tuple[int, int, int], ...]
-    """(FLOPs, bytes read + written, how many such ops): the roofline's input, one entry per distinct op."""
+    ops: tuple[tuple[int, int, int, OpKind], ...]
+    """(FLOPs, bytes read + written, how many such ops, kind): the roofline's input, one entry per distinct op."""
     activation_bytes: int
     """Bytes the forward leaves alive for the backward (saved tensors, checkpoint inputs, logits, loss)."""
     block_activation_bytes: int
@@ -130,7 +133,7 @@ class _Recorder(CommDebugMode):
         self.stage: int | None = None
         self.collectives: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
         self.collective_bytes: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
-        self.ops: Counter[tuple[int, int]] = Counter()
+        self.ops: Counter[tuple[int, int, OpKind]] = Counter()
         self.flops = 0
         self.storages: dict[int, StorageWeakRef] = {}
         self.activation_bytes = 0
@@ -183,7 +186,7 @@ class _Recorder(CommDebugMode):
             flops = round(flops * self.grouped_rows)
         moved = sum(t.nbytes for t in _tensors((args, kwargs)) if t.numel()) + sum(t.nbytes for t in outputs)
         self.flops += flops
-        self.ops[(flops, moved)] += 1
+        self.ops[(flops, moved, "attention" if packet in ATTENTION else "matmul" if flops else "memory")] += 1
         return out
 
     def _collective(self, packet: Any, kind: Kind, args: tuple) -> None:
@@ -435,7 +438,7 @@ class Measurement:
             for key in sorted(keys, key=str)
             for axis, kind, phase, size, stage in [key]
         )  # fmt: skip
-        ops = tuple(sorted((f, m, extend(a[2][(f, m)], b[2][(f, m)])) for f, m in a[2].keys() | b[2].keys()))
+        ops = tuple(sorted((*key[:2], extend(a[2][key], b[2][key]), key[2]) for key in a[2].keys() | b[2].keys()))
         return Probe(
             collectives=tuple(c for c in collectives if c.count),
             flops=extend(a[3], b[3]),

@@ -2,7 +2,9 @@
 
 The model, stated so it can be argued with:
 - Each op of the probe takes max(FLOPs / (peak x MATMUL_EFFICIENCY), bytes / (HBM x HBM_EFFICIENCY)): eager
-  PyTorch, one kernel per op, no fusion; causal attention does half the square.
+  PyTorch, one kernel per op, no fusion; causal attention does half the square. A device with a measured kernel
+  table (`Device.kernels`, shardlab.estimate.kernels: `--device cpu`, and any device in kernels.MEASURED) prices each
+  op by its class and size instead, plus a fixed cost per op.
 - A collective over n ranks moves (n - 1) / n of its buffer per rank (ring; all-reduce twice that; a pipeline
   send all of it) at the group's link bandwidth: NVLink when the group's ranks share a node, else the node's network per GPU.
   Mesh axes are laid out as `MeshSpec` orders them (tp innermost), GPUS_PER_NODE to a node.
@@ -10,7 +12,9 @@ The model, stated so it can be argued with:
   (K/V all-gathers) are on the critical path (eager TP, no async TP, no overlap of the gathers). Scalar all-reduces of the loss and norm are left out.
 - Pipelines: the sends between stages are on the critical path; the rank idles the schedule's analytic
   bubble fraction of the step (shardlab.pipeline.bubble_fraction), the optimizer step comes after. Ranks that
-  time-share one machine's cores (`--device cpu`) lose nothing to the bubble: the busy ranks get the idle ones' cores.
+  time-share one machine's cores (`--device cpu`) run faster while others idle, by their measured `busy_speed`: the
+  step is priced as GPipe's lockstep timeline with the same bubble, slot by slot at the speed its busy ranks get
+  (`shared_pipeline_factor`).
 - The AdamW step streams 7 fp32 words per local parameter (read p, g, m, v; write p, m, v) through HBM.
 - No kernel-launch or Python overheads, no stragglers: a floor, which real runs approach from above.
 """
@@ -20,7 +24,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import msgspec
+
 from shardlab._base import Frozen
+from shardlab.estimate.kernels import MEASURED, Kernels
 from shardlab.estimate.probe import Collective, Probe
 from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec
 
@@ -49,9 +56,13 @@ class Device(Frozen):
     matmul_efficiency: float = MATMUL_EFFICIENCY
     """Achieved / peak FLOP/s (1 for a measured device: its numbers are achieved ones)."""
     hbm_efficiency: float = HBM_EFFICIENCY
-    shared_cores: bool = False
-    """The ranks time-share one machine's cores (CPU ranks): a rank idling in the pipeline bubble leaves its cores to
-    the others, so the bubble costs no time (the per-rank numbers are measured with every rank busy)."""
+    kernels: Kernels | None = None
+    """Measured efficiency per kernel class and size, and a cost per op; None: the flat efficiencies above."""
+    busy_speed: tuple[float, ...] = ()
+    """Ranks that time-share one machine's cores (CPU ranks): a rank's speed while k of them are busy (entry k - 1),
+    relative to all of them busy, as the numbers above were measured. A rank idling in a pipeline's bubble leaves
+    part of its cores to the busy ones; how much depends on their threads and on the machine's other load, so it is
+    measured. Empty: dedicated devices."""
 
 
 DEVICES: dict[str, Device] = {
@@ -74,7 +85,8 @@ def device(name: str, world: int = 1) -> Device:
         return cpu_device(world)
     if name not in DEVICES:
         raise ValueError(f"--device {name!r} is unknown; choose one of {', '.join(DEVICES)}, cpu")
-    return DEVICES[name]
+    dev = DEVICES[name]
+    return dev if name not in MEASURED else msgspec.structs.replace(dev, kernels=MEASURED[name])
 
 
 class StepTime(Frozen):
@@ -117,9 +129,14 @@ def collective_seconds(c: Collective, mesh: MeshSpec, dev: Device) -> float:
 
 
 def compute_seconds(p: Probe, dev: Device) -> float:
+    if dev.kernels is not None:
+        peak, bandwidth = dev.bf16_tflops * 1e12, dev.hbm_tb_s * 1e12
+        return sum(
+            count * dev.kernels.seconds(kind, flops, moved, peak, bandwidth) for flops, moved, count, kind in p.ops
+        )
     flops_s = dev.bf16_tflops * 1e12 * dev.matmul_efficiency
     bytes_s = dev.hbm_tb_s * 1e12 * dev.hbm_efficiency
-    return sum(count * max(flops / flops_s, moved / bytes_s) for flops, moved, count in p.ops)
+    return sum(count * max(flops / flops_s, moved / bytes_s) for flops, moved, count, _ in p.ops)
 
 
 def step_time(
@@ -149,7 +166,10 @@ def step_time(
     pp = seconds(lambda axis: axis == "pp")
     optimizer = params_per_rank * ADAM_BYTES_PER_PARAM / (dev.hbm_tb_s * 1e12 * dev.hbm_efficiency)
     busy = max(compute, fsdp) + tp + pp
-    idle = 0.0 if dev.shared_cores else busy * bubble / (1 - bubble)
+    if dev.busy_speed:
+        idle = busy * (shared_pipeline_factor(dev.busy_speed, mesh.pp, mesh.world_size // mesh.pp, bubble) - 1)
+    else:
+        idle = busy * bubble / (1 - bubble)
     step = busy + idle + optimizer
     per_device = global_tokens / mesh.world_size / step
     mfu = per_device * model_flops_per_token / (dev.bf16_tflops * 1e12)
@@ -157,3 +177,21 @@ def step_time(
         compute_s=compute, fsdp_comm_s=fsdp, tp_comm_s=tp, pp_comm_s=pp, bubble_s=idle, optimizer_s=optimizer,
         step_s=step, tokens_per_s_per_device=per_device, mfu=mfu,
     )  # fmt: skip
+
+
+def shared_pipeline_factor(speed: Sequence[float], pp: int, group: int, bubble: float) -> float:
+    """Step time / busy time of a pipeline of `pp` ranks of `group` processes each, idle `bubble` of a step on
+    dedicated devices, on processes whose speed with k busy is speed[k - 1] (speed[-1] = 1: all busy).
+
+    The timeline is GPipe's with the micro batches m that give this bubble, (pp - 1) / (m + pp - 1): slot j of
+    m + pp - 1 runs one micro batch on each of min(j + 1, pp, m, m + pp - 1 - j) busy pp ranks, at their speed.
+    """
+    if pp == 1 or bubble <= 0:
+        return 1.0
+    m = (pp - 1) * (1 - bubble) / bubble
+    if m >= pp - 1:  # ramps up and down through 1 .. pp - 1 busy, all busy in between
+        slots = [(k, 2.0) for k in range(1, pp)] + [(pp, m - pp + 1)]
+    else:  # fewer micro batches than the ramp: at most m busy at once
+        m = max(1, round(m))
+        slots = [(k, 2.0) for k in range(1, m)] + [(m, float(pp - m + 1))]
+    return sum(length / speed[min(k * group, len(speed)) - 1] for k, length in slots) / m

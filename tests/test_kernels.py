@@ -1,0 +1,97 @@
+"""The kernel table and the shared-core pipeline model: how the roofline prices ops by class and size, what the
+probe classifies, and that measuring a table works end to end (at tiny sizes: no timing is asserted)."""
+
+import math
+
+import msgspec
+import pytest
+import torch
+
+from shardlab import Config, MeshSpec, ModelConfig, PlanConfig, TrainConfig
+from shardlab.estimate import kernels
+from shardlab.estimate.kernels import Kernels, efficiency
+from shardlab.estimate.probe import Probe, probe
+from shardlab.estimate.roofline import DEVICES, compute_seconds, device, shared_pipeline_factor
+from shardlab.pipeline import bubble_fraction
+
+FLAT = Kernels(matmul=((1.0, 1.0),), attention=((1.0, 1.0),), memory=((1.0, 1.0),), overhead_s=0.0, command="test")
+
+
+def test_curve_is_log_linear_between_points_and_held_outside():
+    curve = ((1e3, 0.2), (1e5, 0.6), (1e6, 0.9))
+    assert efficiency(curve, 1e4) == pytest.approx(0.4)  # halfway in log size
+    assert efficiency(curve, 10**5.5) == pytest.approx(0.75)
+    assert (efficiency(curve, 1.0), efficiency(curve, 1e9)) == (0.2, 0.9)
+
+
+@pytest.mark.parametrize("curve", [(), ((2.0, 0.5), (1.0, 0.5)), ((1.0, 0.0),)], ids=["empty", "unsorted", "zero"])
+def test_a_bad_curve_is_one_line(curve):
+    with pytest.raises(ValueError, match=r"Kernels\.matmul"):
+        msgspec.structs.replace(FLAT, matmul=curve)
+
+
+def ops_probe(ops) -> Probe:
+    return Probe(collectives=(), flops=0, ops=tuple(ops), activation_bytes=0, block_activation_bytes=0)
+
+
+def test_each_class_is_priced_by_its_own_curve_plus_the_per_op_cost():
+    h100 = DEVICES["h100"]
+    p = ops_probe(
+        [(2 * 8192**3, 3 * 2 * 8192**2, 4, "matmul"), (10**9, 10**6, 2, "attention"), (0, 10**8, 5, "memory")]
+    )
+    peak, bandwidth = h100.bf16_tflops * 1e12, h100.hbm_tb_s * 1e12
+    flat = msgspec.structs.replace(h100, kernels=FLAT)
+    assert compute_seconds(p, flat) == pytest.approx(4 * 2 * 8192**3 / peak + 2 * 1e9 / peak + 5 * 1e8 / bandwidth)
+    # a table at the flat efficiencies prices every op as the flat roofline does
+    same = Kernels(matmul=((1.0, 0.8),), attention=((1.0, 0.8),), memory=((1.0, 0.9),), overhead_s=0.0, command="")
+    assert compute_seconds(p, msgspec.structs.replace(h100, kernels=same)) == pytest.approx(compute_seconds(p, h100))
+    slow = msgspec.structs.replace(FLAT, attention=((1.0, 0.25),), overhead_s=1e-5)
+    want = compute_seconds(p, flat) + 3 * 2 * 1e9 / peak + 11 * 1e-5
+    assert compute_seconds(p, msgspec.structs.replace(h100, kernels=slow)) == pytest.approx(want)
+
+
+def test_named_devices_keep_the_flat_roofline_without_a_measured_table():
+    for name in DEVICES:
+        assert device(name).kernels is kernels.MEASURED.get(name)
+
+
+def test_probe_classifies_attention_matmuls_and_memory_ops():
+    model = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128, vocab_size=256)
+    c = Config(mesh=MeshSpec(dp_shard=1), model=model, plan=PlanConfig(), train=TrainConfig(global_batch=2, seq_len=32))
+    p = probe(c.resolve(1))
+    by_kind = {k: sum(f * n for f, _, n, kind in p.ops if kind == k) for k in ("matmul", "attention", "memory")}
+    # forward 4 s d and backward 10 s d per token and layer (flash recomputes), causal: half
+    assert by_kind["attention"] == 7 * 2 * 32 * 64 * 2 * 32
+    assert by_kind["memory"] == 0 and by_kind["matmul"] + by_kind["attention"] == p.flops
+    assert sum(n for _, _, n, kind in p.ops if kind == "attention") == 2 * 2  # one forward, one backward per layer
+
+
+@pytest.mark.parametrize("schedule,pp,m", [("gpipe", 4, 4), ("gpipe", 2, 8), ("interleaved_1f1b", 4, 8)])
+def test_shared_cores_that_do_not_speed_up_pay_the_whole_bubble(schedule, pp, m):
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    b = bubble_fraction(schedule, pp, v, m)
+    assert shared_pipeline_factor([1.0] * pp, pp, 1, b) == pytest.approx(1 / (1 - b))
+
+
+def test_shared_cores_price_gpipe_slot_by_slot():
+    """4 one-thread ranks on 2 cores: alone or in pairs a rank runs twice as fast as with all 4 busy, three busy
+    4/3 as fast. GPipe, 4 micro batches: slots with 1, 2, 3, 4, 3, 2, 1 busy ranks."""
+    speed = [2.0, 2.0, 4 / 3, 1.0]
+    b = bubble_fraction("gpipe", 4, 1, 4)
+    want = (0.5 + 0.5 + 0.75 + 1 + 0.75 + 0.5 + 0.5) / 4
+    assert shared_pipeline_factor(speed, 4, 1, b) == pytest.approx(want)
+    # pp 2 of 2 ranks each: a lone pp rank is two busy processes
+    assert shared_pipeline_factor(speed, 2, 2, bubble_fraction("gpipe", 2, 1, 2)) == pytest.approx((0.5 + 0.5 + 1) / 2)
+    assert shared_pipeline_factor(speed, 4, 1, 0.0) == 1.0
+
+
+def test_measuring_a_table_runs_end_to_end(monkeypatch):
+    """The microbenchmarks at tiny sizes, for a moment each: a valid table, every class measured at each size."""
+    monkeypatch.setattr(kernels, "MATMULS", (8, 16))
+    monkeypatch.setattr(kernels, "ATTENTION", ((2, 8, 8),))
+    monkeypatch.setattr(kernels, "ELEMENTWISE", (64, 128))
+    cpu = torch.device("cpu")
+    rates = kernels.median_rates([kernels.measure(kernels.timer(cpu, 0.001), cpu, torch.float32)] * 3)
+    table = kernels.table(rates, max(r for _, r in rates.matmul), 1e9, "test")
+    assert [s for s, _ in table.matmul] == [2 * 8**3, 2 * 16**3] and max(e for _, e in table.matmul) == 1.0
+    assert len(table.attention) == 1 and len(table.memory) == 2 and math.isfinite(table.overhead_s)
