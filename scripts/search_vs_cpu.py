@@ -1,13 +1,15 @@
 """The search against reality on CPU ranks: estimated and measured step times of layouts that differ.
 
-    python scripts/search_vs_cpu.py [--steps 8] [--out runs/search-vs-cpu.md]
+    python scripts/search_vs_cpu.py [--steps 8] [--repeats 2] [--out runs/search-vs-cpu.md]
 
 A wider debug model (dim 512, 4 blocks, 8 heads, seq 256, 8 sequences per step) on 4 gloo ranks of this machine:
 FSDP 4, HSDP 2x2, FSDP 2 x TP 2, TP 4, PP 2 x FSDP 2 and CP 2 x FSDP 2, each without and with full activation
 checkpointing, and the layout `python -m shardlab search --device cpu` picks from all of them. Each layout is
 estimated with `--device cpu` (this machine measured with 4 ranks sharing its cores) and run for --steps steps
-(median step time after step 2). Prints a markdown table, the Spearman rank correlation of estimated and measured
-times, and how much slower than the measured best the estimator's pick is.
+(median step time after step 2), --repeats times, every layout once per pass and the passes in alternating order
+(A B ... B A), so that a slow stretch of a shared machine falls on different layouts. Prints a markdown table (the
+median over passes and their range), the Spearman rank correlation of estimated and measured times, and how much
+slower than the measured best the estimator's pick is. --measured adds the passes of an earlier --out.
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ def measured(cfg, steps: int) -> float:
     return statistics.median(m["step_s"] for m in metrics if m["step"] > 2)
 
 
+def _as_list(value: float | list[float]) -> list[float]:
+    """An earlier --out's measurement: one pass (a number) or several."""
+    return list(value) if isinstance(value, list) else [value]
+
+
 def ranks(values: list[float]) -> list[float]:
     order = sorted(range(len(values)), key=values.__getitem__)
     out = [0.0] * len(values)
@@ -95,7 +102,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path, help="write the table here, and the measured times beside it as JSON")
-    parser.add_argument("--measured", type=Path, help="reuse the measured times of an earlier --out (its JSON)")
+    parser.add_argument("--measured", type=Path, help="add the measured passes of an earlier --out (its JSON)")
+    parser.add_argument("--repeats", type=int, default=1, help="passes over every layout, in alternating order")
+    parser.add_argument("--reverse", action="store_true", help="start with the last layout (the search's pick)")
     args = parser.parse_args()
     known = json.loads(args.measured.read_text()) if args.measured else {}
     from shardlab.estimate.roofline import device
@@ -117,24 +126,31 @@ def main() -> int:
     pick = found.best[0]
     rows.append((f"search's pick: {pick.layout.describe()}", pick.layout.config(base).resolve(WORLD), pick.step_s))
     print(f"search: {found.layouts} layouts, {found.estimated} estimated in {found.seconds:.1f} s", flush=True)
-    results = []
-    for label, cfg, est in rows:
-        key = " ".join(overrides(cfg))
-        results.append((label, est, known[key] if key in known else measured(cfg, args.steps)))
-        known[key] = results[-1][2]
-        print(f"{label}: estimated {est:.3f} s, measured {results[-1][2]:.3f} s", flush=True)
+    key = {label: " ".join(overrides(cfg)) for label, cfg, _ in rows}
+    passes = {key[label]: _as_list(known.get(key[label], [])) for label, _, _ in rows}
+    for r in range(args.repeats):
+        for label, cfg, _ in rows if (r % 2 == 0) != args.reverse else rows[::-1]:
+            passes[key[label]].append(measured(cfg, args.steps))
+            print(f"pass {r + 1}, {label}: measured {passes[key[label]][-1]:.3f} s", flush=True)
+            if args.out:  # as it goes: a pass cut short keeps what it measured
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.with_suffix(".json").write_text(json.dumps({**known, **passes}, indent=1))
+    known.update(passes)
+    results = [(label, est, statistics.median(passes[key[label]])) for label, _, est in rows]
+    spread = {label: passes[key[label]] for label, _, _ in rows}
     fixed = results[:-1]
     rho = spearman([e for _, e, _ in fixed], [m for _, _, m in fixed])
     best_measured = min(m for _, _, m in results)
     among = min(fixed, key=lambda r: r[1])
     lines = [
-        "| layout | estimated s/step | measured s/step | estimated rank | measured rank |",
-        "| --- | --- | --- | --- | --- |",
+        "| layout | estimated s/step | measured s/step (median) | passes | estimated rank | measured rank |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     er, mr = ranks([e for _, e, _ in fixed]), ranks([m for _, _, m in fixed])
     for i, (label, est, meas) in enumerate(results):
         rank = (f"{int(er[i]) + 1}", f"{int(mr[i]) + 1}") if i < len(fixed) else ("-", "-")
-        lines.append(f"| {label} | {est:.3f} | {meas:.3f} | {rank[0]} | {rank[1]} |")
+        each = ", ".join(f"{t:.2f}" for t in spread[label])
+        lines.append(f"| {label} | {est:.3f} | {meas:.3f} | {each} | {rank[0]} | {rank[1]} |")
     lines += [
         "",
         f"Spearman rank correlation (the 12 fixed layouts): {rho:.2f}",
@@ -143,7 +159,8 @@ def main() -> int:
         f"search's pick over all {found.layouts} layouts: {results[-1][2] / best_measured - 1:+.1%} against the "
         "measured best of every layout run",
         f"device: {dev.name}: {dev.bf16_tflops * 1e3:.1f} GFLOP/s, {dev.hbm_tb_s * 1e3:.1f} GB/s, "
-        f"all-reduce {dev.nvlink_gb_s:.2f} GB/s per rank",
+        f"all-reduce {dev.nvlink_gb_s:.2f} GB/s per rank, speed with 1..{WORLD} ranks busy "
+        + ", ".join(f"{x:.2f}" for x in dev.busy_speed),
     ]
     text = "\n".join(lines)
     print(text)
