@@ -34,8 +34,8 @@ BUSY_MATMUL = 512
 COPY_BYTES = 64 * 2**20
 COLLECTIVE_BYTES = 16 * 2**20
 COLLECTIVE_CALLS = 8
-SECONDS = 0.3
-"""Each measurement runs at least this long on every rank."""
+SECONDS = 0.1
+"""Each measurement runs at least this long on every rank (kernels and speeds: in each of three rounds)."""
 
 
 class _Cached(msgspec.Struct):
@@ -112,19 +112,25 @@ def _timed(fn, barrier, calls: int | None = None) -> float:
     return (time.perf_counter() - start) / done
 
 
-def _busy_speed(rank: int, world: int, barrier) -> list[float]:
+def _busy_speed(rank: int, world: int, barrier, rounds: int = 3) -> list[float]:
     """Rank 0's matmul speed while ranks 0 .. k - 1 run it and the others wait in a barrier (as a pipeline rank
-    waits for its input), k = 1 .. world, relative to all of them running it."""
+    waits for its input), k = 1 .. world, relative to all of them running it: medians over `rounds` rounds of
+    every k, and never more than the cores allow (k ranks of t threads each get min(t, cores / k) cores)."""
     a, b = torch.randn(BUSY_MATMUL, BUSY_MATMUL), torch.randn(BUSY_MATMUL, BUSY_MATMUL)
     timed = timer(torch.device("cpu"), SECONDS, barrier)
-    seconds = []
-    for k in range(1, world + 1):
-        if rank < k:
-            seconds.append(timed(lambda: torch.mm(a, b)))
-        else:
-            barrier()
+    seconds: list[list[float]] = [[] for _ in range(world)]
+    for _ in range(rounds):
+        for k in range(1, world + 1):
+            if rank < k:
+                seconds[k - 1].append(timed(lambda: torch.mm(a, b)))
+            else:
+                barrier()
     barrier()
-    return [seconds[-1] / s for s in seconds] if rank == 0 else []
+    if rank:
+        return []
+    threads, cores = torch.get_num_threads(), _cores()
+    t = [statistics.median(s) for s in seconds]
+    return [min(t[-1] / t[k - 1], min(threads, cores / k) / min(threads, cores / world)) for k in range(1, world + 1)]
 
 
 def _rank(rank: int, world: int, store: str, results) -> None:

@@ -124,20 +124,19 @@ class Rates(Frozen):
     overhead_s: float
 
 
-def measure(timed: Timer, device: torch.device, dtype: torch.dtype, gpu_sizes: bool | None = None) -> Rates:
-    """Time matmuls, causal SDPA (forward + backward) and adds of the sizes above on `device` in `dtype`."""
+def measure(
+    timed: Timer, device: torch.device, dtype: torch.dtype, rounds: int = 3, gpu_sizes: bool | None = None
+) -> Rates:
+    """Time matmuls, causal SDPA (forward + backward) and adds of the sizes above on `device` in `dtype`: every
+    kernel once per round, round after round, and each its median over rounds, so that a burst of other work on a
+    shared machine moves one round of every kernel rather than all rounds of one."""
     big = device.type != "cpu" if gpu_sizes is None else gpu_sizes
+    kernels: list[tuple[str, float, Callable[[], object]]] = []  # (class, size, run it once)
     tiny_a, tiny_b = torch.ones(1, device=device, dtype=dtype), torch.ones(1, device=device, dtype=dtype)
-    overhead = timed(lambda: torch.add(tiny_a, tiny_b))
-
-    def net(seconds: float) -> float:  # the op's own time; never less than half what was measured
-        return max(seconds - overhead, seconds / 2)
-
-    matmul = []
+    kernels.append(("overhead", 1.0, lambda: torch.add(tiny_a, tiny_b)))
     for n in GPU_MATMULS if big else MATMULS:
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-        matmul.append((2.0 * n**3, 2.0 * n**3 / net(timed(lambda a=a, b=b: torch.mm(a, b)))))
-    attention = []
+        kernels.append(("matmul", 2.0 * n**3, lambda a=a, b=b: torch.mm(a, b)))
     for heads, seq, head_dim in GPU_ATTENTION if big else ATTENTION:
         shape = (1, heads, seq, head_dim)
         q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -147,15 +146,23 @@ def measure(timed: Timer, device: torch.device, dtype: torch.dtype, gpu_sizes: b
         def step(q=q, k=k, v=v, grad=grad) -> None:
             F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-        # two ops as the probe counts them (forward, backward), so two overheads are not the kernels' time
-        seconds = timed(step)
-        attention.append((float(flops), flops / max(seconds - 2 * overhead, seconds / 2)))
-    memory = []
+        kernels.append(("attention", float(flops), step))
     for n in GPU_ELEMENTWISE if big else ELEMENTWISE:
         a, b = torch.randn(n, device=device, dtype=dtype), torch.randn(n, device=device, dtype=dtype)
-        moved = 3 * n * a.element_size()  # two read, one written: as the probe counts an add
-        memory.append((float(moved), moved / net(timed(lambda a=a, b=b: torch.add(a, b)))))
-    return Rates(matmul=tuple(matmul), attention=tuple(attention), memory=tuple(memory), overhead_s=overhead)
+        kernels.append(("memory", 3.0 * n * a.element_size(), lambda a=a, b=b: torch.add(a, b)))  # as the probe counts
+    times = [[timed(fn) for _, _, fn in kernels] for _ in range(rounds)]
+    seconds = [statistics.median(column) for column in zip(*times, strict=True)]
+    overhead = seconds[0]
+
+    def rate(kind: str, size: float, t: float) -> float:
+        """Size over the op's own time: less the per-op cost (attention: two ops, forward and backward), and never
+        less than half what was measured."""
+        return size / max(t - overhead * (2 if kind == "attention" else 1), t / 2)
+
+    def curve(kind: str) -> Curve:
+        return tuple((size, rate(k, size, t)) for (k, size, _), t in zip(kernels, seconds, strict=True) if k == kind)
+
+    return Rates(matmul=curve("matmul"), attention=curve("attention"), memory=curve("memory"), overhead_s=overhead)
 
 
 def median_rates(rates: Sequence[Rates]) -> Rates:
