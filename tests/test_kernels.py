@@ -95,3 +95,20 @@ def test_measuring_a_table_runs_end_to_end(monkeypatch):
     table = kernels.table(rates, max(r for _, r in rates.matmul), 1e9, "test")
     assert [s for s, _ in table.matmul] == [2 * 8**3, 2 * 16**3] and max(e for _, e in table.matmul) == 1.0
     assert len(table.attention) == 1 and len(table.memory) == 2 and math.isfinite(table.overhead_s)
+
+
+def test_a_pipeline_runs_at_its_slowest_stage():
+    """Stages of equal blocks: the last pp rank also runs the norm, the output layer and the loss, so its compute,
+    not the first rank's (the busiest by blocks), is the step's."""
+    from shardlab.estimate import estimate
+    from shardlab.loop import plan_model
+
+    model = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=128, vocab_size=1024)
+    c = Config(mesh=MeshSpec(pp=2, dp_shard=1), model=model, train=TrainConfig(global_batch=2, seq_len=32)).resolve(2)
+    _, plan = plan_model(c)
+    h100 = device("h100")
+    probes = {}
+    e = estimate(c, plan, dev=h100, probes=probes, compare_checkpointing=False)
+    first, last = sorted(probes.values(), key=lambda p: p.flops)  # the one with the output layer does more
+    assert compute_seconds(last, h100) > compute_seconds(first, h100)
+    assert e.time.compute_s == pytest.approx(e.micro_batches * compute_seconds(last, h100))

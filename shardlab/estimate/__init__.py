@@ -19,7 +19,7 @@ from shardlab._base import Frozen
 from shardlab.config import Config
 from shardlab.estimate._fake import fake_world
 from shardlab.estimate.probe import Collective, Probe, probe, stage_boundary
-from shardlab.estimate.roofline import DP_AXES, Device, StepTime, collective_seconds, step_time
+from shardlab.estimate.roofline import DP_AXES, Device, StepTime, collective_seconds, compute_seconds, step_time
 from shardlab.models.provider import ModelProvider, provider_for
 from shardlab.pipeline import LOOPED, ONE_STAGE, V_SHAPED, in_flight
 from shardlab.plan import ParamPlan, Plan
@@ -127,7 +127,8 @@ def estimate(
     A pipelined layout is probed as its busiest pp rank (the most blocks): one pipeline micro batch through each
     of that rank's stages. Per step: m micro batches; FSDP's collectives as often as torch's schedule order makes
     them happen (`_runs`); the activations of the micro batches the schedule keeps in flight
-    (`pipeline.in_flight`); the sends between stages; the analytic bubble.
+    (`pipeline.in_flight`); the sends between stages; the analytic bubble. Every stage waits for the slowest, so the
+    compute is the busiest rank's or the last pp rank's (the output layer and the loss), whichever takes longer.
     """
     other = "full" if cfg.plan.activation_checkpoint == "none" else "none"
     if not compare_checkpointing:
@@ -188,8 +189,14 @@ def estimate_from(
     fpt = provider.flops_per_token(cfg.train.seq_len)
     time = None
     if dev is not None:
+        slowest = p
+        if pipe is not None and rank != cfg.mesh.pp - 1:  # the last stages also run the norm, output and loss
+            last = cfg.mesh.pp - 1
+            held_blocks = sum(len(s.blocks) for s in pipe.stages_of(last))
+            q = cached_probe(probes, cfg, rules, pp_rank=last, blocks=held_blocks, provider=provider)
+            slowest = max(p, q, key=lambda x: compute_seconds(x, dev))
         time = step_time(
-            p, collectives, plan.mesh, dev, micro_batches=micro,
+            slowest, collectives, plan.mesh, dev, micro_batches=micro,
             params_per_rank=sum(math.prod(q.local_shape) for q in plan.worst_rank_params),
             global_tokens=cfg.train.global_batch * cfg.train.seq_len, model_flops_per_token=fpt, bubble=bubble,
         )  # fmt: skip

@@ -16,7 +16,8 @@ The model, stated so it can be argued with:
   step is priced as GPipe's lockstep timeline with the same bubble, slot by slot at the speed its busy ranks get
   (`shared_pipeline_factor`).
 - The AdamW step streams 7 fp32 words per local parameter (read p, g, m, v; write p, m, v) through HBM.
-- No kernel-launch or Python overheads, no stragglers: a floor, which real runs approach from above.
+- No stragglers, and without a kernel table no kernel-launch or Python overheads: a floor, which real runs
+  approach from above.
 """
 
 from __future__ import annotations
