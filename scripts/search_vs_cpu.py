@@ -7,9 +7,10 @@ FSDP 4, HSDP 2x2, FSDP 2 x TP 2, TP 4, PP 2 x FSDP 2 and CP 2 x FSDP 2, each wit
 checkpointing, and the layout `python -m shardlab search --device cpu` picks from all of them. Each layout is
 estimated with `--device cpu` (this machine measured with 4 ranks sharing its cores) and run for --steps steps
 (median step time after step 2), --repeats times, every layout once per pass and the passes in alternating order
-(A B ... B A), so that a slow stretch of a shared machine falls on different layouts. Prints a markdown table (the
-median over passes and their range), the Spearman rank correlation of estimated and measured times, and how much
-slower than the measured best the estimator's pick is. --measured adds the passes of an earlier --out.
+(A B ... B A), so that a slow stretch of a shared machine falls on different layouts; --measured adds the passes of
+an earlier --out, and only what they lack is measured. Prints a markdown table (the median over passes and each
+pass), the Spearman rank correlation of estimated and measured times, and how much slower than the measured best
+the estimator's pick is.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path, help="write the table here, and the measured times beside it as JSON")
     parser.add_argument("--measured", type=Path, help="add the measured passes of an earlier --out (its JSON)")
-    parser.add_argument("--repeats", type=int, default=1, help="passes over every layout, in alternating order")
+    parser.add_argument("--repeats", type=int, default=1, help="measurements of every layout, in alternating passes")
     parser.add_argument("--reverse", action="store_true", help="start with the last layout (the search's pick)")
     args = parser.parse_args()
     known = json.loads(args.measured.read_text()) if args.measured else {}
@@ -128,8 +129,10 @@ def main() -> int:
     print(f"search: {found.layouts} layouts, {found.estimated} estimated in {found.seconds:.1f} s", flush=True)
     key = {label: " ".join(overrides(cfg)) for label, cfg, _ in rows}
     passes = {key[label]: _as_list(known.get(key[label], [])) for label, _, _ in rows}
-    for r in range(args.repeats):
+    for r in range(args.repeats):  # until every layout has --repeats measurements, earlier ones included
         for label, cfg, _ in rows if (r % 2 == 0) != args.reverse else rows[::-1]:
+            if len(passes[key[label]]) > r:
+                continue
             passes[key[label]].append(measured(cfg, args.steps))
             print(f"pass {r + 1}, {label}: measured {passes[key[label]][-1]:.3f} s", flush=True)
             if args.out:  # as it goes: a pass cut short keeps what it measured
