@@ -117,6 +117,8 @@ def _panel(p: Panel, ox: float) -> list[str]:
             out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="1.5"/>')
         out += [_marker(marker, px(x), py(y), color) for x, y in s.points]
         for (x, y), label in zip(s.points, s.labels):
+            if not label:
+                continue
             box = _place(label, px(x), py(y), taken, (ox + LEFT, TOP, ox + LEFT + pw, TOP + ph))
             if box is not None:
                 taken.append(box)

@@ -116,7 +116,10 @@ def published_rows(path: Path | None) -> list[dict]:
 
 
 def estimate_panels(rows: list[dict], published: list[dict], device_name: str) -> list[Panel]:
+    from shardlab.estimate.roofline import DEVICES
+
     unit = "GPUs" if device_name != "cpu" else "CPU ranks"
+    where = DEVICES[device_name].name if device_name in DEVICES else "this machine"
 
     def panel(title: str, key: str, y_title: str, scale: float = 1.0) -> Panel:
         labels = [_layout(r) for r in rows]
@@ -124,7 +127,7 @@ def estimate_panels(rows: list[dict], published: list[dict], device_name: str) -
         points = [(int(p["world"]), float(p[key]) * scale) for p in published if p.get(key)]
         if points:
             series.append(Series(f"published ({published[0]['source']})", points, line=False))
-        return Panel(title, f"{unit} ({device_name})", y_title, series)
+        return Panel(title, f"{unit} ({where})", y_title, series)
 
     return [
         panel("Throughput", "tokens_per_s_per_device", f"tokens/s per {unit[:-1]}"),
