@@ -142,7 +142,11 @@ def estimate(
         if compare_checkpointing
         else p
     )
-    return estimate_from(cfg, plan, p, forward, other, dev, provider)
+    last = None
+    if plan.pipeline is not None and rank != cfg.mesh.pp - 1:  # the last stages also run the norm, output and loss
+        held = sum(len(s.blocks) for s in plan.pipeline.stages_of(cfg.mesh.pp - 1))
+        last = cached_probe(probes, cfg, rules, pp_rank=cfg.mesh.pp - 1, blocks=held, provider=provider)
+    return estimate_from(cfg, plan, p, forward, other, dev, provider, last=last)
 
 
 def probed_rank(plan: Plan) -> tuple[int, int | None]:
@@ -162,10 +166,13 @@ def estimate_from(
     dev: Device | None,
     provider: ModelProvider,
     actions: dict[tuple, dict[int, str]] | None = None,
+    *,
+    last: Probe | None = None,
 ) -> Estimate:
     """The estimate of `cfg` laid out by `plan` from its probe `p` (and `forward`, the forward with the `other`
     checkpointing choice): everything the probe does not see (micro batches, the schedule's order, sends, bubble,
-    memory) comes from the config and the plan. actions: a cache of the pipeline schedule's per-stage order."""
+    memory) comes from the config and the plan. actions: a cache of the pipeline schedule's per-stage order. last:
+    the last pp rank's probe where `p` is another rank's; the compute is the slower one's."""
     pipe = plan.pipeline
     rank, blocks = probed_rank(plan)
     if pipe is None:
@@ -189,12 +196,7 @@ def estimate_from(
     fpt = provider.flops_per_token(cfg.train.seq_len)
     time = None
     if dev is not None:
-        slowest = p
-        if pipe is not None and rank != cfg.mesh.pp - 1:  # the last stages also run the norm, output and loss
-            last = cfg.mesh.pp - 1
-            held_blocks = sum(len(s.blocks) for s in pipe.stages_of(last))
-            q = cached_probe(probes, cfg, rules, pp_rank=last, blocks=held_blocks, provider=provider)
-            slowest = max(p, q, key=lambda x: compute_seconds(x, dev))
+        slowest = p if last is None else max(p, last, key=lambda x: compute_seconds(x, dev))
         time = step_time(
             slowest, collectives, plan.mesh, dev, micro_batches=micro,
             params_per_rank=sum(math.prod(q.local_shape) for q in plan.worst_rank_params),

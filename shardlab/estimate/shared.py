@@ -111,10 +111,25 @@ def estimate_shared(
     Without the forward of the other checkpointing choice."""
     twin_cfg, twin_rank = twin(cfg, plan, provider.n_layers)
     _, blocks = probed_rank(plan)
-    shape = next(group for group in (ONE_STAGE, LOOPED, V_SHAPED) if twin_cfg.plan.pp_schedule in group)
-    canonical = msgspec.structs.replace(twin_cfg.plan, pp_schedule=shape[0])  # the probe runs stages, not schedules
-    key = msgspec.json.encode((msgspec.structs.replace(twin_cfg, plan=canonical), twin_rank))
+    p = _translated(
+        _measured(twin_cfg, twin_rank, rules, provider, measured).at(blocks), twin_cfg, twin_rank, cfg, plan
+    )
+    last = None
+    if plan.pipeline is not None and probed_rank(plan)[0] != cfg.mesh.pp - 1:
+        # the last stages also run the norm, output and loss: that rank's own probe (its compute only is used)
+        held = sum(len(s.blocks) for s in plan.pipeline.stages_of(cfg.mesh.pp - 1))
+        last = _measured(cfg, cfg.mesh.pp - 1, rules, provider, measured).at(held)
+    return estimate_from(cfg, plan, p, p, cfg.plan.activation_checkpoint, dev, provider, actions, last=last)
+
+
+def _measured(
+    cfg: Config, rank: int, rules: Rules | None, provider: ModelProvider, measured: dict[bytes, Measurement]
+) -> Measurement:
+    """`cfg`'s probes as pp rank `rank`, from `measured` or measured now; layouts whose schedules differ only within
+    one shape of stages share them (the probe runs stages, not schedules)."""
+    shape = next(group for group in (ONE_STAGE, LOOPED, V_SHAPED) if cfg.plan.pp_schedule in group)
+    canonical = msgspec.structs.replace(cfg.plan, pp_schedule=shape[0])
+    key = msgspec.json.encode((msgspec.structs.replace(cfg, plan=canonical), rank))
     if key not in measured:
-        measured[key] = measure(twin_cfg, rules, pp_rank=twin_rank, provider=provider)
-    p = _translated(measured[key].at(blocks), twin_cfg, twin_rank, cfg, plan)
-    return estimate_from(cfg, plan, p, p, cfg.plan.activation_checkpoint, dev, provider, actions)
+        measured[key] = measure(cfg, rules, pp_rank=rank, provider=provider)
+    return measured[key]
