@@ -137,18 +137,20 @@ def estimate_panels(rows: list[dict], published: list[dict], device_name: str) -
 
 
 def real_panels(rows: list[dict]) -> list[Panel]:
-    def panel(title: str, measured: str, estimated: str, y_title: str) -> Panel:
+    def panel(title: str, measured: str, estimated: str, y_title: str, what: tuple[str, str]) -> Panel:
         labels = [r["mesh"] for r in rows]
-        return Panel(title, "CPU ranks (gloo)", y_title, [
-            Series("measured (median of steps 3+)", [(r["world"], r[measured]) for r in rows], labels, line=False),
-            Series("estimated (--device cpu)", [(r["world"], r[estimated]) for r in rows], line=False),
+        return Panel(title, "CPU ranks (gloo, this machine)", y_title, [
+            Series(f"measured ({what[0]})", [(r["world"], r[measured]) for r in rows], labels, line=False),
+            Series(f"estimated ({what[1]})", [(r["world"], r[estimated]) for r in rows], line=False),
         ])  # fmt: skip
 
+    steps, estimate = "median of steps 3+", "--device cpu"
     return [
-        panel("Throughput", "tokens_per_s", "est_tokens_per_s", "tokens/s (all ranks)"),
-        panel("Step time", "step_s", "est_step_s", "seconds per step"),
-        panel("Memory", "peak_gib", "est_peak_gib", "peak memory per rank (GiB)"),
-    ]
+        panel("Throughput", "tokens_per_s", "est_tokens_per_s", "tokens/s (all ranks)", (steps, estimate)),
+        panel("Step time", "step_s", "est_step_s", "seconds per step", (steps, estimate)),
+        panel("Memory", "peak_gib", "est_peak_gib", "peak memory per rank (GiB)",
+              ("peak RSS, runtime included", "tensors only")),
+    ]  # fmt: skip
 
 
 def main() -> None:
