@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import Placement
 
 from shardlab._activation_checkpoint import checkpoint as checkpoint_module
+from shardlab._compile import compile_block
 from shardlab._device_mesh import expert_mesh, flat_view, mesh_spec_of
 from shardlab.context_parallel import all_gather_attention
 from shardlab.expert_parallel import expert_dispatch, stacked_experts
@@ -83,7 +84,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
         _expert_parallel(model, plan, mesh, experts)
     if plan.compile:
         for _, block in blocks:
-            block.compile()
+            compile_block(block)
     roots = (model,) if kept is None else build_stages(model, plan, kept)
     # FSDP goes last: fully_shard must see the TP-sharded DTensors to shard them again over dp.
     if plan.fsdp is not None:

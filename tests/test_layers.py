@@ -11,6 +11,7 @@ LAYERS = [
         "_preemption",
         "_strided",
         "_activation_checkpoint",
+        "_compile",
         "_torchrun",
         "_manifest",
         "estimate._fake",

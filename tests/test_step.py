@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from shardlab._activation_checkpoint import is_checkpointed
+from shardlab._compile import is_compiled
 from shardlab.config import Config, DataConfig, MeshSpec, ModelConfig, MoEConfig, OptimConfig, TrainConfig
 from shardlab.data import Batch
 from shardlab.loop import build_model
@@ -153,7 +154,7 @@ def test_compiled_blocks_train_like_eager():
     eager, _ = run(tiny(), batches)
     cfg = tiny()
     compiled, model = run(msgspec.structs.replace(cfg, plan=msgspec.structs.replace(cfg.plan, compile=True)), batches)
-    assert all(block._compiled_call_impl is not None for block in model.model.layers)
+    assert all(is_compiled(block) for block in model.model.layers)
     for a, b in zip(eager, compiled):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
