@@ -44,7 +44,7 @@ class PlanConfig(Frozen):
     ac_every: Positive = 2
     """With selective checkpointing, checkpoint one block in this many."""
     compile: bool = False
-    """torch.compile each transformer block."""
+    """torch.compile each transformer block (inductor; static shapes; not with model.moe: see Config.check)."""
     allow_unused_rules: bool = False
     """Accept rules that match no parameter (otherwise an error names them)."""
     allow_uncovered: bool = False
@@ -302,6 +302,12 @@ class Config(Frozen):
                 "data.format='chat' with model.moe: the padding that ends chat rows would be routed, counted in the "
                 "routers' balancing statistics and take expert capacity; fine-tune a dense model, or a transformers "
                 "MoE model (model.hf_path)"
+            )
+        if m.moe is not None and self.plan.compile:
+            raise ValueError(
+                "plan.compile with model.moe: the experts' token counts change with every batch, so torch.compile "
+                "recompiles the expert loop until its recompile limit (minutes on CPU) and then runs it eagerly; set "
+                "plan.compile=False"
             )
         if m.moe is not None and self.mesh.pp > 1 and self.plan.pp_balance == "flops":
             raise ValueError(

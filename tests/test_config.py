@@ -159,6 +159,13 @@ ERRORS = [
         lambda: Config(train=TrainConfig(steps=3), log=LogConfig(profile_step=4)),
         r"^log\.profile_step=4 is after the run's last step \(train\.steps=3\); pick a step in 1\.\.3",
     ),
+    (
+        lambda: Config(
+            model=ModelConfig(**TINY, moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=64)),
+            plan=PlanConfig(compile=True),
+        ),
+        r"^plan\.compile with model\.moe: the experts' token counts change with every batch",
+    ),
     # Nested structs are validated as they are decoded, with the JSON path appended by msgspec.
     (
         lambda: msgspec.json.decode(b'{"data": {"source": "files"}}', type=Config),
