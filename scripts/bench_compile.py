@@ -14,14 +14,11 @@ cache; set TORCHINDUCTOR_CACHE_DIR to a fresh directory to measure it so).
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _worlds import join, run_worlds
 
 from shardlab.config import Config, DataConfig, LogConfig, MeshSpec, ModelConfig, OptimConfig, PlanConfig, TrainConfig
 from shardlab.data import make_loader
@@ -46,9 +43,7 @@ def config(dp: int, tp: int, seq_len: int, compile: bool) -> Config:
 
 
 def run(rank: int, world: int, port: int, a: argparse.Namespace, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(rank, world, port)
     for name in a.layouts:
         dp, tp = LAYOUTS[name]
         if dp * tp != world:
@@ -92,23 +87,16 @@ def main() -> None:
     a = parser.parse_args()
     if a.steps < 4:
         raise SystemExit(f"--steps={a.steps}: give at least 4 (two warm-up steps, then the timed ones)")
-    for world in sorted({dp * tp for dp, tp in (LAYOUTS[n] for n in a.layouts)}):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        manager = mp.Manager()
-        out = manager.dict()
-        mp.spawn(run, args=(world, port, a, out), nprocs=world)
-        for name, r in out.items():
-            t, losses = r["times"], r["losses"]
-            diff = max(abs(x - y) for x, y in zip(losses["eager"], losses["compiled"]))
-            print(
-                f"{name}: step s eager {[round(x, 4) for x in t['eager']]} compiled "
-                f"{[round(x, 4) for x in t['compiled']]}  speed-up {statistics.mean(t['eager']) / statistics.mean(t['compiled']):.3f}"
-                f"  compile {r['compile_s']:.1f} s  max |loss diff| {diff:.1e}"
-            )
-            if diff > 1e-5:
-                raise SystemExit(f"{name}: the compiled model does not compute what the eager one does ({diff:.1e})")
+    for name, r in run_worlds(run, LAYOUTS, a).items():
+        t, losses = r["times"], r["losses"]
+        diff = max(abs(x - y) for x, y in zip(losses["eager"], losses["compiled"]))
+        print(
+            f"{name}: step s eager {[round(x, 4) for x in t['eager']]} compiled "
+            f"{[round(x, 4) for x in t['compiled']]}  speed-up {statistics.mean(t['eager']) / statistics.mean(t['compiled']):.3f}"
+            f"  compile {r['compile_s']:.1f} s  max |loss diff| {diff:.1e}"
+        )
+        if diff > 1e-5:
+            raise SystemExit(f"{name}: the compiled model does not compute what the eager one does ({diff:.1e})")
 
 
 if __name__ == "__main__":

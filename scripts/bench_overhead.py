@@ -16,14 +16,13 @@ import argparse
 import contextlib
 import logging
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _worlds import run_worlds
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -159,22 +158,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     a = parser.parse_args()
-    for world in sorted({dp * tp for dp, tp in (LAYOUTS[n] for n in a.layouts)}):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        manager = mp.Manager()
-        out = manager.dict()
-        mp.spawn(run, args=(world, port, a, out), nprocs=world)
-        for name, r in out.items():
-            t, losses = r["times"], r["losses"]
-            diff = max(abs(x - y) for x, y in zip(losses["shardlab"], losses["hand"]))
-            print(
-                f"{name}: step s shardlab {[round(x, 4) for x in t['shardlab']]} hand {[round(x, 4) for x in t['hand']]}"
-                f"  ratio {statistics.mean(t['shardlab']) / statistics.mean(t['hand']):.3f}  max |loss diff| {diff:.1e}"
-            )
-            if diff > 1e-5:
-                raise SystemExit(f"{name}: the hand-written layout does not compute what shardlab's does ({diff:.1e})")
+    for name, r in run_worlds(run, LAYOUTS, a).items():
+        t, losses = r["times"], r["losses"]
+        diff = max(abs(x - y) for x, y in zip(losses["shardlab"], losses["hand"]))
+        print(
+            f"{name}: step s shardlab {[round(x, 4) for x in t['shardlab']]} hand {[round(x, 4) for x in t['hand']]}"
+            f"  ratio {statistics.mean(t['shardlab']) / statistics.mean(t['hand']):.3f}  max |loss diff| {diff:.1e}"
+        )
+        if diff > 1e-5:
+            raise SystemExit(f"{name}: the hand-written layout does not compute what shardlab's does ({diff:.1e})")
 
 
 if __name__ == "__main__":
