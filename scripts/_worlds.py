@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -35,3 +36,29 @@ def run_worlds(
         mp.spawn(run, args=(world, port, args, out), nprocs=world)
         results |= dict(out)
     return results
+
+
+def arguments(doc: str | None, layouts: dict[str, tuple[int, int]]) -> argparse.Namespace:
+    """The benchmarks' common flags: which layouts, how many steps (two of them warm-up), the sequence length."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", nargs="+", default=list(layouts), choices=list(layouts))
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    args = parser.parse_args()
+    if args.steps < 4:
+        raise SystemExit(f"--steps={args.steps}: give at least 4 (two warm-up steps, then the timed ones)")
+    return args
+
+
+def report(results: dict[str, dict], a: str, b: str, ratio: str, extra: Callable[[dict], str] = lambda r: "") -> None:
+    """One line per layout: each side's step times (`r["times"][a]`, `[b]`), the ratio of their means a / b, and the
+    largest loss difference, which must stay within 1e-5 (both sides compute the same model on the same batches)."""
+    for name, r in results.items():
+        t, losses = r["times"], r["losses"]
+        diff = max(abs(x - y) for x, y in zip(losses[a], losses[b]))
+        print(
+            f"{name}: step s {a} {[round(x, 4) for x in t[a]]} {b} {[round(x, 4) for x in t[b]]}  "
+            f"{ratio} {statistics.mean(t[a]) / statistics.mean(t[b]):.3f}{extra(r)}  max |loss diff| {diff:.1e}"
+        )
+        if diff > 1e-5:
+            raise SystemExit(f"{name}: {a} and {b} do not compute the same losses ({diff:.1e})")

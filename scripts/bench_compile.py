@@ -14,11 +14,10 @@ cache; set TORCHINDUCTOR_CACHE_DIR to a fresh directory to measure it so).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch.distributed as dist
-from _worlds import join, run_worlds
+from _worlds import arguments, join, report, run_worlds
 
 from shardlab.config import Config, DataConfig, LogConfig, MeshSpec, ModelConfig, OptimConfig, PlanConfig, TrainConfig
 from shardlab.data import make_loader
@@ -80,23 +79,8 @@ def run(rank: int, world: int, port: int, a: argparse.Namespace, out: dict) -> N
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
-    a = parser.parse_args()
-    if a.steps < 4:
-        raise SystemExit(f"--steps={a.steps}: give at least 4 (two warm-up steps, then the timed ones)")
-    for name, r in run_worlds(run, LAYOUTS, a).items():
-        t, losses = r["times"], r["losses"]
-        diff = max(abs(x - y) for x, y in zip(losses["eager"], losses["compiled"]))
-        print(
-            f"{name}: step s eager {[round(x, 4) for x in t['eager']]} compiled "
-            f"{[round(x, 4) for x in t['compiled']]}  speed-up {statistics.mean(t['eager']) / statistics.mean(t['compiled']):.3f}"
-            f"  compile {r['compile_s']:.1f} s  max |loss diff| {diff:.1e}"
-        )
-        if diff > 1e-5:
-            raise SystemExit(f"{name}: the compiled model does not compute what the eager one does ({diff:.1e})")
+    a = arguments(__doc__, LAYOUTS)
+    report(run_worlds(run, LAYOUTS, a), "eager", "compiled", "speed-up", lambda r: f"  compile {r['compile_s']:.1f} s")
 
 
 if __name__ == "__main__":

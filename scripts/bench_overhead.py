@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _worlds import run_worlds
+from _worlds import arguments, join, report, run_worlds
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -111,10 +109,8 @@ def hand_written(cfg: Config, dp: int, tp: int):
 
 
 def run(rank: int, world: int, port: int, a: argparse.Namespace, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # torch's own clip, 2D mesh
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(rank, world, port)
     for name in a.layouts:
         dp, tp = LAYOUTS[name]
         if dp * tp != world:
@@ -153,20 +149,8 @@ def run(rank: int, world: int, port: int, a: argparse.Namespace, out: dict) -> N
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
-    a = parser.parse_args()
-    for name, r in run_worlds(run, LAYOUTS, a).items():
-        t, losses = r["times"], r["losses"]
-        diff = max(abs(x - y) for x, y in zip(losses["shardlab"], losses["hand"]))
-        print(
-            f"{name}: step s shardlab {[round(x, 4) for x in t['shardlab']]} hand {[round(x, 4) for x in t['hand']]}"
-            f"  ratio {statistics.mean(t['shardlab']) / statistics.mean(t['hand']):.3f}  max |loss diff| {diff:.1e}"
-        )
-        if diff > 1e-5:
-            raise SystemExit(f"{name}: the hand-written layout does not compute what shardlab's does ({diff:.1e})")
+    a = arguments(__doc__, LAYOUTS)
+    report(run_worlds(run, LAYOUTS, a), "shardlab", "hand", "ratio")
 
 
 if __name__ == "__main__":
