@@ -28,18 +28,17 @@ def shared_tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def shared_world4(shared_tmp) -> WorldResult:
-    """4 ranks: the dense parity layouts, the estimator's memory, the helpers, the MoE layouts, the compiled layouts."""
-    from . import test_compile, test_estimate, test_helpers, test_moe, test_parity_4
+    """4 ranks: the dense parity layouts, the estimator's memory, the helpers, the MoE layouts."""
+    from . import test_estimate, test_helpers, test_moe, test_parity_4
 
-    moe, compiled = {"tmp": str(shared_tmp / "moe")}, {"tmp": str(shared_tmp / "compile")}
+    moe = {"tmp": str(shared_tmp / "moe")}
     checks = [
         *test_parity_4.CHECKS,
         *test_estimate.CHECKS,
         *test_helpers.CHECKS,
         *((c, moe) for c in test_moe.CHECKS_4),
-        *((c, compiled) for c in test_compile.CHECKS),
     ]
-    return run_world(4, checks, timeout_s=1900)
+    return run_world(4, checks, timeout_s=1600)
 
 
 @pytest.fixture(scope="session")
