@@ -29,18 +29,22 @@ Check = Callable[..., Any] | tuple[Callable[..., Any], dict[str, Any]]
 """A check, or (check, keyword arguments of its own) when checks of several modules share one world."""
 PG_TIMEOUT_S = 120
 """Collectives of 4 ranks sharing 2 cores can stall for a while; this is not the hang detector (timeout_s is)."""
+TIMES_ENV = "SHARDLAB_WORLD_TIMES"
+"""A file to which each world appends its checks' seconds on rank 0 (`SHARDLAB_WORLD_TIMES=f pytest tests/worlds`)."""
 GRACE_S = 10
 """After a rank fails or dies, how long the others get to finish the pass/fail all-gather before they are killed."""
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """One check on one rank: status is "passed" or "failed"; `at` orders failures across ranks."""
+    """One check on one rank: status is "passed" or "failed"; `at` orders failures across ranks; `seconds` is how
+    long the check ran."""
 
     status: str
     value: Any = None
     error: str = ""
     at: float = 0.0
+    seconds: float = 0.0
 
 
 def _write(out: Path, key: str, outcome: Outcome) -> None:
@@ -73,13 +77,14 @@ def _rank_main(rank: int, world_size: int, port: int, checks: list[Check], kwarg
         _write(out, f"setup.{rank}", Outcome("failed", error=traceback.format_exc(), at=time.time()))
         raise
     for i, check in enumerate(checks):
+        start = time.monotonic()
         try:
             fn, own = _split(check, kwargs)
             value = fn(rank, world_size, **own)
             pickle.dumps(value)  # an unpicklable value fails here, with the check's name on it
-            outcome = Outcome("passed", value=value)
+            outcome = Outcome("passed", value=value, seconds=time.monotonic() - start)
         except BaseException:
-            outcome = Outcome("failed", error=traceback.format_exc(), at=time.time())
+            outcome = Outcome("failed", error=traceback.format_exc(), at=time.time(), seconds=time.monotonic() - start)
         _write(out, f"{i}.{rank}", outcome)
         passed: list[Any] = [None] * world_size
         dist.all_gather_object(passed, outcome.status == "passed")
@@ -221,4 +226,9 @@ def run_world(world_size: int, checks: list[Check], timeout_s: float = 300, **kw
                     p.kill()
                     p.join()
         outcomes = {f.name.rsplit(".", 1)[0]: pickle.loads(f.read_bytes()) for f in out.glob("[!.]*")}
+    if times := os.environ.get(TIMES_ENV):
+        with open(times, "a") as f:  # rank 0's seconds per check: where a world's time goes
+            for i, check in enumerate(checks):
+                if (o := outcomes.get(f"{i}.0")) is not None:
+                    f.write(f"{world_size} {_name(check)} {o.seconds:.1f}\n")
     return WorldResult(checks, world_size, outcomes, died, cut)
