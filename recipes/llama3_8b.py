@@ -1,6 +1,6 @@
 """Llama 3.1 8B as torchtitan lays it out on H100s: FSDP over every rank, bf16 compute with fp32 reductions,
 seq 8192; activation checkpointing of every second block (torchtitan's default is op-level selective
-checkpointing). For `python -m shardlab plan` and GPU clusters."""
+checkpointing: `--plan.activation-checkpoint op`). For `python -m shardlab plan` and GPU clusters."""
 
 from shardlab import Config, MeshSpec, OptimConfig, PlanConfig, TrainConfig, llama_config
 

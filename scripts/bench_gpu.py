@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the medians")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--global-batch", type=int, default=4)
-    parser.add_argument("--ac", default="none", choices=["none", "full", "selective"])
+    parser.add_argument("--ac", default="none", choices=["none", "full", "selective", "op"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", type=Path, help="also write the rows here as JSON")
     args = parser.parse_args()

@@ -65,10 +65,10 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
     # (a transformers model's first block takes its sequence shard), so the recomputation runs that hook again on
     # the same inputs instead of on its output.
     for i, block in blocks:
-        if plan.activation_checkpoint == "full" or (
+        if plan.activation_checkpoint in ("full", "op") or (
             plan.activation_checkpoint == "selective" and i % plan.ac_every == 0
         ):
-            checkpoint_module(block)
+            checkpoint_module(block, ops=plan.activation_checkpoint == "op")
     if plan.mesh.tp > 1:
         kept_modules = plan.modules if kept is None else [m for m in plan.modules if in_stages(m.fqn, kept)]
         parallelize_module(model, mesh["tp"], {m.fqn: _tp_style(m) for m in kept_modules})

@@ -39,8 +39,10 @@ class PlanConfig(Frozen):
     """FSDP mixed precision: dtype of gradient reduction."""
     cpu_offload: bool = False
     """FSDP: keep sharded parameters, grads and optimizer state on the CPU (not supported yet: an error)."""
-    activation_checkpoint: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward: none, every block (full), or every `ac_every`-th block."""
+    activation_checkpoint: Literal["none", "full", "selective", "op"] = "none"
+    """Recompute activations in backward: none; every block (full); every `ac_every`-th block (selective); or in every
+    block only the cheap ops, keeping the outputs of matmuls (every other one), attention and collectives (op:
+    torchtitan's op-level selective checkpointing, `shardlab._activation_checkpoint.SAVED_OPS`)."""
     ac_every: Positive = 2
     """With selective checkpointing, checkpoint one block in this many."""
     compile: bool = False

@@ -109,7 +109,9 @@ class Plan(Frozen):
     """FSDP units and options; None when no FSDP is applied (one process in fp32, or TP only)."""
     blocks: tuple[str, ...]
     """Repeated blocks that activation checkpointing and compile wrap."""
-    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    activation_checkpoint: Literal["none", "full", "selective", "op"] = "none"
+    """none, full (every block), selective (one block in ac_every), op (every block, keeping its expensive ops'
+    outputs)."""
     ac_every: int = 2
     """With selective checkpointing, one block in this many is checkpointed."""
     compile: bool = False

@@ -20,13 +20,20 @@ from shardlab.config import Config, check_tp_divisors
 from shardlab.mesh import AXES, MeshSpec
 from shardlab.pipeline import LOOPED, ONE_STAGE, V_SHAPED, ZERO_BUBBLE, Schedule, split_stages
 
-AC_MODES = ("none", "selective", "full")
-"""Least recomputation first: a layout that fits with less recomputes less."""
+AC_MODES = ("none", "selective", "op", "full")
+"""Least recomputation first (`recomputes_no_more` orders them: selective and op recompute different things)."""
 PIPELINE_MICRO_PER_STAGE = (1, 2, 4, 8)
 """A pipeline's micro batches, in multiples of pp (torch's looped schedules need m % pp == 0): the 1F1B bubble
 (p - 1) / (m + p - 1) is below 1/9 at m = 8 p, and each further micro batch shrinks every kernel."""
 LOOPED_STAGES_PER_RANK = (2, 4)
 """Stages per rank tried for looped schedules (V-shaped ones run exactly 2, one-stage ones 1)."""
+
+
+def recomputes_no_more(a: str, b: str) -> bool:
+    """Whether activation checkpointing `a` never recomputes more than `b`: none least, full most; selective (half
+    the blocks whole) and op (every block's cheap ops and every other matmul, never attention) are not ordered:
+    which costs less depends on the model, the sequence and the device (op keeps less memory)."""
+    return a == b or a == "none" or b == "full"
 
 
 class Layout(Frozen):

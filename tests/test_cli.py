@@ -63,7 +63,7 @@ def error_of(args, capsys) -> str:
         (["search", "recipes/llama_debug.py", "--world", "4", "--mesh.tp", "3"], r"model.n_heads=16 is not divisible"),
         (
             ["search", "recipes/llama_debug.py", "--world", "4", "--memory", "0.0001"],
-            r"none of the 462 layouts of 4 ranks fits 0.1 MiB per rank \(462 exceed it by parameters, gradients and "
+            r"none of the 616 layouts of 4 ranks fits 0.1 MiB per rank \(616 exceed it by parameters, gradients and "
             r"optimizer state alone, 0 estimated\); the closest, .*, needs .* MiB or more before activations",
         ),
         (["search", "recipes/llama_debug.py", "--world", "4", "--top", "0"], r"--top '0': expected how many"),
@@ -275,6 +275,7 @@ def test_unknown_axis_in_a_rule(tmp_path, capsys):
             "plan.pp_microbatches=3 does not divide the 8 sequences each data-parallel rank gets",
         ),
         (["--plan.pp-schedule", "dualpipev"], "plan.pp_schedule='dualpipev' is V-shaped"),
+        (["--plan.activation-checkpoint", "ops"], "invalid choice 'ops' for argument '--plan.activation-checkpoint'"),
     ],
 )
 def test_bad_override(args, message, capsys, monkeypatch):
@@ -293,6 +294,9 @@ def test_plan_prints_the_table(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "Plan for mesh dp_shard=512 x tp=8 (4096 ranks)" in out
     assert "model.layers.*.self_attn.q_proj.weight (x126)" in out
+    assert out.splitlines()[-1] == "loss_parallel=True  activation_checkpoint=full  compile=False"
+    assert main(["plan", "recipes/llama3_405b.py", "--world", "4096", "--plan.activation-checkpoint", "op"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "loss_parallel=True  activation_checkpoint=op  compile=False"
 
 
 @pytest.mark.slow

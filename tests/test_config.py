@@ -237,6 +237,7 @@ META = [
     (("model", "n_layers"), 0, r"^Expected `int` >= 1 - at `\$\.model\.n_layers`$"),
     (("mesh", "ep"), 0, r"^Expected `int` >= 1 - at `\$\.mesh\.ep`$"),
     (("plan", "ac_every"), 0, r"^Expected `int` >= 1 - at `\$\.plan\.ac_every`$"),
+    (("plan", "activation_checkpoint"), "ops", r"^Invalid enum value 'ops' - at `\$\.plan\.activation_checkpoint`$"),
 ]
 
 

@@ -8,7 +8,7 @@ import msgspec
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig
 from shardlab.mesh import AXES
 from shardlab.pipeline import V_SHAPED
-from shardlab.search import Layout, enumerate_layouts, factorizations
+from shardlab.search import AC_MODES, Layout, enumerate_layouts, factorizations, recomputes_no_more
 
 MODEL = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512)
 
@@ -47,6 +47,16 @@ def test_every_layout_is_a_valid_config_and_none_repeats():
     assert MeshSpec(dp_shard=1, tp=4) not in meshes  # n_kv_heads=2
     kinds = {(lay.mesh.pp > 1, lay.pp_schedule, lay.activation_checkpoint, lay.reshard_after_forward) for lay in found}
     assert (True, "interleaved_1f1b", "full", False) in kinds and (False, None, "selective", True) in kinds
+    assert (False, None, "op", True) in kinds and (True, "1f1b", "op", True) in kinds
+
+
+def test_checkpointing_modes_are_ordered_by_recomputation_where_they_can_be():
+    """A layout that fits prunes the same layout with more recomputation; selective (half the blocks whole) and op
+    (every block's cheap ops and every other matmul) prune neither each other nor themselves the wrong way."""
+    assert AC_MODES == ("none", "selective", "op", "full")
+    assert all(recomputes_no_more("none", ac) and recomputes_no_more(ac, "full") for ac in AC_MODES)
+    assert not recomputes_no_more("selective", "op") and not recomputes_no_more("op", "selective")
+    assert not recomputes_no_more("full", "op") and not recomputes_no_more("op", "none")
 
 
 def test_pinned_axes_and_the_batch_bound_the_search():

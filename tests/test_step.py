@@ -162,7 +162,12 @@ def test_compiled_blocks_train_like_eager():
 
 @pytest.mark.parametrize(
     ("mode", "want"),
-    [("none", [False, False, False]), ("full", [True, True, True]), ("selective", [True, False, True])],
+    [
+        ("none", [False, False, False]),
+        ("full", [True, True, True]),
+        ("selective", [True, False, True]),
+        ("op", [True, True, True]),
+    ],
 )
 def test_single_process_applies_activation_checkpointing(mode, want):
     """No mesh is needed for checkpointing: a one-process run gets it too (selective: every ac_every-th block)."""

@@ -33,7 +33,7 @@ from shardlab.models.provider import ModelProvider, check_layout
 from shardlab.pipeline import ONE_STAGE, V_SHAPED, bubble_fraction
 from shardlab.plan import Plan, make_plan
 from shardlab.rules import Rules
-from shardlab.search import AC_MODES, Layout, enumerate_layouts
+from shardlab.search import AC_MODES, Layout, enumerate_layouts, recomputes_no_more
 
 RulesOf = Callable[[Config], Rules | None]
 
@@ -233,7 +233,7 @@ def _beats(fit: Layout, other: Layout) -> bool:
     """`fit` (which fits) is never slower than `other` of the same mesh and schedule: no more recomputation, no more
     FSDP gathers (it keeps its weights gathered from forward to backward, or `other` does not) and, without a
     pipeline, no more micro batches (a pipeline's bubble shrinks with more of them: only the same count)."""
-    less_ac = AC_MODES.index(fit.activation_checkpoint) <= AC_MODES.index(other.activation_checkpoint)
+    less_ac = recomputes_no_more(fit.activation_checkpoint, other.activation_checkpoint)
     fewer_gathers = not fit.reshard_after_forward or other.reshard_after_forward
     if fit.mesh.pp > 1:
         return less_ac and fewer_gathers and fit.micro_batches == other.micro_batches
