@@ -166,6 +166,10 @@ ERRORS = [
         ),
         r"^plan\.compile with model\.moe: the experts' token counts change with every batch",
     ),
+    (
+        lambda: Config(mesh=MeshSpec(tp=2), plan=PlanConfig(compile=True, activation_checkpoint="op")),
+        r"^plan\.compile with plan\.activation_checkpoint='op' under mesh\.tp or mesh\.cp: .* computes wrong gradients",
+    ),
     # Nested structs are validated as they are decoded, with the JSON path appended by msgspec.
     (
         lambda: msgspec.json.decode(b'{"data": {"source": "files"}}', type=Config),
