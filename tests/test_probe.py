@@ -45,12 +45,8 @@ def test_tensor_parallel_halves_each_ranks_flops():
         (MeshSpec(dp_shard=2, tp=2), dict(sequence_parallel=True, loss_parallel=True)),
         (MeshSpec(dp_shard=4), dict(activation_checkpoint="selective", param_dtype="bfloat16")),
         (MeshSpec(dp_shard=2, tp=2, ep=2), dict(moe=MOE, sequence_parallel=True, loss_parallel=True)),
-        # op-level checkpointing: FSDP casts a block's inputs again in the recomputation, the experts' FSDP unit
-        # inside each block gathers its weights again (shardlab._activation_checkpoint._Replay)
-        (MeshSpec(dp_shard=4), dict(activation_checkpoint="op", param_dtype="bfloat16")),
-        (MeshSpec(dp_shard=2, tp=2, ep=2), dict(moe=MOE, activation_checkpoint="op")),
     ],
-    ids=["fsdp_tp_sp", "fsdp_selective_bf16", "moe_ep2_tp2", "fsdp_op_bf16", "moe_ep2_tp2_op"],
+    ids=["fsdp_tp_sp", "fsdp_selective_bf16", "moe_ep2_tp2"],
 )
 def test_two_probes_extrapolate_to_the_whole_model_exactly(mesh, plan):
     """Probing 2k and 3k blocks gives what probing all 7 (or 8) blocks gives."""

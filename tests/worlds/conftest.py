@@ -43,10 +43,15 @@ def shared_world4(shared_tmp) -> WorldResult:
 
 @pytest.fixture(scope="session")
 def shared_world2(shared_tmp) -> WorldResult:
-    """2 ranks: the dense parity layouts, transformers' Llama laid out by names, the MoE layouts."""
-    from . import test_hf_llama, test_moe, test_parity_2
+    """2 ranks: the dense parity layouts, transformers' Llama laid out by names, the MoE layouts, then a compiled
+    layout (its cold compile is the slowest check)."""
+    from . import test_compile, test_hf_llama, test_moe, test_parity_2
 
     moe = {"tmp": str(shared_tmp / "moe")}
-    return run_world(
-        2, [*test_parity_2.CHECKS, *test_hf_llama.CHECKS, *((c, moe) for c in test_moe.CHECKS_2)], timeout_s=1100
-    )
+    checks = [
+        *test_parity_2.CHECKS,
+        *test_hf_llama.CHECKS,
+        *((c, moe) for c in test_moe.CHECKS_2),
+        *test_compile.CHECKS,
+    ]
+    return run_world(2, checks, timeout_s=1100)

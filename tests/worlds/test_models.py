@@ -12,7 +12,7 @@ tp is allowed:
   scale): FSDP 2 x TP 2; Gemma 3 also CP 2 x FSDP 2;
 - Phi-3 (fused q/k/v, so tp is refused): FSDP 4;
 - MoE (stacked experts read from per-expert tensors, split by experts over ep x tp): Mixtral HSDP 2x2, FSDP 2 x TP 2
-  (+SP) and FSDP 4 with EP 2, Qwen3-MoE TP 2 x DP 2 and FSDP 2 x TP 2 with EP 2 (experts over ep x tp);
+  (+SP) and FSDP 4 with EP 2 (also with op-level activation checkpointing), Qwen3-MoE TP 2 x DP 2 and FSDP 2 x TP 2 with EP 2 (experts over ep x tp);
 - packed rows with document masks (transformers' packed-sequence masks, and the cp attention's): Mistral CP 2 x FSDP 2
   matches one process packing the same documents.
 And recipes/custom_gpt.py's own nn.Module (fused QKV, learned positions, GELU): FSDP 2 x TP 2."""
@@ -56,7 +56,7 @@ LAYOUTS = {
     "qwen2": ("fsdp2xtp2",),
     "gemma3": ("fsdp2xtp2", "cp2xfsdp2"),
     "phi3": ("fsdp4",),
-    "mixtral": ("hsdp2x2", "fsdp2xtp2", "fsdp4-ep2"),
+    "mixtral": ("hsdp2x2", "fsdp2xtp2", "fsdp4-ep2", "fsdp4-ep2-ac_op"),
     "qwen3_moe": ("tp2-no_sp", "fsdp2xtp2-ep2"),
 }
 """Every layout on at least one family (FSDP: Phi-3; HSDP: Mixtral), every family in FSDP x TP where tp is allowed."""
@@ -90,6 +90,7 @@ def layout(name: str, hf_path: str):
         "fsdp2xtp2": FSDP_TP,
         "tp2-no_sp": MeshSpec(dp_replicate=2, dp_shard=1, tp=2),
         "fsdp2xtp2-ac_full": FSDP_TP,
+        "fsdp4-ep2-ac_op": MeshSpec(dp_shard=4, ep=2),
         "cp2xfsdp2": MeshSpec(dp_shard=2, cp=2),
         "cp2xtp2": MeshSpec(dp_shard=1, cp=2, tp=2),
         "pp2xtp2-no_sp": MeshSpec(pp=2, dp_shard=1, tp=2),
@@ -97,7 +98,7 @@ def layout(name: str, hf_path: str):
         "pp2xcp2-gpipe": MeshSpec(pp=2, dp_shard=1, cp=2),
     }
     cfg = msgspec.structs.replace(cfg, mesh=meshes[name])
-    ac = "full" if name.endswith("ac_full") else "none"
+    ac = name.rsplit("-ac_", 1)[1] if "-ac_" in name else "none"
     return with_plan(
         cfg, sequence_parallel=not name.endswith("no_sp"), loss_parallel=True, activation_checkpoint=ac,
         pp_schedule="gpipe" if name.endswith("gpipe") else "1f1b",

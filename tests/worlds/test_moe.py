@@ -4,7 +4,7 @@ statistics of the global batch, so they are the same in every layout: FSDP 2 (au
 sigmoid scores with a shared expert) on 2 ranks; on 4, HSDP 2 x 2, CP 2 x FSDP 2, expert parallelism (ep 2 and
 ep 4 of FSDP 4, ep 2 of HSDP 2 x 2, ep 4 across CP 2 x FSDP 2; 2 experts over FSDP 4 and ep 2 of FSDP 4,
 where FSDP shards the experts' dim 1) and TP inside the experts (ep 2 x tp 2 with SP
-and loss parallel; FSDP 2 x TP 2 with a shared expert) and pipelines (pp 2 x FSDP 2 with bias balancing; the
+and loss parallel, with op-level activation checkpointing; FSDP 2 x TP 2 with a shared expert) and pipelines (pp 2 x FSDP 2 with bias balancing; the
 balancing loss on pp 2 x ep 2 with full activation checkpointing and on DualPipeV with CP 2 in its stages, against
 one process accumulating the same 4 micro batches). Checkpoints move across a change of ep degree. A
 capacity limit applies to each rank's micro batch (which tokens overflow depends on the layout), so it is
@@ -77,7 +77,9 @@ LAYOUTS_4 = {
     "fsdp4_ep4-bias": moe("bias", MeshSpec(dp_shard=4, ep=4)),
     "fsdp4-e2": moe("e2", MeshSpec(dp_shard=4)),  # 2 experts in the blocks' FSDP units of 4 shards
     "fsdp4_ep2-e2": moe("e2", MeshSpec(dp_shard=4, ep=2)),  # 1 expert per ep rank over 2 FSDP shards
-    "fsdp2_tp2_ep2-aux": moe("aux", MeshSpec(dp_shard=2, tp=2, ep=2)),  # + SP and loss parallel
+    # + SP and loss parallel; op-level checkpointing: the experts' FSDP unit inside each block gathers its weights
+    # again in the recomputation (shardlab._activation_checkpoint._Replay)
+    "fsdp2_tp2_ep2_ac_op-aux": moe("aux", MeshSpec(dp_shard=2, tp=2, ep=2), activation_checkpoint="op"),
     "fsdp2_tp2-sigmoid_shared": moe("sigmoid_shared", MeshSpec(dp_shard=2, tp=2), sequence_parallel=False),
     "pp2_fsdp2-bias": moe("bias", MeshSpec(pp=2, dp_shard=2), pp_microbatches=4),
     "pp2x2_cp2_dualpipev-deep_aux_mb4": deep(  # zero bubble: FSDP keeps the weights for the weight gradients
@@ -109,12 +111,20 @@ def run(rank, world_size, tmp=None):
 ROUTED = {"loss": "loss", "grad_norm": "grad_norm", "tokens": "moe_tokens_per_expert", "max_load": "moe_max_load"}
 
 
+PLACED = (
+    "hsdp2x2_ep2-bias", "cp2_fsdp2_ep4-aux", "fsdp4-e2", "fsdp4_ep2-e2", "fsdp2_tp2_ep2_ac_op-aux",
+    "fsdp2_tp2-sigmoid_shared", "pp2_ep2_ac_full-aux_mb4",
+)  # fmt: skip
+"""One layout of each kind of expert placement (ep over HSDP, over dp_shard x cp, FSDP on dim 1, ep x FSDP, ep x tp,
+tp without ep, ep in pipeline stages): each costs a model build, and the others repeat these."""
+
+
 def placements(rank, world_size, tmp=None):
     """Every layout's DTensors are placed as planned; with ep, the helpers still work on slices of the mesh, and
     visualize draws an expert weight on the expert mesh."""
-    for cfg in LAYOUTS_4.values():
-        placements_match_plan(rank, world_size, cfg)
-    model, _, mesh = build_model(LAYOUTS_4["fsdp2_tp2_ep2-aux"])
+    for name in PLACED:
+        placements_match_plan(rank, world_size, LAYOUTS_4[name])
+    model, _, mesh = build_model(LAYOUTS_4["fsdp2_tp2_ep2_ac_op-aux"])
     assert mesh_spec_of(mesh).ep == 2 and mesh_spec_of(mesh["tp"]) == MeshSpec(dp_shard=1, tp=2)
     assert shard(torch.zeros(4, 2), mesh["tp"], P("tp", None)).to_local().shape == (2, 2)
     expert = moe_layers(model)[0].experts.gate_proj

@@ -40,6 +40,7 @@ LAYOUTS = {
     "fsdp_tp_sp": (MeshSpec(dp_shard=2, tp=2), dict(sequence_parallel=True, loss_parallel=True)),
     "hsdp": (MeshSpec(dp_replicate=2, dp_shard=2), dict()),
     "fsdp_tp_full_ac": (MeshSpec(dp_shard=2, tp=2), dict(activation_checkpoint="full")),
+    "fsdp_tp_sp_op_ac": (MeshSpec(dp_shard=2, tp=2), dict(activation_checkpoint="op")),  # + SP, loss parallel
     "fsdp_cp": (MeshSpec(dp_shard=2, cp=2), dict()),
     "moe_fsdp_ep2": (MeshSpec(dp_shard=4, ep=2), dict()),  # balanced routing in both runs
 }
@@ -103,6 +104,10 @@ def hsdp(rank, world_size):
 
 def fsdp_tp_full_ac(rank, world_size):
     return real(rank, world_size, "fsdp_tp_full_ac")
+
+
+def fsdp_tp_sp_op_ac(rank, world_size):
+    return real(rank, world_size, "fsdp_tp_sp_op_ac")
 
 
 def fsdp_cp(rank, world_size):
@@ -205,10 +210,8 @@ def pp_cp_1f1b(rank, world_size):
     return real_pipeline("pp_cp_1f1b")
 
 
-CHECKS = [
-    fsdp_tp_sp, hsdp, fsdp_tp_full_ac, fsdp_cp, moe_fsdp_ep2, pp_fsdp_1f1b, pp_fsdp_interleaved, pp_tp_sp_gpipe,
-    pp_cp_1f1b,
-]  # fmt: skip
+PROBED = [fsdp_tp_sp, hsdp, fsdp_tp_full_ac, fsdp_tp_sp_op_ac, fsdp_cp, moe_fsdp_ep2]
+CHECKS = [*PROBED, pp_fsdp_1f1b, pp_fsdp_interleaved, pp_tp_sp_gpipe, pp_cp_1f1b]
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +228,7 @@ def world4():
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("check", CHECKS[:5], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("check", PROBED, ids=lambda c: c.__name__)
 def test_probe_predicts_collectives_and_activations(world4, check):
     got = world4.value(check, rank=0)
     p = probe(config(check.__name__).resolve(4))
@@ -242,7 +245,7 @@ def test_probe_predicts_collectives_and_activations(world4, check):
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("check", CHECKS[5:], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("check", CHECKS[len(PROBED) :], ids=lambda c: c.__name__)
 def test_estimate_of_a_pipeline_is_the_busiest_ranks_step(world4, check):
     """Rank 0 runs pp rank 0, the busiest (equal blocks: the lowest); memory is the worst rank's."""
     got = world4.value(check, rank=0)
