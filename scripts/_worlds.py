@@ -20,6 +20,13 @@ def join(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def free_port() -> int:
+    """A port no one listens on now, for a world's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_worlds(
     run: Callable[[int, int, int, argparse.Namespace, dict], None],
     layouts: dict[str, tuple[int, int]],
@@ -29,9 +36,7 @@ def run_worlds(
     tp) in `layouts`); rank 0 fills `out[name]` for its world's layouts. Returns every world's `out`."""
     results: dict[str, dict] = {}
     for world in sorted({dp * tp for dp, tp in (layouts[n] for n in args.layouts)}):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         out = mp.Manager().dict()
         mp.spawn(run, args=(world, port, args, out), nprocs=world)
         results |= dict(out)
