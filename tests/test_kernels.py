@@ -10,8 +10,14 @@ import torch
 from shardlab import Config, MeshSpec, ModelConfig, PlanConfig, TrainConfig
 from shardlab.estimate import kernels
 from shardlab.estimate.kernels import Kernels, efficiency
-from shardlab.estimate.probe import Probe, probe
-from shardlab.estimate.roofline import DEVICES, compute_seconds, device, shared_pipeline_factor
+from shardlab.estimate.probe import Collective, Probe, probe
+from shardlab.estimate.roofline import (
+    DEVICES,
+    collective_seconds,
+    compute_seconds,
+    device,
+    shared_pipeline_factor,
+)
 from shardlab.pipeline import bubble_fraction
 
 FLAT = Kernels(matmul=((1.0, 1.0),), attention=((1.0, 1.0),), memory=((1.0, 1.0),), overhead_s=0.0, command="test")
@@ -83,6 +89,22 @@ def test_shared_cores_price_gpipe_slot_by_slot():
     # pp 2 of 2 ranks each: a lone pp rank is two busy processes
     assert shared_pipeline_factor(speed, 2, 2, bubble_fraction("gpipe", 2, 1, 2)) == pytest.approx((0.5 + 0.5 + 1) / 2)
     assert shared_pipeline_factor(speed, 4, 1, 0.0) == 1.0
+
+
+def test_a_measured_device_prices_each_collective_kind_at_its_own_speed():
+    """gloo's all-gather at half its all-reduce's speed per counted byte: twice the time; unlisted kinds and named
+    devices run at the link bandwidth."""
+    mesh, h100 = MeshSpec(dp_shard=4), device("h100")
+    gloo = msgspec.structs.replace(h100, collective_speed=(("all_gather", 0.5),))
+
+    def seconds(kind, dev):
+        c = Collective(axis="dp_shard", kind=kind, phase="forward", count=1, bytes=2**20, group_size=4)
+        return collective_seconds(c, mesh, dev)
+
+    assert seconds("all_gather", gloo) == pytest.approx(2 * seconds("all_gather", h100))
+    assert seconds("all_gather", h100) == pytest.approx(2**20 * 3 / 4 / 450e9)
+    assert seconds("all_reduce", gloo) == seconds("all_reduce", h100)
+    assert all(not device(name).collective_speed for name in DEVICES)
 
 
 def test_measuring_a_table_runs_end_to_end(monkeypatch):

@@ -2,9 +2,10 @@
 
 CPU ranks share the machine's cores (each gets cores // world threads, as `shardlab.launch` sets), so a rank's
 FLOP/s and memory bandwidth are measured with `world` processes running at once, and the collective bandwidth is a
-gloo all-reduce among them. The peak is the fastest matmul measured and the bandwidth a large copy's; the kernel
-table (shardlab.estimate.kernels: matmuls, attention and adds of several sizes, and the cost of a tiny op) says how
-far below them each op runs, and `busy_speed` how much faster a rank runs while others idle. Other jobs on the
+gloo all-reduce among them (its all-gather and reduce-scatter, slower per byte, relative to it). The peak is the
+fastest matmul measured and the bandwidth a large copy's; the kernel table (shardlab.estimate.kernels: matmuls,
+attention and adds of several sizes, and the cost of a tiny op) says how far below them each op runs, and
+`busy_speed` how much faster a rank runs while others idle. Other jobs on the
 machine slow every measurement alike (the estimate then runs slow too), and take the cores that idle ranks free; a
 job that starts or stops between the calibration and a run biases the comparison. The cache (SHARDLAB_CACHE, else
 ~/.cache/shardlab) is keyed by the world size and checked against the cores, the processor and torch's version;
@@ -34,6 +35,8 @@ BUSY_MATMUL = 512
 COPY_BYTES = 64 * 2**20
 COLLECTIVE_BYTES = 16 * 2**20
 COLLECTIVE_CALLS = 8
+GATHER_KINDS = ("all_gather", "reduce_scatter")
+"""Collective kinds measured beside the all-reduce: FSDP's, TP's and CP's (a pipeline's sends: the link's speed)."""
 SECONDS = 0.1
 """Each measurement runs at least this long on every rank (kernels and speeds: in each of three rounds)."""
 
@@ -43,7 +46,7 @@ class _Cached(msgspec.Struct):
     device: Device
 
 
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 """Bumped whenever Device changes, so an older cache is measured again."""
 
 
@@ -90,6 +93,9 @@ def measure(world: int) -> Device:
         copy_bytes, link = (statistics.median(r[i] for r in results) for i in range(2))
         rates = median_rates([msgspec.convert(r[2], Rates) for r in results])
         speed = tuple(results[0][3])
+        kinds = tuple(
+            (kind, statistics.median(r[4][i][1] for r in results)) for i, (kind, _) in enumerate(results[0][4])
+        )
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world / 2**30
     peak = max(r for _, r in rates.matmul)
     command = f"shardlab.estimate.cpu.measure({world}) on {_machine()}"
@@ -97,6 +103,7 @@ def measure(world: int) -> Device:
         name=f"CPU ({world} rank{'s' * (world > 1)} on {_cores()} cores, measured)", bf16_tflops=peak / 1e12,
         hbm_tb_s=copy_bytes / 1e12, nvlink_gb_s=link / 1e9, network_gb_s=link / 1e9, memory_gib=memory,
         matmul_efficiency=1.0, hbm_efficiency=1.0, kernels=table(rates, peak, copy_bytes, command), busy_speed=speed,
+        collective_speed=kinds,
     )  # fmt: skip
 
 
@@ -110,6 +117,22 @@ def _timed(fn, barrier, calls: int | None = None) -> float:
         fn()
         done += 1
     return (time.perf_counter() - start) / done
+
+
+def _collectives(world: int, barrier) -> tuple[float, list[tuple[str, float]]]:
+    """The all-reduce's bytes/s per rank, and the all-gather's and reduce-scatter's relative to it, each counted as
+    roofline.collective_seconds counts it (all-reduce 2 (n - 1) / n of the buffer, the others (n - 1) / n)."""
+    buffer, shard = torch.ones(COLLECTIVE_BYTES // 4), torch.ones(COLLECTIVE_BYTES // 4 // world)
+    runs = {
+        "all_reduce": lambda: dist.all_reduce(buffer),
+        "all_gather": lambda: dist.all_gather_into_tensor(buffer, shard),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, buffer),
+    }
+    rate = {}
+    for kind, fn in runs.items():
+        moved = COLLECTIVE_BYTES * (world - 1) / world * (2 if kind == "all_reduce" else 1)
+        rate[kind] = moved / _timed(fn, barrier, calls=COLLECTIVE_CALLS)
+    return rate["all_reduce"], [(kind, rate[kind] / rate["all_reduce"]) for kind in GATHER_KINDS]
 
 
 def _busy_speed(rank: int, world: int, barrier, rounds: int = 3) -> list[float]:
@@ -142,13 +165,11 @@ def _rank(rank: int, world: int, store: str, results) -> None:
         src, dst = torch.empty(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
         copy_bytes = 2 * COPY_BYTES / _timed(lambda: dst.copy_(src), barrier)
         if world > 1:
-            buffer = torch.ones(COLLECTIVE_BYTES // 4)
-            seconds = _timed(lambda: dist.all_reduce(buffer), barrier, calls=COLLECTIVE_CALLS)
-            link = COLLECTIVE_BYTES * 2 * (world - 1) / world / seconds  # as roofline.collective_seconds counts it
+            link, speed = _collectives(world, barrier)
         else:
-            link = copy_bytes  # one rank has no collectives; any finite number serves
+            link, speed = copy_bytes, []  # one rank has no collectives; any finite number serves
         rates = measure_kernels(timer(torch.device("cpu"), SECONDS, barrier), torch.device("cpu"), torch.float32)
-        results[rank] = (copy_bytes, link, msgspec.to_builtins(rates), _busy_speed(rank, world, barrier))
+        results[rank] = (copy_bytes, link, msgspec.to_builtins(rates), _busy_speed(rank, world, barrier), speed)
     finally:
         if world > 1:
             dist.destroy_process_group()

@@ -7,6 +7,7 @@ The model, stated so it can be argued with:
   op by its class and size instead, plus a fixed cost per op.
 - A collective over n ranks moves (n - 1) / n of its buffer per rank (ring; all-reduce twice that; a pipeline
   send all of it) at the group's link bandwidth: NVLink when the group's ranks share a node, else the node's network per GPU.
+  A measured device may run some kinds slower per byte (`Device.collective_speed`: gloo's gathers and reduce-scatters).
   Mesh axes are laid out as `MeshSpec` orders them (tp innermost), GPUS_PER_NODE to a node.
 - FSDP's collectives (dp axes) overlap with compute (prefetch): they cost only what exceeds it. TP's and CP's
   (K/V all-gathers) are on the critical path (eager TP, no async TP, no overlap of the gathers). Scalar all-reduces of the loss and norm are left out.
@@ -64,6 +65,11 @@ class Device(Frozen):
     relative to all of them busy, as the numbers above were measured. A rank idling in a pipeline's bubble leaves
     part of its cores to the busy ones; how much depends on their threads and on the machine's other load, so it is
     measured. Empty: dedicated devices."""
+    collective_speed: tuple[tuple[str, float], ...] = ()
+    """(kind, bandwidth relative to the all-reduce's) for kinds that run at another speed per byte as
+    `collective_seconds` counts them: gloo on CPU ranks gathers and reduce-scatters through slower paths than its
+    all-reduce, so it is measured (shardlab.estimate.cpu). Kinds not listed, and every kind when empty, run at the
+    link bandwidth."""
 
 
 DEVICES: dict[str, Device] = {
@@ -126,7 +132,7 @@ def _span(mesh: MeshSpec, axis: str) -> int:
 def collective_seconds(c: Collective, mesh: MeshSpec, dev: Device) -> float:
     n = c.group_size
     factor = {"all_reduce": 2 * (n - 1) / n, "send": 1.0}.get(c.kind, (n - 1) / n)
-    return c.bytes * factor / axis_bandwidth(mesh, c.axis, dev)
+    return c.bytes * factor / (axis_bandwidth(mesh, c.axis, dev) * dict(dev.collective_speed).get(c.kind, 1.0))
 
 
 def compute_seconds(p: Probe, dev: Device) -> float:
