@@ -8,15 +8,17 @@ checkpointing, and the layout `python -m shardlab search --device cpu` picks fro
 estimated with `--device cpu` (this machine measured with 4 ranks sharing its cores) and run for --steps steps
 (median step time after step 2), --repeats times, every layout once per pass and the passes in alternating order
 (A B ... B A), so that a slow stretch of a shared machine falls on different layouts; --measured adds the passes of
-an earlier --out, and only what they lack is measured. Prints a markdown table (the median over passes and each
-pass), the Spearman rank correlation of estimated and measured times, and how much slower than the measured best
-the estimator's pick is.
+an earlier --out, and only what they lack is measured (--no-runs: nothing; the estimates are scored against those
+passes, and a search's pick they lack is reported unmeasured). Prints a markdown table (the median over passes and
+each pass), the Spearman rank correlation of estimated and measured times, and how much slower than the measured
+best the estimator's pick is.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -105,6 +107,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="write the table here, and the measured times beside it as JSON")
     parser.add_argument("--measured", type=Path, help="add the measured passes of an earlier --out (its JSON)")
     parser.add_argument("--repeats", type=int, default=1, help="measurements of every layout, in alternating passes")
+    parser.add_argument("--no-runs", action="store_true", help="measure nothing: score against --measured only")
     parser.add_argument("--reverse", action="store_true", help="start with the last layout (the search's pick)")
     args = parser.parse_args()
     known = json.loads(args.measured.read_text()) if args.measured else {}
@@ -131,7 +134,7 @@ def main() -> int:
     passes = {key[label]: _as_list(known.get(key[label], [])) for label, _, _ in rows}
     for r in range(args.repeats):  # until every layout has --repeats measurements, earlier ones included
         for label, cfg, _ in rows if (r % 2 == 0) != args.reverse else rows[::-1]:
-            if len(passes[key[label]]) > r:
+            if len(passes[key[label]]) > r or args.no_runs:
                 continue
             passes[key[label]].append(measured(cfg, args.steps))
             print(f"pass {r + 1}, {label}: measured {passes[key[label]][-1]:.3f} s", flush=True)
@@ -139,11 +142,18 @@ def main() -> int:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.with_suffix(".json").write_text(json.dumps({**known, **passes}, indent=1))
     known.update(passes)
-    results = [(label, est, statistics.median(passes[key[label]])) for label, _, est in rows]
+    if args.no_runs and not all(passes[key[label]] for label, _, _ in rows[:-1]):
+        parser.error("--no-runs needs --measured with every fixed layout measured; drop --no-runs to run them")
+    results = [(label, est, statistics.median(passes[key[label]] or [math.nan])) for label, _, est in rows]
     spread = {label: passes[key[label]] for label, _, _ in rows}
     fixed = results[:-1]
     rho = spearman([e for _, e, _ in fixed], [m for _, _, m in fixed])
-    best_measured = min(m for _, _, m in results)
+    best_measured = min(m for _, _, m in results if not math.isnan(m))
+    pick_vs_best = (
+        f"{results[-1][2] / best_measured - 1:+.1%} against the measured best of every layout run"
+        if not math.isnan(results[-1][2])
+        else "not measured (--no-runs)"
+    )
     among = min(fixed, key=lambda r: r[1])
     lines = [
         "| layout | estimated s/step | measured s/step (median) | passes | estimated rank | measured rank |",
@@ -161,11 +171,11 @@ def main() -> int:
         f"{spearman([e for _, e, _ in fixed], fastest):.2f} against the fastest pass of each",
         f"estimator's pick among them, {among[0]}: {among[2] / min(m for _, _, m in fixed) - 1:+.1%} against the "
         "measured best of them",
-        f"search's pick over all {found.layouts} layouts: {results[-1][2] / best_measured - 1:+.1%} against the "
-        "measured best of every layout run",
+        f"search's pick over all {found.layouts} layouts: {pick_vs_best}",
         f"device: {dev.name}: {dev.bf16_tflops * 1e3:.1f} GFLOP/s, {dev.hbm_tb_s * 1e3:.1f} GB/s, "
         f"all-reduce {dev.nvlink_gb_s:.2f} GB/s per rank, speed with 1..{WORLD} ranks busy "
-        + ", ".join(f"{x:.2f}" for x in dev.busy_speed),
+        + ", ".join(f"{x:.2f}" for x in dev.busy_speed)
+        + "".join(f", {kind} {speed:.2f} of the all-reduce's speed" for kind, speed in dev.collective_speed),
     ]
     text = "\n".join(lines)
     print(text)
