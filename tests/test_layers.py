@@ -48,7 +48,7 @@ LAYERS = [
     {"step"},
     {"evaluate"},
     {"estimate.probe"},
-    {"estimate.kernels", "estimate.roofline", "estimate.cpu"},
+    {"estimate.kernels", "estimate.roofline", "estimate.cpu", "estimate.floors"},
     {"estimate", "estimate.shared", "estimate.search", "checkpoint"},
     {"loop", "recipe"},
     {"__main__", "__init__"},

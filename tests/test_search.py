@@ -163,3 +163,45 @@ def test_a_plan_derived_for_another_schedule_and_resharding_is_the_plan_made_for
         made = make_plan(model, run.mesh, LlamaProvider(c.model).rules(run.plan), run.plan)
         assert _derived(bases[key], run) == made, layout.describe()
     assert len(checked) > len(bases) > 1
+
+
+WIDE = ModelConfig(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=8192)
+"""Probed on fake tensors, a wide model costs what a narrow one does; its matmuls dominate as a large model's do."""
+
+
+def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_estimates():
+    """FSDP over 16 ranks spans two nodes: a layout's floor grows with its micro batches' gathers, so once the top 3
+    fit, the rest are not looked at. Every floor is at most its layout's estimate, which is what makes it exact."""
+    from shardlab.estimate.floors import Floors
+    from shardlab.estimate.roofline import device
+    from shardlab.estimate.search import search
+    from shardlab.models.provider import LlamaProvider
+
+    c = cfg(WIDE, global_batch=16, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
+    provider, dev, fixed = LlamaProvider(WIDE), device("h100"), {"pp": 1, "cp": 1, "tp": 1}
+    probes = {}
+    run = lambda prune, top: search(c, 16, provider, lambda _: None, dev, 80 * 2**30, fixed=fixed, top=top,  # noqa: E731
+                                    prune=prune, probes=probes)  # fmt: skip
+    pruned, every = run(True, 2), run(False, 100)
+    assert pruned.pruned > 0 and pruned.estimated < every.estimated and every.pruned == 0
+    assert [(b.layout, b.step_s, b.peak) for b in pruned.best] == [(b.layout, b.step_s, b.peak) for b in every.best[:2]]
+    floors = Floors.of(c, provider, provider.meta_model(), dev)
+    for b in every.best:
+        assert 0 < floors.time(c, b.layout, dev) <= b.step_s and floors.memory(c, b.layout) <= b.peak
+
+
+def test_a_sibling_checkpointing_more_or_with_fewer_rows_never_needs_more_memory():
+    """What lets the search drop a layout where a sibling checkpointing every block, or running one sequence per
+    micro batch, did not fit."""
+    from shardlab.estimate.roofline import device
+    from shardlab.estimate.shared import estimate_shared
+    from shardlab.loop import plan_model
+    from shardlab.models.provider import LlamaProvider
+
+    c = cfg(msgspec.structs.replace(MODEL, n_layers=2), global_batch=4)
+    peaks = {}
+    for ac, micro in (("none", 1), ("none", 2), ("selective", 2), ("full", 2)):  # 2 micro batches: one row each
+        run = Layout(mesh=MeshSpec(dp_shard=2), activation_checkpoint=ac, micro_batches=micro).config(c).resolve(2)
+        e = estimate_shared(run, plan_model(run)[1], None, device("h100"), LlamaProvider(c.model), {})
+        peaks[ac, micro] = e.peak
+    assert peaks["none", 1] > peaks["none", 2] >= peaks["selective", 2] >= peaks["full", 2]

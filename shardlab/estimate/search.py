@@ -1,19 +1,23 @@
 """search(cfg, world) -> Search: the fastest layouts that fit, ranked by the estimator's step time.
 
-The layouts are `shardlab.search.enumerate_layouts`'s. What is cheap and exact comes first: each layout's
-parameters, gradients, AdamW state and FSDP buffers are read off its plan (one plan per mesh, pipeline shape and
-resharding, on one meta model), and a layout whose state alone exceeds the memory is dropped before any probe. The
-rest are estimated (`shardlab.estimate.estimate`) with probes shared through one cache; a layout that keeps FSDP's
-weights gathered from forward to backward needs more memory than the same layout resharding them, so where that one
-did not fit it is dropped without a probe of its own. Within one mesh and schedule, fewer micro batches and less recomputation
-never make a step slower in the estimator's model (the same work in larger kernels, fewer FSDP gathers;
-recomputation only adds work), nor does keeping the weights gathered between forward and backward
-(reshard_after_forward=False: fewer gathers), so once a layout fits, the ones it beats that way are not estimated:
-they cannot win, and they are not shown.
+The layouts are `shardlab.search.enumerate_layouts`'s. Each has a floor (`shardlab.estimate.floors`: step time and
+memory from its shape alone) and they are looked at lowest floor first, until the next floor is above the K-th
+fastest layout that fits: every later one is at least that slow, so the top K are the exhaustive search's
+(`prune=False` looks at them all; tests/test_search.py compares the two). What is cheap and exact comes next: each
+layout's parameters, gradients, AdamW state and FSDP buffers are read off its plan (one plan per mesh and pipeline
+shape, on one meta model), and a layout whose state alone exceeds the memory is dropped before any probe. The rest
+are estimated (`shardlab.estimate.estimate`) with probes shared through one cache. A layout is dropped without a
+probe of its own where a sibling that needs no more memory did not fit: the same layout resharding FSDP's weights
+after forward, checkpointing every block, or running one sequence per micro batch. Within one mesh and schedule,
+fewer micro batches and less recomputation never make a step slower in the estimator's model (the same work in
+larger kernels, fewer FSDP gathers; recomputation only adds work), nor does keeping the weights gathered between
+forward and backward (reshard_after_forward=False: fewer gathers), so once a layout fits, the ones it beats that way
+are not estimated: they cannot win, and they are not shown.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import pprint
 import time
@@ -25,6 +29,7 @@ import torch
 from shardlab._base import Frozen
 from shardlab.config import Config
 from shardlab.estimate import Estimate, estimate_memory, fsdp_buffer_bytes
+from shardlab.estimate.floors import Floors
 from shardlab.estimate.probe import Measurement
 from shardlab.estimate.roofline import Device, collective_seconds
 from shardlab.estimate.shared import estimate_shared
@@ -63,9 +68,11 @@ class Search(Frozen):
     over_memory: int
     """Dropped by their plan alone, before any probe."""
     too_big: int
-    """Dropped without a probe of their own: they keep FSDP's weights gathered from forward to backward, and the
-    same layout resharding them, which needs less memory, did not fit."""
+    """Dropped without a probe of their own: a sibling needing no more memory did not fit (the same layout resharding
+    FSDP's weights after forward, or running one sequence per micro batch)."""
     estimated: int
+    pruned: int
+    """Not looked at: their floor (`shardlab.estimate.floors`) is above the `top`-th fastest layout that fits."""
     probes: int
     seconds: float
 
@@ -99,10 +106,14 @@ def search(
     *,
     fixed: Mapping[str, int] | None = None,
     top: int = 5,
+    prune: bool = True,
+    probes: dict[bytes, Measurement] | None = None,
 ) -> Search:
     """The `top` fastest layouts of `cfg`'s model and batch on `world` ranks of `dev` within `memory` bytes per rank.
 
-    fixed: mesh axes the user pinned (axis -> size); rules_of: the recipe's rules for a config (None: the model's).
+    fixed: mesh axes the user pinned (axis -> size); rules_of: the recipe's rules for a config (None: the model's);
+    prune=False looks at every layout its floor would skip (the ranking is the same); probes: a cache of the twins'
+    probes that searches of one model and rules share.
     A request nothing satisfies is a ValueError of one line saying what was tried and what came closest.
     """
     start = time.perf_counter()
@@ -147,67 +158,109 @@ def search(
         plan = plan_of(shape.config(cfg).resolve(world))
         return estimate_memory(plan).total + fsdp_buffer_bytes(plan)
 
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-
-    def floor(layout: Layout) -> int:
-        """At least this much state per rank, without a plan: parameters, gradients and two AdamW moments, each split
-        at most over dp_shard x cp x tp x pp (the busiest rank holds at least the mean)."""
-        m = layout.mesh
-        return 4 * param_bytes // (m.dp_shard * m.cp * m.tp * m.pp)
-
-    frames: dict[tuple, list[Layout]] = {}
-    state_of: dict[Layout, int] = {}
-    over, closest_state = 0, None
-    for layout in layouts:
-        try:
-            fixed_bytes = floor(layout)
-            if fixed_bytes <= memory:
-                fixed_bytes = state(layout)
-        except ValueError as err:  # the model's own limits (e.g. tp vs a transformers model's heads)
-            refused.append(f"{layout.mesh.describe()}: {err}")
-            continue
-        if fixed_bytes > memory:
-            over += 1
-            if closest_state is None or fixed_bytes < closest_state[0]:
-                closest_state = (fixed_bytes, layout)
-            continue
-        state_of[layout] = fixed_bytes
-        frame = (layout.mesh, layout.pp_schedule, layout.pp_stages_per_rank)
-        frames.setdefault(frame, []).append(layout)
-
-    measured: dict[bytes, Measurement] = {}  # probes of twins, shared by every layout with the same twin
+    floors = Floors.of(cfg, provider, model, dev)
+    time_floor = [floors.time(cfg, layout, dev) for layout in layouts]
+    order = sorted(range(len(layouts)), key=lambda i: (time_floor[i], _cheapest_first(layouts[i]), i))
+    measured = {} if probes is None else probes  # probes of twins, shared by every layout with the same twin
+    known = len(measured)
     actions: dict[tuple, dict[int, str]] = {}  # pipeline schedule orders
-    unfit: set[Layout] = set()  # estimated layouts that resharded and still did not fit
-    fits: list[Candidate] = []
+    states: dict[Layout, int | None] = {}  # bytes the plan fixes; None: the model refused the layout
+    estimates: dict[Layout, Candidate] = {}
+    done: dict[tuple, list[Layout]] = {}  # per mesh and schedule: the layouts that fit
+    unfit: set[Layout] = set()  # estimated layouts that did not fit
+    fits: list[tuple[float, int, Candidate]] = []
+    kth: list[float] = []  # the `top` fastest step times so far, negated (a heap: the K-th fastest first)
+    over = too_big = pruned = 0
     closest: Candidate | None = None
-    estimated = too_big = 0
-    for frame_layouts in frames.values():
-        done: list[Layout] = []  # layouts that fit in this frame
-        for layout in sorted(frame_layouts, key=_cheapest_first):
-            if any(_beats(d, layout) for d in done):
-                continue
-            if msgspec.structs.replace(layout, reshard_after_forward=True) in unfit:
-                too_big += 1  # keeping the weights gathered needs more memory than resharding, which did not fit
-                continue
+    closest_state: tuple[int, Layout] | None = None
+
+    def fixed_bytes(layout: Layout) -> int | None:
+        if layout not in states:
+            try:
+                states[layout] = state(layout)
+            except ValueError as err:  # the model's own limits (e.g. tp vs a transformers model's heads)
+                refused.append(f"{layout.mesh.describe()}: {err}")
+                states[layout] = None
+        return states[layout]
+
+    def estimated(layout: Layout) -> Candidate:
+        if layout not in estimates:
             run = layout.config(cfg).resolve(world)
             e = estimate_shared(run, plan_of(run), rules_of(run), dev, provider, measured, actions)
-            estimated += 1
-            candidate = _candidate(layout, e, run, dev)
-            if e.peak <= memory:
-                fits.append(candidate)
-                done.append(layout)
-            else:
-                unfit.add(layout)
-                if closest is None or e.peak < closest.peak:
-                    closest = candidate
+            estimates[layout] = _candidate(layout, e, run, dev)
+        return estimates[layout]
+
+    for n, i in enumerate(order):
+        layout = layouts[i]
+        if prune and len(kth) == top and time_floor[i] > -kth[0]:
+            pruned = len(order) - n  # the rest are at least as slow as their floors: none enters the top
+            break
+        need = floors.memory(cfg, layout)
+        if need <= memory:
+            need = fixed_bytes(layout)
+            if need is None:
+                continue
+        if need > memory:
+            over += 1
+            if closest_state is None or need < closest_state[0]:
+                closest_state = (need, layout)
+            continue
+        frame = (layout.mesh, layout.pp_schedule, layout.pp_stages_per_rank)
+        if any(_beats(d, layout) for d in done.get(frame, ())):
+            continue
+        if _larger_sibling_unfit(layout, cfg, unfit, memory, estimates, estimated if len(unfit) > len(fits) else None):
+            too_big += 1
+            continue
+        candidate = estimated(layout)
+        if candidate.peak <= memory:
+            fits.append((candidate.step_s, i, candidate))
+            done.setdefault(frame, []).append(layout)
+            heapq.heappush(kth, -candidate.step_s)
+            if len(kth) > top:
+                heapq.heappop(kth)
+        else:
+            unfit.add(layout)
+            if closest is None or candidate.peak < closest.peak:
+                closest = candidate
     if not fits:
-        raise ValueError(_nothing_fits(world, memory, len(layouts), over, estimated, closest, closest_state, refused))
-    fits.sort(key=lambda c: c.step_s)
+        raise ValueError(
+            _nothing_fits(world, memory, len(layouts), over, len(estimates), closest, closest_state, refused)
+        )
+    fits.sort(key=lambda f: f[:2])
     return Search(
-        best=tuple(fits[:top]), layouts=len(layouts), over_memory=over, too_big=too_big, estimated=estimated,
-        probes=len(measured),
-        seconds=time.perf_counter() - start,
+        best=tuple(c for _, _, c in fits[:top]), layouts=len(layouts), over_memory=over, too_big=too_big,
+        estimated=len(estimates), pruned=pruned, probes=len(measured) - known, seconds=time.perf_counter() - start,
     )  # fmt: skip
+
+
+def _larger_sibling_unfit(
+    layout: Layout,
+    cfg: Config,
+    unfit: set[Layout],
+    memory: int,
+    estimates: Mapping[Layout, Candidate],
+    estimate: Callable[[Layout], Candidate] | None,
+) -> bool:
+    """Whether `layout` cannot fit because a sibling that needs no more memory did not. Each sibling keeps less alive:
+    the same layout resharding FSDP's weights after forward (it does not hold every unit's gathered weights),
+    checkpointing every block (its forward keeps only the blocks' inputs), and without a pipeline running one
+    sequence per micro batch (fewer rows, smaller activations). The last two are estimated here where they were not
+    yet where memory is what decides (more estimated layouts failed to fit than fit): their probes are the smallest
+    of the layout's mesh and the most shared, and one that does not fit spares the probes of all it bounds."""
+    if not layout.reshard_after_forward and msgspec.structs.replace(layout, reshard_after_forward=True) in unfit:
+        return True
+    siblings = []
+    if layout.mesh.pp == 1:
+        one_row = cfg.train.global_batch // layout.mesh.size("dp")
+        siblings.append(msgspec.structs.replace(layout, activation_checkpoint="full", micro_batches=one_row))
+        siblings.append(msgspec.structs.replace(layout, micro_batches=one_row))
+    siblings.append(msgspec.structs.replace(layout, activation_checkpoint="full"))
+    for sibling in siblings:
+        if sibling == layout or (sibling not in estimates and estimate is None):
+            continue
+        if (estimates[sibling] if sibling in estimates else estimate(sibling)).peak > memory:
+            return True
+    return False
 
 
 def _derived(base: Plan, run: Config) -> Plan:
@@ -305,9 +358,8 @@ def search_table(s: Search, dev: Device, memory: int) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [
         f"Search on {dev.name}, {_gib(memory)} per rank: {s.layouts} layouts, {s.over_memory} dropped by their plan "
-        f"before any probe and {s.too_big} as their resharding sibling was too big, {s.estimated} estimated "
-        f"({s.probes} probes) "
-        f"in {s.seconds:.1f} s",
+        f"before any probe and {s.too_big} as a sibling needing less memory was too big, {s.pruned} slower than "
+        f"the top {len(s.best)} by their floor alone, {s.estimated} estimated ({s.probes} probes) in {s.seconds:.1f} s",
         *("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows),
         why(s.best[0], s.best[1] if len(s.best) > 1 else None),
     ]

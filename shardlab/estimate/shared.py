@@ -7,7 +7,8 @@ the group sizes of their collectives, which the mesh gives; nor on how many pp r
 layout is probed as its twin (`twin`): dp_replicate 2 and dp_shard the smallest size that keeps every axis, and
 the expert mesh's dp_shard_mod_ep, trivial or not as they were; pp 2 where the probed (busiest) pp rank is the
 first, which then runs the same kinds of stages (the first; the last too under a V-shaped schedule); the global
-batch cut so each micro batch keeps its rows. Many layouts share one twin, hence one probe. The twin's probe is
+batch cut so each micro batch keeps its rows. Many layouts share one twin, hence one probe. A pipeline's last pp
+rank, whose compute (it also runs the norm, output and loss) may be the slower, is probed as the twin's last. The twin's probe is
 extrapolated to the layout's blocks as the exact one is, its collectives get the layout's group sizes and stages,
 and everything else (memory, micro batches, the schedule's order, sends, bubble) comes from the layout's own plan
 (`estimate_from`), as on the exact path (`shardlab.estimate.estimate`, which `python -m shardlab estimate` runs).
@@ -116,9 +117,10 @@ def estimate_shared(
     )
     last = None
     if plan.pipeline is not None and probed_rank(plan)[0] != cfg.mesh.pp - 1:
-        # the last stages also run the norm, output and loss: that rank's own probe (its compute only is used)
+        # the last stages also run the norm, output and loss (only their compute is used): the twin's last pp rank
+        # runs the same kinds of stages, extended to the blocks of the layout's last rank
         held = sum(len(s.blocks) for s in plan.pipeline.stages_of(cfg.mesh.pp - 1))
-        last = _measured(cfg, cfg.mesh.pp - 1, rules, provider, measured).at(held)
+        last = _measured(twin_cfg, twin_cfg.mesh.pp - 1, rules, provider, measured).at(held)
     return estimate_from(cfg, plan, p, p, cfg.plan.activation_checkpoint, dev, provider, actions, last=last)
 
 

@@ -1,0 +1,123 @@
+"""Floors: what a layout's estimated step time and state memory are at least, from its shape alone (no plan, no probe).
+
+The search (`shardlab.estimate.search`) estimates layouts lowest floor first and stops where the next floor is above
+the K-th fastest layout that fits: no layout left can then enter the top K, so the ranking is the exhaustive one.
+That holds only if each floor is at most what the estimate gives, term by term:
+- compute: the blocks' matmul FLOPs (forward and backward; the forward again under full checkpointing) on the
+  busiest pp rank, which holds at least ceil(L / pp) blocks, each rank's share being 1 / (tp x cp) of them, at the
+  device's best matmul rate. Attention, the output layer, memory-bound ops and selective recomputation only add.
+- FSDP: every micro batch without a pipeline (once per step with one) gathers the rank's block weights in
+  param_dtype and reduce-scatters their gradients in reduce_dtype, over dp_shard x cp, at that group's bandwidth.
+  The step is at least the larger of the two (the roofline overlaps them), stretched by the pipeline's bubble as
+  `roofline.step_time` stretches it; TP, CP and pipeline sends and the optimizer only add.
+- memory: parameters, gradients and two AdamW moments, split at most dp_shard x cp x tp x pp ways, and under a
+  pipeline with FSDP the held blocks' unsharded weights and gradients (`fsdp_buffer_bytes`).
+A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Models with
+experts get no compute or FSDP floor: routing meta tensors is not the probe's even routing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from shardlab._base import Frozen
+from shardlab.config import Config
+from shardlab.estimate.roofline import GPUS_PER_NODE, Device, shared_pipeline_factor
+from shardlab.models.provider import ModelProvider
+from shardlab.pipeline import bubble_fraction
+from shardlab.search import Layout
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm)
+"""The ops counted: every projection of a block runs as one of them (attention's and experts' batched ones don't)."""
+
+
+class Block(Frozen):
+    """One block of the model, per token of one sequence."""
+
+    train_flops: float
+    """Matmul FLOPs of its forward and backward."""
+    forward_flops: float
+    params: int
+    """Its parameters (numel)."""
+
+
+class Floors(Frozen):
+    """What every layout of one model, batch and device needs at least (`time`, `memory`)."""
+
+    block: Block | None
+    """None: no compute or FSDP floor (a model with experts, or one whose blocks could not be counted)."""
+    param_bytes: int
+    """All parameters in their stored dtype (fp32 master weights)."""
+    n_layers: int
+    rate: float
+    """The device's best matmul FLOP/s: its peak at the highest efficiency any of its kernels reach."""
+
+    @classmethod
+    def of(cls, cfg: Config, provider: ModelProvider, model: torch.nn.Module, dev: Device) -> Floors:
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        best = dev.matmul_efficiency
+        if dev.kernels is not None:
+            best = max(e for curve in (dev.kernels.matmul, dev.kernels.attention) for _, e in curve)
+        block = None if provider.moe is not None else _block(provider, cfg.train.seq_len)
+        return cls(block=block, param_bytes=param_bytes, n_layers=provider.n_layers,
+                   rate=dev.bf16_tflops * 1e12 * best)  # fmt: skip
+
+    def time(self, cfg: Config, layout: Layout, dev: Device) -> float:
+        """Seconds per step the estimate of `layout` gives at least."""
+        m = layout.mesh
+        if self.block is None:
+            return 0.0
+        blocks = -(-self.n_layers // m.pp)
+        per_token = self.block.train_flops + (self.block.forward_flops if layout.activation_checkpoint == "full" else 0)
+        tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
+        compute = tokens * blocks * per_token / m.tp / self.rate
+        fsdp, shards = 0.0, m.dp_shard * m.cp
+        if shards > 1:
+            weights = blocks * self.block.params / m.tp
+            both = weights * (DTYPE_BYTES[cfg.plan.param_dtype] + DTYPE_BYTES[cfg.plan.reduce_dtype])
+            span = shards * m.tp
+            bandwidth = (dev.nvlink_gb_s if span <= GPUS_PER_NODE else dev.network_gb_s) * 1e9
+            fsdp = (1 if m.pp > 1 else layout.micro_batches) * both * (shards - 1) / shards / bandwidth
+        busy = max(compute, fsdp)
+        if m.pp == 1:
+            return busy
+        bubble = bubble_fraction(layout.pp_schedule, m.pp, layout.pp_stages_per_rank, layout.micro_batches)
+        if dev.busy_speed:
+            return busy * shared_pipeline_factor(dev.busy_speed, m.pp, m.world_size // m.pp, bubble)
+        return busy / (1 - bubble)
+
+    def memory(self, cfg: Config, layout: Layout) -> int:
+        """Bytes the plan of `layout` fixes (state and FSDP buffers, `estimate.search`'s `state`) at least."""
+        m = layout.mesh
+        state = 4 * self.param_bytes // (m.dp_shard * m.cp * m.tp * m.pp)
+        fsdp = m.size("batch") > 1 or cfg.plan.param_dtype != "float32" or cfg.plan.reduce_dtype != "float32"
+        if m.pp == 1 or not fsdp or self.block is None:
+            return state
+        held = -(-self.n_layers // m.pp) * self.block.params // m.tp
+        return state + held * (DTYPE_BYTES[cfg.plan.param_dtype] + DTYPE_BYTES[cfg.plan.reduce_dtype])
+
+
+def _block(provider: ModelProvider, seq_len: int) -> Block | None:
+    """One block's numbers: meta models of 2 and 1 blocks, one sequence each, counted by torch's FlopCounterMode."""
+    try:
+        counts = [_count(provider.with_layers(n), seq_len) for n in (1, 2)]
+    except (ValueError, RuntimeError, NotImplementedError, TypeError):  # a model without a layer count or meta run
+        return None
+    (train1, fwd1, params1), (train2, fwd2, params2) = counts
+    return Block(train_flops=(train2 - train1) / seq_len, forward_flops=(fwd2 - fwd1) / seq_len,
+                 params=params2 - params1)  # fmt: skip
+
+
+def _count(provider: ModelProvider, seq_len: int) -> tuple[int, int, int]:
+    """(forward + backward matmul FLOPs, forward matmul FLOPs, parameters) of `provider`'s model on one sequence."""
+    model = provider.meta_model()
+    sample = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    forward, train = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    with forward:
+        provider.forward(model, sample)
+    with train:
+        provider.forward(model, sample).float().sum().backward()
+    flops = [sum(c.get_flop_counts()["Global"].get(op, 0) for op in MATMULS) for c in (train, forward)]
+    return flops[0], flops[1], sum(p.numel() for p in model.parameters())
