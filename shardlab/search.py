@@ -140,10 +140,15 @@ def enumerate_layouts(
     return layouts, refused
 
 
+def uses_fsdp(cfg: Config, mesh: MeshSpec) -> bool:
+    """Whether `cfg`'s plan on `mesh` wraps the model in FSDP (which then reshards after forward or not)."""
+    return mesh.size("batch") > 1 or cfg.plan.param_dtype != "float32" or cfg.plan.reduce_dtype != "float32"
+
+
 def _variants(cfg: Config, mesh: MeshSpec, n_layers: int, one_stage: bool) -> Iterator[Layout]:
     """The layouts of one mesh: schedules, micro batches, checkpointing and resharding."""
     per_rank = cfg.train.global_batch // mesh.size("dp")
-    fsdp = mesh.size("batch") > 1 or cfg.plan.param_dtype != "float32" or cfg.plan.reduce_dtype != "float32"
+    fsdp = uses_fsdp(cfg, mesh)
     reshard = (True, False) if fsdp else (cfg.plan.reshard_after_forward,)
     if mesh.pp == 1:
         schedules: list[tuple[Schedule | None, int]] = [(None, 1)]

@@ -26,7 +26,7 @@ from shardlab.config import Config
 from shardlab.estimate.roofline import GPUS_PER_NODE, Device, shared_pipeline_factor
 from shardlab.models.provider import ModelProvider
 from shardlab.pipeline import bubble_fraction
-from shardlab.search import Layout
+from shardlab.search import Layout, uses_fsdp
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm)
@@ -92,8 +92,7 @@ class Floors(Frozen):
         """Bytes the plan of `layout` fixes (state and FSDP buffers, `estimate.search`'s `state`) at least."""
         m = layout.mesh
         state = 4 * self.param_bytes // (m.dp_shard * m.cp * m.tp * m.pp)
-        fsdp = m.size("batch") > 1 or cfg.plan.param_dtype != "float32" or cfg.plan.reduce_dtype != "float32"
-        if m.pp == 1 or not fsdp or self.block is None:
+        if m.pp == 1 or not uses_fsdp(cfg, m) or self.block is None:
             return state
         held = -(-self.n_layers // m.pp) * self.block.params // m.tp
         return state + held * (DTYPE_BYTES[cfg.plan.param_dtype] + DTYPE_BYTES[cfg.plan.reduce_dtype])

@@ -38,7 +38,7 @@ from shardlab.models.provider import ModelProvider, check_layout
 from shardlab.pipeline import ONE_STAGE, V_SHAPED, bubble_fraction
 from shardlab.plan import Plan, make_plan
 from shardlab.rules import Rules
-from shardlab.search import AC_MODES, Layout, enumerate_layouts, recomputes_no_more
+from shardlab.search import AC_MODES, Layout, enumerate_layouts, recomputes_no_more, uses_fsdp
 
 RulesOf = Callable[[Config], Rules | None]
 
@@ -242,19 +242,23 @@ def _larger_sibling_unfit(
     estimate: Callable[[Layout], Candidate] | None,
 ) -> bool:
     """Whether `layout` cannot fit because a sibling that needs no more memory did not. Each sibling keeps less alive:
-    the same layout resharding FSDP's weights after forward (it does not hold every unit's gathered weights),
-    checkpointing every block (its forward keeps only the blocks' inputs), and without a pipeline running one
+    the same layout resharding FSDP's weights after forward (it does not hold every unit's gathered weights; the
+    siblings below are taken resharding too), checkpointing every block (its forward keeps only the blocks' inputs), and without a pipeline running one
     sequence per micro batch (fewer rows, smaller activations). The last two are estimated here where they were not
     yet where memory is what decides (more estimated layouts failed to fit than fit): their probes are the smallest
     of the layout's mesh and the most shared, and one that does not fit spares the probes of all it bounds."""
-    if not layout.reshard_after_forward and msgspec.structs.replace(layout, reshard_after_forward=True) in unfit:
-        return True
+    resharding = layout
+    if not layout.reshard_after_forward and uses_fsdp(cfg, layout.mesh):  # enumerated with its resharding sibling
+        resharding = msgspec.structs.replace(layout, reshard_after_forward=True)
+        if resharding in unfit:
+            return True
     siblings = []
     if layout.mesh.pp == 1:
         one_row = cfg.train.global_batch // layout.mesh.size("dp")
-        siblings.append(msgspec.structs.replace(layout, activation_checkpoint="full", micro_batches=one_row))
-        siblings.append(msgspec.structs.replace(layout, micro_batches=one_row))
-    siblings.append(msgspec.structs.replace(layout, activation_checkpoint="full"))
+        siblings.append(msgspec.structs.replace(resharding, activation_checkpoint="full", micro_batches=one_row))
+        siblings.append(msgspec.structs.replace(resharding, micro_batches=one_row))
+    siblings.append(msgspec.structs.replace(resharding, activation_checkpoint="full"))
+    siblings.append(resharding)
     for sibling in siblings:
         if sibling == layout or (sibling not in estimates and estimate is None):
             continue
