@@ -167,7 +167,8 @@ def search(
     states: dict[Layout, int | None] = {}  # bytes the plan fixes; None: the model refused the layout
     estimates: dict[Layout, Candidate] = {}
     done: dict[tuple, list[Layout]] = {}  # per mesh and schedule: the layouts that fit
-    unfit: set[Layout] = set()  # estimated layouts that did not fit
+    unfit = 0  # layouts looked at that did not fit
+    too_large: dict[tuple, list[Layout]] = {}  # per mesh and schedule: every estimated layout that did not fit
     fits: list[tuple[float, int, Candidate]] = []
     kth: list[float] = []  # the `top` fastest step times so far, negated (a heap: the K-th fastest first)
     over = too_big = pruned = 0
@@ -188,7 +189,19 @@ def search(
             run = layout.config(cfg).resolve(world)
             e = estimate_shared(run, plan_of(run), rules_of(run), dev, provider, measured, actions)
             estimates[layout] = _candidate(layout, e, run, dev)
+            if e.peak > memory:
+                too_large.setdefault(_frame(layout), []).append(layout)
         return estimates[layout]
+
+    def cannot_fit(layout: Layout) -> bool:
+        """Whether an estimated layout that needs no more memory than `layout` did not fit; where memory is what
+        decides (more layouts failed to fit than fit), its siblings that bound the most others are estimated first
+        (`_memory_siblings`): their probes are the smallest of the layout's mesh and the most shared."""
+        if any(_needs_no_more(other, layout) for other in too_large.get(_frame(layout), ())):
+            return True
+        if unfit <= len(fits):
+            return False
+        return any(estimated(sibling).peak > memory for sibling in _memory_siblings(layout, cfg))
 
     for n, i in enumerate(order):
         layout = layouts[i]
@@ -205,10 +218,10 @@ def search(
             if closest_state is None or need < closest_state[0]:
                 closest_state = (need, layout)
             continue
-        frame = (layout.mesh, layout.pp_schedule, layout.pp_stages_per_rank)
+        frame = _frame(layout)
         if any(_beats(d, layout) for d in done.get(frame, ())):
             continue
-        if _larger_sibling_unfit(layout, cfg, unfit, memory, estimates, estimated if len(unfit) > len(fits) else None):
+        if cannot_fit(layout):
             too_big += 1
             continue
         candidate = estimated(layout)
@@ -219,7 +232,7 @@ def search(
             if len(kth) > top:
                 heapq.heappop(kth)
         else:
-            unfit.add(layout)
+            unfit += 1
             if closest is None or candidate.peak < closest.peak:
                 closest = candidate
     if not fits:
@@ -233,38 +246,36 @@ def search(
     )  # fmt: skip
 
 
-def _larger_sibling_unfit(
-    layout: Layout,
-    cfg: Config,
-    unfit: set[Layout],
-    memory: int,
-    estimates: Mapping[Layout, Candidate],
-    estimate: Callable[[Layout], Candidate] | None,
-) -> bool:
-    """Whether `layout` cannot fit because a sibling that needs no more memory did not. Each sibling keeps less alive:
-    the same layout resharding FSDP's weights after forward (it does not hold every unit's gathered weights; the
-    siblings below are taken resharding too), checkpointing every block (its forward keeps only the blocks' inputs), and without a pipeline running one
-    sequence per micro batch (fewer rows, smaller activations). The last two are estimated here where they were not
-    yet where memory is what decides (more estimated layouts failed to fit than fit): their probes are the smallest
-    of the layout's mesh and the most shared, and one that does not fit spares the probes of all it bounds."""
+def _frame(layout: Layout) -> tuple:
+    """Layouts of one frame differ only in checkpointing, micro batches and resharding."""
+    return layout.mesh, layout.pp_schedule, layout.pp_stages_per_rank
+
+
+def _needs_no_more(small: Layout, other: Layout) -> bool:
+    """`small` (of `other`'s frame) never needs more memory than `other`: it checkpoints at least as much (its
+    forward keeps no more alive), reshards FSDP's weights after forward if `other` does (it does not hold every
+    unit's gathered weights), and without a pipeline runs no more rows per micro batch (a pipeline's in-flight micro
+    batches depend on their count: only the same)."""
+    more_ac = AC_MODES.index(small.activation_checkpoint) >= AC_MODES.index(other.activation_checkpoint)
+    resharded = small.reshard_after_forward or not other.reshard_after_forward
+    if small.mesh.pp > 1:
+        return more_ac and resharded and small.micro_batches == other.micro_batches
+    return more_ac and resharded and small.micro_batches >= other.micro_batches
+
+
+def _memory_siblings(layout: Layout, cfg: Config) -> list[Layout]:
+    """The siblings whose fit decides the most: resharding after forward where FSDP can, checkpointing every block,
+    and without a pipeline one sequence per micro batch; each of these needs no more memory than `layout`."""
     resharding = layout
-    if not layout.reshard_after_forward and uses_fsdp(cfg, layout.mesh):  # enumerated with its resharding sibling
+    if not layout.reshard_after_forward and uses_fsdp(cfg, layout.mesh):  # enumerated with this sibling
         resharding = msgspec.structs.replace(layout, reshard_after_forward=True)
-        if resharding in unfit:
-            return True
     siblings = []
     if layout.mesh.pp == 1:
         one_row = cfg.train.global_batch // layout.mesh.size("dp")
         siblings.append(msgspec.structs.replace(resharding, activation_checkpoint="full", micro_batches=one_row))
         siblings.append(msgspec.structs.replace(resharding, micro_batches=one_row))
-    siblings.append(msgspec.structs.replace(resharding, activation_checkpoint="full"))
-    siblings.append(resharding)
-    for sibling in siblings:
-        if sibling == layout or (sibling not in estimates and estimate is None):
-            continue
-        if (estimates[sibling] if sibling in estimates else estimate(sibling)).peak > memory:
-            return True
-    return False
+    siblings += [msgspec.structs.replace(resharding, activation_checkpoint="full"), resharding]
+    return [s for s in dict.fromkeys(siblings) if s != layout]
 
 
 def _derived(base: Plan, run: Config) -> Plan:
