@@ -176,6 +176,8 @@ def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_
     from shardlab.estimate.floors import Floors
     from shardlab.estimate.roofline import device
     from shardlab.estimate.search import search
+    from shardlab.estimate.shared import estimate_shared
+    from shardlab.loop import plan_model
     from shardlab.models.provider import LlamaProvider
 
     c = cfg(WIDE, global_batch=16, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
@@ -189,6 +191,11 @@ def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_
     floors = Floors.of(c, provider, provider.meta_model(), dev)
     for b in every.best:
         assert 0 < floors.time(c, b.layout, dev) <= b.step_s and floors.memory(c, b.layout) <= b.peak
+    piped = Layout(mesh=MeshSpec(pp=2, dp_shard=8), activation_checkpoint="full", micro_batches=2, pp_schedule="1f1b")
+    run_cfg = piped.config(c).resolve(16)
+    e = estimate_shared(run_cfg, plan_model(run_cfg)[1], None, dev, provider, probes)  # a bubble of a third
+    assert 0 < floors.time(c, piped, dev) <= e.time.step_s and floors.memory(c, piped) <= e.peak
+    assert floors.memory(c, piped) > 4 * floors.param_bytes // 16  # the held stage's unsharded weights too
 
 
 def test_a_sibling_checkpointing_more_or_with_fewer_rows_never_needs_more_memory():
