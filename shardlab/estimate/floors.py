@@ -5,7 +5,10 @@ the K-th fastest layout that fits: no layout left can then enter the top K, so t
 That holds only if each floor is at most what the estimate gives, term by term:
 - compute: the blocks' matmul FLOPs (forward and backward; the forward again under full checkpointing) on the
   busiest pp rank, which holds at least ceil(L / pp) blocks, each rank's share being 1 / (tp x cp) of them, at the
-  device's best matmul rate. Attention, the output layer, memory-bound ops and selective recomputation only add.
+  device's best matmul rate. For shardlab's Llama, attention too, at half of what the meta model's math kernel
+  computes (the probe counts SDPA's causal kernel as half the square, its backward as 2.5 forwards against the math
+  kernel's 2, and a masked one, as under cp, as the whole square); other models' attention kernels may be ones the
+  probe does not count. The output layer, memory-bound ops and selective recomputation only add.
 - FSDP: every micro batch without a pipeline (once per step with one) gathers the rank's block weights in
   param_dtype and reduce-scatters their gradients in reduce_dtype, over dp_shard x cp, at that group's bandwidth.
   The step is at least the larger of the two (the roofline overlaps them), stretched by the pipeline's bubble as
@@ -24,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardlab._base import Frozen
 from shardlab.config import Config
 from shardlab.estimate.roofline import GPUS_PER_NODE, Device, shared_pipeline_factor
-from shardlab.models.provider import ModelProvider
+from shardlab.models.provider import LlamaProvider, ModelProvider
 from shardlab.pipeline import bubble_fraction
 from shardlab.search import Layout, uses_fsdp
 
@@ -37,8 +40,11 @@ class Block(Frozen):
     """One block of the model, per token of one sequence."""
 
     train_flops: float
-    """Matmul FLOPs of its forward and backward."""
+    """Matmul FLOPs of its forward and backward (attention's batched matmuls not included)."""
     forward_flops: float
+    attention_flops: float
+    """What the probe counts at least for its attention, forward and backward (0: not counted)."""
+    attention_forward_flops: float
     params: int
     """Its parameters (numel)."""
 
@@ -70,7 +76,8 @@ class Floors(Frozen):
         if self.block is None:
             return 0.0
         blocks = -(-self.n_layers // m.pp)
-        per_token = self.block.train_flops + (self.block.forward_flops if layout.activation_checkpoint == "full" else 0)
+        b, full = self.block, layout.activation_checkpoint == "full"
+        per_token = b.train_flops + b.attention_flops + (b.forward_flops + b.attention_forward_flops if full else 0)
         tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
         compute = tokens * blocks * per_token / m.tp / self.rate
         fsdp, shards = 0.0, m.dp_shard * m.cp
@@ -101,16 +108,18 @@ class Floors(Frozen):
 def _block(provider: ModelProvider, seq_len: int) -> Block | None:
     """One block's numbers: meta models of 2 and 1 blocks, one sequence each, counted by torch's FlopCounterMode."""
     try:
-        counts = [_count(provider.with_layers(n), seq_len) for n in (1, 2)]
+        one, two = (_count(provider.with_layers(n), seq_len) for n in (1, 2))
     except (ValueError, RuntimeError, NotImplementedError, TypeError):  # a model without a layer count or meta run
         return None
-    (train1, fwd1, params1), (train2, fwd2, params2) = counts
-    return Block(train_flops=(train2 - train1) / seq_len, forward_flops=(fwd2 - fwd1) / seq_len,
-                 params=params2 - params1)  # fmt: skip
+    per_token = [(b - a) / seq_len for a, b in zip(one, two, strict=True)]
+    attention = 0.5 if isinstance(provider, LlamaProvider) else 0.0  # see the module docstring
+    return Block(train_flops=per_token[0], forward_flops=per_token[1], attention_flops=attention * per_token[2],
+                 attention_forward_flops=attention * per_token[3], params=round(per_token[4] * seq_len))  # fmt: skip
 
 
-def _count(provider: ModelProvider, seq_len: int) -> tuple[int, int, int]:
-    """(forward + backward matmul FLOPs, forward matmul FLOPs, parameters) of `provider`'s model on one sequence."""
+def _count(provider: ModelProvider, seq_len: int) -> tuple[int, int, int, int, int]:
+    """Matmul FLOPs forward + backward and forward, batched (attention's) ones the same, and parameters of
+    `provider`'s model on one sequence."""
     model = provider.meta_model()
     sample = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     forward, train = FlopCounterMode(display=False), FlopCounterMode(display=False)
@@ -118,5 +127,7 @@ def _count(provider: ModelProvider, seq_len: int) -> tuple[int, int, int]:
         provider.forward(model, sample)
     with train:
         provider.forward(model, sample).float().sum().backward()
-    flops = [sum(c.get_flop_counts()["Global"].get(op, 0) for op in MATMULS) for c in (train, forward)]
-    return flops[0], flops[1], sum(p.numel() for p in model.parameters())
+    counts = [c.get_flop_counts()["Global"] for c in (train, forward)]
+    matmuls = [sum(c.get(op, 0) for op in MATMULS) for c in counts]
+    batched = [c.get(torch.ops.aten.bmm, 0) for c in counts]
+    return matmuls[0], matmuls[1], batched[0], batched[1], sum(p.numel() for p in model.parameters())
