@@ -8,7 +8,9 @@ That holds only if each floor is at most what the estimate gives, term by term:
   device's best matmul rate. For shardlab's Llama, attention too, at half of what the meta model's math kernel
   computes (the probe counts SDPA's causal kernel as half the square, its backward as 2.5 forwards against the math
   kernel's 2, and a masked one, as under cp, as the whole square); other models' attention kernels may be ones the
-  probe does not count. The output layer, memory-bound ops and selective recomputation only add.
+  probe does not count. Selective checkpointing recomputes at least L // ac_every blocks without a pipeline (blocks
+  are picked by their index in the whole model; with a pipeline none are counted). The output layer and memory-bound
+  ops only add.
 - FSDP: every micro batch without a pipeline (once per step with one) gathers the rank's block weights in
   param_dtype and reduce-scatters their gradients in reduce_dtype, over dp_shard x cp, at that group's bandwidth.
   The step is at least the larger of the two (the roofline overlaps them), stretched by the pipeline's bubble as
@@ -76,10 +78,15 @@ class Floors(Frozen):
         if self.block is None:
             return 0.0
         blocks = -(-self.n_layers // m.pp)
-        b, full = self.block, layout.activation_checkpoint == "full"
-        per_token = b.train_flops + b.attention_flops + (b.forward_flops + b.attention_forward_flops if full else 0)
+        b, ac = self.block, layout.activation_checkpoint
+        recomputed = (
+            blocks if ac == "full" else self.n_layers // cfg.plan.ac_every if ac == "selective" and m.pp == 1 else 0
+        )
+        flops = blocks * (b.train_flops + b.attention_flops) + recomputed * (
+            b.forward_flops + b.attention_forward_flops
+        )
         tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
-        compute = tokens * blocks * per_token / m.tp / self.rate
+        compute = tokens * flops / m.tp / self.rate
         fsdp, shards = 0.0, m.dp_shard * m.cp
         if shards > 1:
             weights = blocks * self.block.params / m.tp
