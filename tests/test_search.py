@@ -192,9 +192,11 @@ def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_
     for b in every.best:
         assert 0 < floors.time(c, b.layout, dev) <= b.step_s and floors.memory(c, b.layout) <= b.peak
     piped = Layout(mesh=MeshSpec(pp=2, dp_shard=8), activation_checkpoint="full", micro_batches=2, pp_schedule="1f1b")
-    run_cfg = piped.config(c).resolve(16)
-    e = estimate_shared(run_cfg, plan_model(run_cfg)[1], None, dev, provider, probes)  # a bubble of a third
-    assert 0 < floors.time(c, piped, dev) <= e.time.step_s and floors.memory(c, piped) <= e.peak
+    split = Layout(mesh=MeshSpec(dp_shard=4, cp=2, tp=2), activation_checkpoint="selective", micro_batches=1)
+    for layout in (piped, split):  # a bubble of a third; attention over cp (the probe's masked kernel) and tp
+        run_cfg = layout.config(c).resolve(16)
+        e = estimate_shared(run_cfg, plan_model(run_cfg)[1], None, dev, provider, probes)
+        assert 0 < floors.time(c, layout, dev) <= e.time.step_s and floors.memory(c, layout) <= e.peak
     assert floors.memory(c, piped) > 4 * floors.param_bytes // 16  # the held stage's unsharded weights too
 
 
