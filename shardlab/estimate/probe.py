@@ -42,7 +42,13 @@ from shardlab._device_mesh import _experts_of, flat_view, make_mesh
 from shardlab.apply import apply
 from shardlab.config import Config
 from shardlab.context_parallel import cp_positions
-from shardlab.estimate._fake import fake_tensors, fake_world, forget_dtensor_dispatch, inferring_dtensor_shapes
+from shardlab.estimate._fake import (
+    cached_sharding_propagation,
+    fake_tensors,
+    fake_world,
+    forget_dtensor_dispatch,
+    inferring_dtensor_shapes,
+)
 from shardlab.loss import summed_loss
 from shardlab.mesh import AXES, FLAT_VIEWS
 from shardlab.metrics import module_flops
@@ -466,7 +472,7 @@ def measure(
     # and reshards them differently), so every probe holds both and the difference is one middle period.
     sizes = (n,) if n <= 3 * k * stages else (2 * k * stages, 3 * k * stages)
     rank = pp_rank * (cfg.mesh.world_size // pp)
-    with fake_world(cfg.mesh.world_size, rank):
+    with fake_world(cfg.mesh.world_size, rank), cached_sharding_propagation():
         # One mesh for both probes: DTensor caches redistributions by mesh equality, so a second equal mesh
         # would run on the first one's groups.
         mesh = make_mesh(cfg.mesh, "cpu")
