@@ -194,32 +194,31 @@ def search(
         return estimates[layout]
 
     def cannot_fit(layout: Layout) -> bool:
-        """Whether an estimated layout that needs no more memory than `layout` did not fit; where memory is what
-        decides (more layouts failed to fit than fit), its siblings that bound the most others are estimated first
-        (`_memory_siblings`): their probes are the smallest of the layout's mesh and the most shared."""
-        if any(_needs_no_more(other, layout) for other in too_large.get(_frame(layout), ())):
-            return True
-        if unfit <= len(fits):
-            return False
-        return any(estimated(sibling).peak > memory for sibling in _memory_siblings(layout, cfg))
+        """Where memory is what decides (more layouts failed to fit than fit), whether one of the siblings of `layout`
+        that bound the most others did not fit (`_memory_siblings`, estimated here if they were not): their probes are
+        the smallest of the layout's mesh and the most shared."""
+        return unfit > len(fits) and any(estimated(s).peak > memory for s in _memory_siblings(layout, cfg))
 
     for n, i in enumerate(order):
         layout = layouts[i]
         if prune and len(kth) == top and time_floor[i] > -kth[0]:
             pruned = len(order) - n  # the rest are at least as slow as their floors: none enters the top
             break
+        frame = _frame(layout)
         need = floors.memory(cfg, layout)
         if need <= memory:
-            need = fixed_bytes(layout)
+            if any(_beats(d, layout) for d in done.get(frame, ())):
+                continue
+            if any(_needs_no_more(other, layout) for other in too_large.get(frame, ())):
+                too_big += 1
+                continue
+            need = fixed_bytes(layout)  # its plan's
             if need is None:
                 continue
         if need > memory:
             over += 1
             if closest_state is None or need < closest_state[0]:
                 closest_state = (need, layout)
-            continue
-        frame = _frame(layout)
-        if any(_beats(d, layout) for d in done.get(frame, ())):
             continue
         if cannot_fit(layout):
             too_big += 1
