@@ -188,7 +188,7 @@ def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_
     pruned, every = run(True, 2), run(False, 100)
     assert pruned.pruned > 0 and pruned.estimated < every.estimated and every.pruned == 0 and every.too_big > 0
     assert [(b.layout, b.step_s, b.peak) for b in pruned.best] == [(b.layout, b.step_s, b.peak) for b in every.best[:2]]
-    floors = Floors.of(c, provider, provider.meta_model(), dev)
+    floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
     for b in every.best:
         assert 0 < floors.time(c, b.layout, dev) <= b.step_s and floors.memory(c, b.layout) <= b.peak
     piped = Layout(mesh=MeshSpec(pp=2, dp_shard=8), activation_checkpoint="full", micro_batches=2, pp_schedule="1f1b")

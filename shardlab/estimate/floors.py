@@ -11,6 +11,11 @@ That holds only if each floor is at most what the estimate gives, term by term:
   probe does not count. Selective checkpointing recomputes at least L // ac_every blocks without a pipeline (blocks
   are picked by their index in the whole model; with a pipeline none are counted). The output layer and memory-bound
   ops only add.
+- TP, for shardlab's Llama laid out by its own rules: each block's attention and MLP end in a projection sharded
+  over its input dim, whose partial outputs tp reduces in the forward, and begin with ones sharded over their
+  output dim, whose input gradients it reduces in the backward: at least 4 collectives of the rank's tokens x dim
+  (all-reduces, or under sequence parallelism all-gathers and reduce-scatters, twice as many of half the traffic),
+  2 more for each recomputed block, on the critical path as the roofline puts them.
 - FSDP: every micro batch without a pipeline (once per step with one) gathers the rank's block weights in
   param_dtype and reduce-scatters their gradients in reduce_dtype, over dp_shard x cp, at that group's bandwidth.
   The step is at least the larger of the two (the roofline overlaps them), stretched by the pipeline's bubble as
@@ -28,7 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from shardlab._base import Frozen
 from shardlab.config import Config
-from shardlab.estimate.roofline import GPUS_PER_NODE, Device, shared_pipeline_factor
+from shardlab.estimate.roofline import GPUS_PER_NODE, Device, axis_bandwidth, shared_pipeline_factor
 from shardlab.models.provider import LlamaProvider, ModelProvider
 from shardlab.pipeline import bubble_fraction
 from shardlab.search import Layout, uses_fsdp
@@ -56,6 +61,8 @@ class Floors(Frozen):
 
     block: Block | None
     """None: no compute or FSDP floor (a model with experts, or one whose blocks could not be counted)."""
+    tp_dim: int
+    """The residual stream's width whose reductions tp pays per block and token (0: no TP floor)."""
     param_bytes: int
     """All parameters in their stored dtype (fp32 master weights)."""
     n_layers: int
@@ -63,14 +70,16 @@ class Floors(Frozen):
     """The device's best matmul FLOP/s: its peak at the highest efficiency any of its kernels reach."""
 
     @classmethod
-    def of(cls, cfg: Config, provider: ModelProvider, model: torch.nn.Module, dev: Device) -> Floors:
+    def of(cls, cfg: Config, provider: ModelProvider, model: torch.nn.Module, dev: Device, own_rules: bool) -> Floors:
+        """own_rules: the recipe lays the model out by rules of its own (no TP floor: they may shard otherwise)."""
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         best = dev.matmul_efficiency
         if dev.kernels is not None:
             best = max(e for curve in (dev.kernels.matmul, dev.kernels.attention) for _, e in curve)
         block = None if provider.moe is not None else _block(provider, cfg.train.seq_len)
-        return cls(block=block, param_bytes=param_bytes, n_layers=provider.n_layers,
-                   rate=dev.bf16_tflops * 1e12 * best)  # fmt: skip
+        llama = isinstance(provider, LlamaProvider) and block is not None and not own_rules
+        return cls(block=block, tp_dim=provider.dim if llama else 0, param_bytes=param_bytes,
+                   n_layers=provider.n_layers, rate=dev.bf16_tflops * 1e12 * best)  # fmt: skip
 
     def time(self, cfg: Config, layout: Layout, dev: Device) -> float:
         """Seconds per step the estimate of `layout` gives at least."""
@@ -95,6 +104,9 @@ class Floors(Frozen):
             bandwidth = (dev.nvlink_gb_s if span <= GPUS_PER_NODE else dev.network_gb_s) * 1e9
             fsdp = (1 if m.pp > 1 else layout.micro_batches) * both * (shards - 1) / shards / bandwidth
         busy = max(compute, fsdp)
+        if m.tp > 1 and self.tp_dim:
+            all_reduced = tokens * self.tp_dim * DTYPE_BYTES[cfg.plan.param_dtype] * (4 * blocks + 2 * recomputed)
+            busy += all_reduced * 2 * (m.tp - 1) / m.tp / axis_bandwidth(m, "tp", dev)
         if m.pp == 1:
             return busy
         bubble = bubble_fraction(layout.pp_schedule, m.pp, layout.pp_stages_per_rank, layout.micro_batches)

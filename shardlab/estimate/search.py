@@ -158,7 +158,7 @@ def search(
         plan = plan_of(shape.config(cfg).resolve(world))
         return estimate_memory(plan).total + fsdp_buffer_bytes(plan)
 
-    floors = Floors.of(cfg, provider, model, dev)
+    floors = Floors.of(cfg, provider, model, dev, own_rules=rules_of(cfg) is not None)
     time_floor = [floors.time(cfg, layout, dev) for layout in layouts]
     order = sorted(range(len(layouts)), key=lambda i: (time_floor[i], _cheapest_first(layouts[i]), i))
     measured = {} if probes is None else probes  # probes of twins, shared by every layout with the same twin
