@@ -38,7 +38,7 @@ from shardlab.models.provider import ModelProvider, check_layout
 from shardlab.pipeline import ONE_STAGE, V_SHAPED, bubble_fraction
 from shardlab.plan import Plan, make_plan
 from shardlab.rules import Rules
-from shardlab.search import AC_MODES, Layout, enumerate_layouts, recomputes_no_more, uses_fsdp
+from shardlab.search import AC_MODES, Layout, divisors, enumerate_layouts, recomputes_no_more, uses_fsdp
 
 RulesOf = Callable[[Config], Rules | None]
 
@@ -196,8 +196,26 @@ def search(
     def cannot_fit(layout: Layout) -> bool:
         """Where memory is what decides (more layouts failed to fit than fit), whether one of the siblings of `layout`
         that bound the most others did not fit (`_memory_siblings`, estimated here if they were not): their probes are
-        the smallest of the layout's mesh and the most shared."""
-        return unfit > len(fits) and any(estimated(s).peak > memory for s in _memory_siblings(layout, cfg))
+        the smallest of the layout's mesh and the most shared. Without a pipeline, the rows per micro batch that fit
+        are then bisected (one probe per halving, where the layouts of one mesh would take one per row count)."""
+        if unfit <= len(fits):
+            return False
+        one_row, others = _memory_siblings(layout, cfg)
+        if any(estimated(s).peak > memory for s in one_row):
+            return True
+        if layout.mesh.pp == 1:
+            resharding = _resharding(layout, cfg)
+            per_rank = cfg.train.global_batch // layout.mesh.size("dp")
+            rows = [per_rank // m for m in reversed(divisors(per_rank))]  # ascending
+            mine = per_rank // layout.micro_batches
+            with_rows = lambda q: msgspec.structs.replace(resharding, micro_batches=per_rank // q)  # noqa: E731
+            known = [q for q in rows if q < mine and with_rows(q) in estimates]
+            low = max((q for q in known if estimates[with_rows(q)].peak <= memory), default=0)
+            while between := [q for q in rows if low < q < mine]:
+                low = between[len(between) // 2]
+                if estimated(with_rows(low)).peak > memory:
+                    return True
+        return any(estimated(s).peak > memory for s in others)
 
     for n, i in enumerate(order):
         layout = layouts[i]
@@ -262,19 +280,25 @@ def _needs_no_more(small: Layout, other: Layout) -> bool:
     return more_ac and resharded and small.micro_batches >= other.micro_batches
 
 
-def _memory_siblings(layout: Layout, cfg: Config) -> list[Layout]:
-    """The siblings whose fit decides the most: resharding after forward where FSDP can, checkpointing every block,
-    and without a pipeline one sequence per micro batch; each of these needs no more memory than `layout`."""
-    resharding = layout
-    if not layout.reshard_after_forward and uses_fsdp(cfg, layout.mesh):  # enumerated with this sibling
-        resharding = msgspec.structs.replace(layout, reshard_after_forward=True)
-    siblings = []
+def _resharding(layout: Layout, cfg: Config) -> Layout:
+    """`layout` resharding FSDP's weights after forward, where it is enumerated with that sibling (else itself)."""
+    if layout.reshard_after_forward or not uses_fsdp(cfg, layout.mesh):
+        return layout
+    return msgspec.structs.replace(layout, reshard_after_forward=True)
+
+
+def _memory_siblings(layout: Layout, cfg: Config) -> tuple[list[Layout], list[Layout]]:
+    """The siblings whose fit decides the most, each needing no more memory than `layout`: without a pipeline, one
+    sequence per micro batch (checkpointing every block, then as `layout`); then checkpointing every block and
+    resharding after forward where FSDP can (the last one, where it is a sibling)."""
+    resharding = _resharding(layout, cfg)
+    one_row = []
     if layout.mesh.pp == 1:
-        one_row = cfg.train.global_batch // layout.mesh.size("dp")
-        siblings.append(msgspec.structs.replace(resharding, activation_checkpoint="full", micro_batches=one_row))
-        siblings.append(msgspec.structs.replace(resharding, micro_batches=one_row))
-    siblings += [msgspec.structs.replace(resharding, activation_checkpoint="full"), resharding]
-    return [s for s in dict.fromkeys(siblings) if s != layout]
+        micro = cfg.train.global_batch // layout.mesh.size("dp")
+        one_row.append(msgspec.structs.replace(resharding, activation_checkpoint="full", micro_batches=micro))
+        one_row.append(msgspec.structs.replace(resharding, micro_batches=micro))
+    others = [msgspec.structs.replace(resharding, activation_checkpoint="full"), resharding]
+    return [s for s in dict.fromkeys(one_row) if s != layout], [s for s in dict.fromkeys(others) if s != layout]
 
 
 def _derived(base: Plan, run: Config) -> Plan:
