@@ -69,7 +69,7 @@ class Search(Frozen):
     """Dropped by their plan alone, before any probe."""
     too_big: int
     """Dropped without a probe of their own: a sibling needing no more memory did not fit (the same layout resharding
-    FSDP's weights after forward, or running one sequence per micro batch)."""
+    FSDP's weights after forward, checkpointing more, or with fewer rows per micro batch)."""
     estimated: int
     pruned: int
     """Not looked at: their floor (`shardlab.estimate.floors`) is above the `top`-th fastest layout that fits."""
