@@ -18,8 +18,9 @@ That holds only if each floor is at most what the estimate gives, term by term:
   2 more for each recomputed block, on the critical path as the roofline puts them.
 - FSDP: every micro batch without a pipeline (once per step with one) gathers the rank's block weights in
   param_dtype and reduce-scatters their gradients in reduce_dtype, over dp_shard x cp, at that group's bandwidth.
-  The step is at least the larger of the two (the roofline overlaps them), stretched by the pipeline's bubble as
-  `roofline.step_time` stretches it; TP, CP and pipeline sends and the optimizer only add.
+  The step is at least the larger of compute and FSDP (the roofline overlaps them) plus TP, stretched by the
+  pipeline's bubble as `roofline.step_time` stretches it; CP's and EP's collectives, pipeline sends and the
+  optimizer only add.
 - memory: parameters, gradients and two AdamW moments, split at most dp_shard x cp x tp x pp ways, and under a
   pipeline with FSDP the held blocks' unsharded weights and gradients (`fsdp_buffer_bytes`).
 A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Models with
