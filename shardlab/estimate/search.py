@@ -270,10 +270,10 @@ def _frame(layout: Layout) -> tuple:
 
 def _needs_no_more(small: Layout, other: Layout) -> bool:
     """`small` (of `other`'s frame) never needs more memory than `other`: it checkpoints at least as much (its
-    forward keeps no more alive), reshards FSDP's weights after forward if `other` does (it does not hold every
+    forward keeps no more alive; op keeps more than selective under TP with SP, and less on one process), reshards FSDP's weights after forward if `other` does (it does not hold every
     unit's gathered weights), and without a pipeline runs no more rows per micro batch (a pipeline's in-flight micro
     batches depend on their count: only the same)."""
-    more_ac = AC_MODES.index(small.activation_checkpoint) >= AC_MODES.index(other.activation_checkpoint)
+    more_ac = recomputes_no_more(other.activation_checkpoint, small.activation_checkpoint)  # op vs selective: unordered
     resharded = small.reshard_after_forward or not other.reshard_after_forward
     if small.mesh.pp > 1:
         return more_ac and resharded and small.micro_batches == other.micro_batches
