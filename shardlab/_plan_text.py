@@ -94,10 +94,11 @@ def table(plan: Plan, collapse: bool = True, groups: Mapping[str, str] | None = 
     if plan.fsdp:
         f = plan.fsdp
         units = sorted({_layer_glob(" + ".join(u)) for u in f.units})
+        kept = f" (not {' + '.join(f.units[-1])})" if f.last_kept else ""
         out += [
             "",
             f"FSDP over {' x '.join(f.axes)}: {len(f.units)} units + root ({', '.join(units)}); "
-            f"reshard_after_forward={f.reshard_after_forward} param={f.param_dtype} reduce={f.reduce_dtype} "
+            f"reshard_after_forward={f.reshard_after_forward}{kept} param={f.param_dtype} reduce={f.reduce_dtype} "
             f"cpu_offload={f.cpu_offload}",
         ]
     if plan.pipeline is not None:

@@ -105,13 +105,16 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
                 unit.set_gradient_divide_factor(float(e.gradient_divide_factor))
                 # Sum, then divide: gloo has no PREMUL_SUM. Not over one shard: torch 2.13 would divide twice.
                 unit.set_force_sum_reduction_for_comms(plan.mesh.experts.dp_shard_mod_ep > 1)
-        for unit in f.units:
+        for i, unit in enumerate(f.units):
             modules = [model.get_submodule(m) for m in unit]
             modules = [m for m in modules if next(m.parameters(), None) is not None]  # other stages' are Identity
             if modules:
-                fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
-        for root in roots:  # one FSDP root per module a pipeline stage runs: its forward must run the root's hooks
-            fully_shard(root, **kwargs)
+                kept = {"reshard_after_forward": False} if f.last_kept and i == len(f.units) - 1 else {}
+                fully_shard(modules if len(modules) > 1 else modules[0], **(kwargs | kept))
+        # One FSDP root per module a pipeline stage runs: its forward must run the root's hooks. A root's backward
+        # begins as its forward ends, so torch's default (None) keeps it gathered in between when the units reshard.
+        for root in roots:
+            fully_shard(root, **(kwargs | {"reshard_after_forward": None if f.reshard_after_forward else False}))
     return model
 
 

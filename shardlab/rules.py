@@ -69,6 +69,9 @@ class Rules(Frozen):
     """Activation layouts per module (sequence parallel, loss parallel)."""
     fsdp_units: tuple[tuple[str, ...], ...] = ()
     """FSDP units, each a group of module globs sharded together; the root takes the rest."""
+    fsdp_last_kept: bool = False
+    """The last of fsdp_units is the one whose forward ends the model (the final norm and output layer): its
+    backward follows at once, so it stays gathered in between instead of being gathered again."""
     blocks: tuple[str, ...] = ()
     """Globs of the repeated blocks (activation checkpointing and torch.compile wrap these)."""
     attention: tuple[str, ...] = ()

@@ -323,7 +323,7 @@ FSDP = [
     (
         MeshSpec(dp_shard=2),
         PlanConfig(),
-        FsdpPlan(axes=("dp_shard",), units=UNITS, reshard_after_forward=True, param_dtype="float32", reduce_dtype="float32", cpu_offload=False),
+        FsdpPlan(axes=("dp_shard",), units=UNITS, reshard_after_forward=True, param_dtype="float32", reduce_dtype="float32", cpu_offload=False, last_kept=True),
     ),
     (
         MeshSpec(dp_shard=2, tp=2),
@@ -333,17 +333,17 @@ FSDP = [
     (
         MeshSpec(dp_replicate=2, dp_shard=2),
         PlanConfig(),
-        FsdpPlan(axes=("dp_replicate", "dp_shard"), units=UNITS, reshard_after_forward=True, param_dtype="float32", reduce_dtype="float32", cpu_offload=False),
+        FsdpPlan(axes=("dp_replicate", "dp_shard"), units=UNITS, reshard_after_forward=True, param_dtype="float32", reduce_dtype="float32", cpu_offload=False, last_kept=True),
     ),
     (  # pure replication (DDP-like) is HSDP with a size-1 shard axis
         MeshSpec(dp_replicate=2, dp_shard=1),
         PlanConfig(),
-        FsdpPlan(axes=("dp_replicate", "dp_shard"), units=UNITS, reshard_after_forward=True, param_dtype="float32", reduce_dtype="float32", cpu_offload=False),
+        FsdpPlan(axes=("dp_replicate", "dp_shard"), units=UNITS, reshard_after_forward=True, param_dtype="float32", reduce_dtype="float32", cpu_offload=False, last_kept=True),
     ),
     (  # one rank with mixed precision still needs fully_shard (for MixedPrecisionPolicy)
         MeshSpec(dp_shard=1),
         PlanConfig(param_dtype="bfloat16"),
-        FsdpPlan(axes=("dp_shard",), units=UNITS, reshard_after_forward=True, param_dtype="bfloat16", reduce_dtype="float32", cpu_offload=False),
+        FsdpPlan(axes=("dp_shard",), units=UNITS, reshard_after_forward=True, param_dtype="bfloat16", reduce_dtype="float32", cpu_offload=False, last_kept=True),
     ),
 ]  # fmt: skip
 
@@ -383,6 +383,7 @@ def test_tied_embeddings_fsdp_units_exclude_embedding_and_head() -> None:
     plan = llama_plan(TINY_TIED, MeshSpec(dp_shard=2, tp=2))
     assert plan.fsdp is not None
     assert plan.fsdp.units == (("model.layers.0",), ("model.layers.1",))
+    assert not plan.fsdp.last_kept  # the output layer is the root's, which torch keeps gathered itself
     assert plan.param(EMB).fsdp_unit == "" and plan.param(NORM).fsdp_unit == ""  # the root
 
 

@@ -131,3 +131,20 @@ def test_without_resharding_every_fsdp_unit_stays_gathered():
     largest = sorted(units.values(), reverse=True)
     assert fsdp_buffer_bytes(plans[0]) == sum(largest[:2]) + largest[0]
     assert fsdp_buffer_bytes(plans[1]) == sum(largest) + largest[0]
+
+
+@pytest.mark.parametrize("last_kept", [True, False])
+def test_the_output_layer_stays_gathered_for_its_backward(last_kept):
+    """The last FSDP unit (final norm and output layer) ends the forward, and its backward follows at once: kept
+    gathered in between, the backward gathers every unit but that one again."""
+    from shardlab.models.llama_rules import llama_rules
+
+    c = cfg(MeshSpec(dp_shard=2), n_layers=2).resolve(2)
+    rules = msgspec.structs.replace(llama_rules(c.model, c.plan), fsdp_last_kept=last_kept)
+    _, plan = plan_model(c)
+    assert plan.fsdp.last_kept and plan.fsdp.units[-1] == ("model.norm", "lm_head")
+    gathers = {x.phase: x for x in probe(c, rules).collectives if x.kind == "all_gather" and x.axis == "dp_shard"}
+    head = (c.model.dim + c.model.vocab_size * c.model.dim) * 4
+    assert gathers["forward"].count == len(plan.fsdp.units)
+    assert gathers["backward"].count == len(plan.fsdp.units) - last_kept
+    assert gathers["forward"].bytes - gathers["backward"].bytes == (head if last_kept else 0)

@@ -227,6 +227,7 @@ def hf_rules(model: nn.Module, options: PlanConfig = PlanConfig()) -> Rules:
         logical=logical_table(options),
         activations=_activations(d, model),
         fsdp_units=units,
+        fsdp_last_kept=not d.tied,
         blocks=(d.blocks,),
         attention=d.attention,
         stage_call="transformers",

@@ -108,6 +108,7 @@ def llama_rules(model: ModelConfig, options: PlanConfig = PlanConfig()) -> Rules
         logical=logical_table(options),
         activations=activations,
         fsdp_units=units,
+        fsdp_last_kept=not tied,
         blocks=("model.layers.*",),
         attention=("model.layers.*.self_attn",),
     )
