@@ -34,6 +34,8 @@ from shardlab.routers import Routers, moe_layers
 from shardlab.schedule import PipelineRun
 
 Metrics = dict[str, float | list[int]]
+FUSED_DEVICES = ("cpu", "cuda")
+"""Devices with torch's fused AdamW kernel that shardlab runs on."""
 
 
 class TrainState(Frozen):
@@ -58,14 +60,16 @@ def init_state(model: nn.Module, optim: OptimConfig) -> TrainState:
     """AdamW over the (already parallelized) parameters; weight decay on every parameter but `optim.no_decay`'s
     (by default all, as torchtitan), learning rates scaled by `optim.lr_scales` (`param_group`).
 
-    One param group per mesh and (decay, lr scale): foreach kernels cannot mix plain tensors with DTensors (TP
-    without sequence parallel leaves norms plain), nor DTensors of different meshes. A group's `lr_scale` is
-    what the step multiplies the scheduled learning rate by.
+    One param group per mesh and (decay, lr scale): fused and foreach kernels cannot mix plain tensors with
+    DTensors (TP without sequence parallel leaves norms plain), nor DTensors of different meshes. A group's
+    `lr_scale` is what the step multiplies the scheduled learning rate by. torch's fused kernel (one pass over
+    each parameter, as torchtitan uses) where the parameters' device has one, else foreach.
     """
     groups: dict[tuple[object, ParamGroup], list[torch.Tensor]] = {}
     for name, p in model.named_parameters():
         mesh = p.device_mesh if isinstance(p, DTensor) else None
         groups.setdefault((mesh, param_group(name, optim)), []).append(p)
+    fused = all(p.device.type in FUSED_DEVICES for ps in groups.values() for p in ps)
     opt = torch.optim.AdamW(
         [
             {"params": ps, "weight_decay": optim.weight_decay if g.decay else 0.0, "lr_scale": g.lr_scale}
@@ -75,7 +79,8 @@ def init_state(model: nn.Module, optim: OptimConfig) -> TrainState:
         betas=optim.betas,
         eps=optim.eps,
         weight_decay=optim.weight_decay,
-        foreach=True,
+        fused=fused,
+        foreach=not fused,
     )
     return TrainState(model=model, optim=opt, step=0)
 
