@@ -94,7 +94,7 @@ def table(plan: Plan, collapse: bool = True, groups: Mapping[str, str] | None = 
     if plan.fsdp:
         f = plan.fsdp
         units = sorted({_layer_glob(" + ".join(u)) for u in f.units})
-        kept = f" (not {' + '.join(f.units[-1])})" if f.last_kept else ""
+        kept = f" (not {' + '.join(f.units[-1])})" if f.last_kept and f.reshard_after_forward else ""
         out += [
             "",
             f"FSDP over {' x '.join(f.axes)}: {len(f.units)} units + root ({', '.join(units)}); "

@@ -92,7 +92,8 @@ class FsdpPlan(Frozen):
     cpu_offload: bool
     last_kept: bool = False
     """The last unit stays gathered from its forward to its backward, which follows at once (the model's output
-    layer; rules.fsdp_last_kept): one all-gather a step fewer, the same peak memory."""
+    layer; rules.fsdp_last_kept): one all-gather a step fewer, the same peak memory. Without resharding after
+    forward every unit stays gathered anyway."""
 
 
 class Plan(Frozen):
@@ -392,7 +393,7 @@ def _fsdp_plan(modules, params, aliases, mesh: MeshSpec, rules: Rules, options: 
         axes=axes,
         units=tuple(units),
         reshard_after_forward=options.reshard_after_forward,
-        last_kept=options.reshard_after_forward and rules.fsdp_last_kept and bool(units),
+        last_kept=rules.fsdp_last_kept and bool(units),
         param_dtype=options.param_dtype,
         reduce_dtype=options.reduce_dtype,
         cpu_offload=options.cpu_offload,

@@ -328,7 +328,7 @@ FSDP = [
     (
         MeshSpec(dp_shard=2, tp=2),
         PlanConfig(reshard_after_forward=False, param_dtype="bfloat16", cpu_offload=True),
-        FsdpPlan(axes=("dp_shard",), units=UNITS, reshard_after_forward=False, param_dtype="bfloat16", reduce_dtype="float32", cpu_offload=True),
+        FsdpPlan(axes=("dp_shard",), units=UNITS, reshard_after_forward=False, param_dtype="bfloat16", reduce_dtype="float32", cpu_offload=True, last_kept=True),
     ),
     (
         MeshSpec(dp_replicate=2, dp_shard=2),
