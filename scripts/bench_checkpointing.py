@@ -14,7 +14,7 @@ stdlib text, seq 2048, global batch 8 (one micro batch per step). Every run is a
 - then one memory run per mode, started with MALLOC_MMAP_THRESHOLD_=64 KiB so that freed tensors leave the process
   at once and its resident memory follows the live tensors: after one training step (lazy initialisation), one
   micro batch (this rank's rows of the next batch) runs under the estimator's own recorder
-  (shardlab.estimate.probe._Recorder) on the real tensors:
+  (shardlab.estimate.recorder.Recorder) on the real tensors:
   - act MiB: bytes of the storages its forward leaves alive for the backward (saved tensors, checkpoint inputs,
     selective checkpointing's kept outputs, logits, loss);
   - +RSS MiB: what its forward adds to the process's resident memory;
@@ -49,7 +49,7 @@ from _worlds import free_port, join
 from shardlab.config import Config, DataConfig, LogConfig, MeshSpec, ModelConfig, PlanConfig, TrainConfig
 from shardlab.data import make_loader
 from shardlab.estimate import estimate
-from shardlab.estimate.probe import _axis_names, _param_storages, _Recorder
+from shardlab.estimate.recorder import Recorder, axis_names, param_storages
 from shardlab.estimate.roofline import device
 from shardlab.loop import build_model, plan_model
 from shardlab.step import forward_backward, init_state, make_step
@@ -104,12 +104,12 @@ def rank_main(rank: int, world: int, port: int, cfg_json: bytes, memory: bool, o
     result = {"times": times, "cpu": cpu, "losses": losses}
     if memory:
         batch = loader.batch(1)
-        recorder = _Recorder(_axis_names(mesh) if mesh is not None else {})
+        recorder = Recorder(axis_names(mesh) if mesh is not None else {})
         seen = {"before": rss()}
 
         def after_forward() -> None:
             seen["after"] = rss()
-            seen["live"] = recorder.live_bytes(_param_storages(model))
+            seen["live"] = recorder.live_bytes(param_storages(model))
 
         with recorder:
             forward_backward(model, batch.inputs, batch.labels, 1.0, plan.loss_parallel, after_forward)

@@ -10,7 +10,8 @@ import torch
 from shardlab import Config, MeshSpec, ModelConfig, PlanConfig, TrainConfig
 from shardlab.estimate import kernels
 from shardlab.estimate.kernels import Kernels, efficiency
-from shardlab.estimate.probe import Collective, Probe, probe
+from shardlab.estimate.probe import Probe, probe
+from shardlab.estimate.recorder import Collective
 from shardlab.estimate.roofline import (
     DEVICES,
     collective_seconds,

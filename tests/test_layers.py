@@ -47,6 +47,7 @@ LAYERS = [
     {"schedule", "routers"},
     {"step"},
     {"evaluate"},
+    {"estimate.recorder"},
     {"estimate.probe"},
     {"estimate.kernels", "estimate.roofline", "estimate.cpu", "estimate.floors"},
     {"estimate", "estimate.shared", "estimate.search", "checkpoint"},

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from shardlab._base import Frozen
 from shardlab.config import Config
 from shardlab.estimate._fake import fake_world
-from shardlab.estimate.probe import Collective, Probe, probe, stage_boundary
+from shardlab.estimate.probe import Probe, probe, stage_boundary
+from shardlab.estimate.recorder import Collective
 from shardlab.estimate.roofline import DP_AXES, Device, StepTime, collective_seconds, compute_seconds, step_time
 from shardlab.models.provider import ModelProvider, provider_for
 from shardlab.pipeline import LOOPED, ONE_STAGE, V_SHAPED, in_flight

@@ -2,7 +2,7 @@
 
 A roofline at peak is a floor that small models never approach: a 64-wide matmul runs far below the FLOP/s of an
 8192-wide one, eager attention below both, and every op pays a fixed dispatch (or launch) cost. A `Kernels` table says
-by how much, per class of op as the probe records it (shardlab.estimate.probe: `matmul`, `attention`, and `memory`
+by how much, per class of op as the probe records it (shardlab.estimate.recorder: `matmul`, `attention`, and `memory`
 for ops without FLOPs), each as a curve over the op's size, so the roofline prices op by op:
 
     seconds = overhead + max(FLOPs / (peak x efficiency(class, FLOPs)), bytes / (bandwidth x memory(bytes)))

@@ -30,7 +30,8 @@ import msgspec
 
 from shardlab._base import Frozen
 from shardlab.estimate.kernels import MEASURED, Kernels
-from shardlab.estimate.probe import Collective, Probe
+from shardlab.estimate.probe import Probe
+from shardlab.estimate.recorder import Collective
 from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec
 
 MATMUL_EFFICIENCY = 0.8

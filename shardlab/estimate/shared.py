@@ -24,7 +24,8 @@ import msgspec
 
 from shardlab.config import Config
 from shardlab.estimate import Estimate, estimate_from, probed_rank
-from shardlab.estimate.probe import Collective, Measurement, Probe, measure
+from shardlab.estimate.probe import Measurement, Probe, measure
+from shardlab.estimate.recorder import Collective
 from shardlab.estimate.roofline import Device
 from shardlab.mesh import MeshSpec
 from shardlab.models.provider import ModelProvider

@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor
 from shardlab.config import Config, MeshSpec, MoEConfig
 from shardlab.context_parallel import cp_positions
 from shardlab.estimate import DTYPE_BYTES, estimate
-from shardlab.estimate.probe import _axis_names, _param_storages, _Recorder, probe
+from shardlab.estimate.probe import probe
+from shardlab.estimate.recorder import Recorder, axis_names, param_storages
 from shardlab.estimate.roofline import DP_AXES
 from shardlab.loop import build_model, plan_model
 from shardlab.routers import moe_layers
@@ -79,12 +80,12 @@ def real(rank, world_size, name: str) -> dict:
         positions = cp_positions(cfg.train.seq_len, cfg.mesh.cp, mesh["cp"].get_local_rank())
         tokens = tokens[:, positions]
     forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, positions=positions)  # lazy init, grads
-    recorder = _Recorder(_axis_names(mesh))
+    recorder = Recorder(axis_names(mesh))
     seen = {"before": rss()}
 
     def after_forward() -> None:
         seen["after"] = rss()
-        seen["live"] = recorder.live_bytes(_param_storages(model))
+        seen["live"] = recorder.live_bytes(param_storages(model))
 
     with recorder:
         forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward, positions)
@@ -174,7 +175,7 @@ def real_pipeline(name: str) -> dict:
         sends.extend(op.tensor.nbytes for op in ops if op.op is dist.isend)
         return real_batch_p2p(ops, desc)
 
-    recorder = _Recorder(_axis_names(mesh))
+    recorder = Recorder(axis_names(mesh))
     unsharded = [0]  # what the step made and still holds when a stage's gradients are reduced at its end
     real_reduce = PipelineStage.perform_reduce_grad
 
