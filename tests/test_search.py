@@ -215,3 +215,31 @@ def test_a_sibling_checkpointing_more_or_with_fewer_rows_never_needs_more_memory
         e = estimate_shared(run, plan_model(run)[1], None, device("h100"), LlamaProvider(c.model), {})
         peaks[ac, micro] = e.peak
     assert peaks["none", 1] > peaks["none", 2] >= peaks["selective", 2] >= peaks["full", 2]
+
+
+def test_the_floors_of_the_ops_without_flops_and_of_cp_are_below_what_each_layouts_probe_records():
+    """The blocks' memory-bound ops, counted per row on one rank in fp32 and taken at bf16 and 1 / (tp x cp), move
+    no more bytes than the probe of the layout's rank records for its ops without FLOPs: under TP with sequence
+    parallelism in bf16 and without it in fp32 (the gathered activations' ops are whole there), CP, full and
+    selective checkpointing. Without it the floor of a large model misses a sixth of its step (its eager norms and adds). CP's
+    floor (K and V gathered, their gradients reduce-scattered) is at most the probe's cp collectives."""
+    from shardlab.estimate.floors import Floors
+    from shardlab.estimate.probe import probe
+    from shardlab.estimate.roofline import collective_seconds, device
+    from shardlab.models.provider import LlamaProvider
+
+    dev, provider = device("h100"), LlamaProvider(WIDE)
+    cases = [
+        (dict(param_dtype="bfloat16", reduce_dtype="float32"), MeshSpec(dp_shard=2, tp=8), "full"),
+        (dict(sequence_parallel=False), MeshSpec(dp_shard=4, cp=2, tp=2), "selective"),
+    ]  # fmt: skip
+    for plan, mesh, ac in cases:
+        c = cfg(WIDE, global_batch=16, seq_len=4096, **plan)
+        floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
+        layout = Layout(mesh=mesh, activation_checkpoint=ac, micro_batches=2)
+        p = probe(layout.config(c).resolve(16), provider=provider)
+        moved = layout.micro_batches * sum(m * n for f, m, n, _ in p.ops if not f)
+        assert 0 < floors.memory_seconds(c, layout) * floors.bandwidth <= moved, (mesh, ac)
+        run_mesh = layout.config(c).resolve(16).mesh
+        cp = layout.micro_batches * sum(collective_seconds(x, run_mesh, dev) for x in p.collectives if x.axis == "cp")
+        assert (0 < floors.cp_seconds(c, layout, dev) <= cp) if mesh.cp > 1 else cp == 0, (mesh, ac)

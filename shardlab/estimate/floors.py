@@ -5,7 +5,13 @@ the K-th fastest layout that fits: no layout left can then enter the top K, so t
 That holds only if each floor is at most what the estimate gives, term by term:
 - compute: the blocks' matmul FLOPs (forward and backward; the forward again under full checkpointing) on the
   busiest pp rank, which holds at least ceil(L / pp) blocks, each rank's share being 1 / (tp x cp) of them, at the
-  device's best matmul rate. For shardlab's Llama, attention too, at half of what the meta model's math kernel
+  device's best matmul rate. Plus the traffic of the blocks' ops without FLOPs (norms, activations, residual adds,
+  rotary, copies), each its own kernel in eager PyTorch and priced by its bytes at the device's best bandwidth:
+  counted per row of a micro batch (what grows with the rows; what does not is dropped) on fake CPU tensors as the
+  probe runs them, in fp32 on one rank, and taken at half (bf16) or the stored dtype's share and 1 / (tp x cp) on
+  the rank. Each such op of one rank has its counterpart on every layout's rank, on its share of the tokens, heads
+  or hidden units, in a dtype no narrower than bf16; a layout's own ops (casts, FSDP's copies, redistributions)
+  only add. For shardlab's Llama, attention too, at half of what the meta model's math kernel
   computes (the probe counts SDPA's causal kernel as half the square, its backward as 2.5 forwards against the math
   kernel's 2, and a masked one, as under cp, as the whole square); other models' attention kernels may be ones the
   probe does not count. Selective checkpointing recomputes at least L // ac_every blocks without a pipeline (blocks
@@ -16,6 +22,10 @@ That holds only if each floor is at most what the estimate gives, term by term:
   output dim, whose input gradients it reduces in the backward: at least 4 collectives of the rank's tokens x dim
   (all-reduces, or under sequence parallelism all-gathers and reduce-scatters, twice as many of half the traffic),
   2 more for each recomputed block, on the critical path as the roofline puts them.
+- CP, for shardlab's Llama laid out by its own rules: each block's attention all-gathers K and V over cp (the whole
+  sequence of the rank's rows and kv heads, 1 / tp of them, in param_dtype) and reduce-scatters their gradients in
+  the backward; a recomputed block gathers them again. On the critical path, as the roofline puts every collective
+  but the data-parallel ones.
 - FSDP: every micro batch without a pipeline (once per step with one) gathers the rank's block weights in
   param_dtype and reduce-scatters their gradients in reduce_dtype, over dp_shard x cp, at that group's bandwidth.
   The step is at least the larger of compute and FSDP (the roofline overlaps them) plus TP, stretched by the
@@ -34,6 +44,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from shardlab._base import Frozen
 from shardlab.config import Config
+from shardlab.estimate._fake import fake_tensors
+from shardlab.estimate.recorder import Recorder
 from shardlab.estimate.roofline import GPUS_PER_NODE, Device, axis_bandwidth, shared_pipeline_factor
 from shardlab.models.provider import LlamaProvider, ModelProvider
 from shardlab.pipeline import bubble_fraction
@@ -55,6 +67,9 @@ class Block(Frozen):
     attention_forward_flops: float
     params: int
     """Its parameters (numel)."""
+    memory_bytes: float = 0.0
+    """Bytes its ops without FLOPs read and write per token, forward and backward, in fp32 on one rank."""
+    memory_forward_bytes: float = 0.0
 
 
 class Floors(Frozen):
@@ -69,18 +84,25 @@ class Floors(Frozen):
     n_layers: int
     rate: float
     """The device's best matmul FLOP/s: its peak at the highest efficiency any of its kernels reach."""
+    bandwidth: float = 0.0
+    """The device's best memory bandwidth (bytes/s) for ops without FLOPs (0: no such floor)."""
+    kv_dim: int = 0
+    """The width of K (and of V) that cp gathers per block and token (0: no CP floor)."""
 
     @classmethod
     def of(cls, cfg: Config, provider: ModelProvider, model: torch.nn.Module, dev: Device, own_rules: bool) -> Floors:
         """own_rules: the recipe lays the model out by rules of its own (no TP floor: they may shard otherwise)."""
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        best = dev.matmul_efficiency
+        best, best_memory = dev.matmul_efficiency, dev.hbm_efficiency
         if dev.kernels is not None:
             best = max(e for curve in (dev.kernels.matmul, dev.kernels.attention) for _, e in curve)
+            best_memory = max(e for _, e in dev.kernels.memory)
         block = None if provider.moe is not None else _block(provider, cfg.train.seq_len)
         llama = isinstance(provider, LlamaProvider) and block is not None and not own_rules
-        return cls(block=block, tp_dim=provider.dim if llama else 0, param_bytes=param_bytes,
-                   n_layers=provider.n_layers, rate=dev.bf16_tflops * 1e12 * best)  # fmt: skip
+        kv_dim = provider.cfg.n_kv_heads * provider.cfg.head_dim if llama else 0
+        return cls(block=block, tp_dim=provider.dim if llama else 0, kv_dim=kv_dim, param_bytes=param_bytes,
+                   n_layers=provider.n_layers, rate=dev.bf16_tflops * 1e12 * best,
+                   bandwidth=dev.hbm_tb_s * 1e12 * best_memory)  # fmt: skip
 
     def time(self, cfg: Config, layout: Layout, dev: Device) -> float:
         """Seconds per step the estimate of `layout` gives at least."""
@@ -88,15 +110,12 @@ class Floors(Frozen):
         if self.block is None:
             return 0.0
         blocks = -(-self.n_layers // m.pp)
-        b, ac = self.block, layout.activation_checkpoint
-        recomputed = (
-            blocks if ac == "full" else self.n_layers // cfg.plan.ac_every if ac == "selective" and m.pp == 1 else 0
-        )
+        b, recomputed = self.block, self._recomputed(cfg, layout)
         flops = blocks * (b.train_flops + b.attention_flops) + recomputed * (
             b.forward_flops + b.attention_forward_flops
         )
         tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
-        compute = tokens * flops / m.tp / self.rate
+        compute = tokens * flops / m.tp / self.rate + self.memory_seconds(cfg, layout)
         fsdp, shards = 0.0, m.dp_shard * m.cp
         if shards > 1:
             weights = blocks * self.block.params / m.tp
@@ -108,12 +127,44 @@ class Floors(Frozen):
         if m.tp > 1 and self.tp_dim:
             all_reduced = tokens * self.tp_dim * DTYPE_BYTES[cfg.plan.param_dtype] * (4 * blocks + 2 * recomputed)
             busy += all_reduced * 2 * (m.tp - 1) / m.tp / axis_bandwidth(m, "tp", dev)
+        if m.cp > 1 and self.kv_dim:
+            busy += self.cp_seconds(cfg, layout, dev)
         if m.pp == 1:
             return busy
         bubble = bubble_fraction(layout.pp_schedule, m.pp, layout.pp_stages_per_rank, layout.micro_batches)
         if dev.busy_speed:
             return busy * shared_pipeline_factor(dev.busy_speed, m.pp, m.world_size // m.pp, bubble)
         return busy / (1 - bubble)
+
+    def _recomputed(self, cfg: Config, layout: Layout) -> int:
+        """Blocks whose forward runs again at least: every held one under full checkpointing, L // ac_every under
+        selective without a pipeline, none counted otherwise."""
+        ac, pp = layout.activation_checkpoint, layout.mesh.pp
+        if ac == "full":
+            return -(-self.n_layers // pp)
+        return self.n_layers // cfg.plan.ac_every if ac == "selective" and pp == 1 else 0
+
+    def memory_seconds(self, cfg: Config, layout: Layout) -> float:
+        """Seconds per step the blocks' ops without FLOPs take at least on the busiest rank (part of `time`)."""
+        m, b = layout.mesh, self.block
+        if b is None or not self.bandwidth:
+            return 0.0
+        blocks, recomputed = -(-self.n_layers // m.pp), self._recomputed(cfg, layout)
+        tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
+        moved = blocks * b.memory_bytes + recomputed * b.memory_forward_bytes
+        share = min(DTYPE_BYTES[cfg.plan.param_dtype], 2) / 4  # counted in fp32; run in bf16 at the narrowest
+        return tokens * moved * share / m.tp / self.bandwidth
+
+    def cp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
+        """Seconds per step CP's K and V gathers (and their gradients' reduce-scatters) take at least."""
+        m = layout.mesh
+        blocks, recomputed = -(-self.n_layers // m.pp), self._recomputed(cfg, layout)
+        rows = cfg.train.global_batch // m.size("dp")  # over every micro batch
+        kv = rows * cfg.train.seq_len * self.kv_dim // m.tp * DTYPE_BYTES[cfg.plan.param_dtype]  # K or V, gathered
+        speed = dict(dev.collective_speed)
+        per_byte = (m.cp - 1) / m.cp / axis_bandwidth(m, "cp", dev)  # a ring moves (n - 1) / n of the buffer
+        gathers = 2 * (blocks + recomputed) * kv * per_byte / speed.get("all_gather", 1.0)
+        return gathers + 2 * blocks * kv * per_byte / speed.get("reduce_scatter", 1.0)
 
     def memory(self, cfg: Config, layout: Layout) -> int:
         """Bytes the plan of `layout` fixes (state and FSDP buffers, `estimate.search`'s `state`) at least."""
@@ -133,8 +184,13 @@ def _block(provider: ModelProvider, seq_len: int) -> Block | None:
         return None
     per_token = [(b - a) / seq_len for a, b in zip(one, two, strict=True)]
     attention = 0.5 if isinstance(provider, LlamaProvider) else 0.0  # see the module docstring
+    try:
+        memory = _memory_per_row(provider, seq_len)
+    except Exception:  # a model that cannot run on fake CPU tensors: no memory floor
+        memory = (0.0, 0.0)
     return Block(train_flops=per_token[0], forward_flops=per_token[1], attention_flops=attention * per_token[2],
-                 attention_forward_flops=attention * per_token[3], params=round(per_token[4] * seq_len))  # fmt: skip
+                 attention_forward_flops=attention * per_token[3], params=round(per_token[4] * seq_len),
+                 memory_bytes=memory[0] / seq_len, memory_forward_bytes=memory[1] / seq_len)  # fmt: skip
 
 
 def _count(provider: ModelProvider, seq_len: int) -> tuple[int, int, int, int, int]:
@@ -151,3 +207,33 @@ def _count(provider: ModelProvider, seq_len: int) -> tuple[int, int, int, int, i
     matmuls = [sum(c.get(op, 0) for op in MATMULS) for c in counts]
     batched = [c.get(torch.ops.aten.bmm, 0) for c in counts]
     return matmuls[0], matmuls[1], batched[0], batched[1], sum(p.numel() for p in model.parameters())
+
+
+def _memory_per_row(provider: ModelProvider, seq_len: int) -> tuple[float, float]:
+    """Bytes one block's ops without FLOPs move for each row of a micro batch (training, forward), as the probe
+    records them: fake CPU models of 1 and 2 blocks on 1 and 2 rows, so what does not grow with the rows (rotary
+    tables, masks) drops out; negative parts (none expected) count as 0."""
+    moved = {(n, rows): _memory_bytes(provider.with_layers(n), seq_len, rows) for n in (1, 2) for rows in (1, 2)}
+    per_row = [moved[2, 2][i] - moved[1, 2][i] - moved[2, 1][i] + moved[1, 1][i] for i in range(2)]
+    return max(per_row[0], 0.0), max(per_row[1], 0.0)
+
+
+def _memory_bytes(provider: ModelProvider, seq_len: int, rows: int) -> tuple[int, int]:
+    """Bytes read and written by the ops without FLOPs of `provider`'s model on `rows` sequences, forward and
+    backward, and forward only, on fake CPU tensors (the kernels the probe sees: CPU's fused attention)."""
+    with torch.device("meta"):
+        model = provider.build()
+    recorder = Recorder({})
+    with fake_tensors():
+        model.to_empty(device="cpu")
+        tokens = torch.zeros(rows, seq_len, dtype=torch.long)
+        with recorder:
+            out = provider.forward(model, tokens)
+        forward = _moved(recorder)
+        with recorder:
+            out.float().sum().backward()
+    return _moved(recorder), forward
+
+
+def _moved(recorder: Recorder) -> int:
+    return sum(moved * count for (flops, moved, _), count in recorder.ops.items() if not flops)
