@@ -23,35 +23,47 @@ def reference():
 
 @pytest.fixture(scope="session")
 def shared_tmp(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("shared")
+    """One directory per module whose checks write files: "moe", "context" (its documents written here), "pipeline"
+    (a one-process checkpoint written here, for pp 2 to continue)."""
+    from . import test_context_parallel, test_pipeline
+
+    tmp = tmp_path_factory.mktemp("shared")
+    test_context_parallel.prepare(tmp / "context")
+    test_pipeline.prepare(tmp / "pipeline")
+    return tmp
 
 
 @pytest.fixture(scope="session")
 def shared_world4(shared_tmp) -> WorldResult:
-    """4 ranks: the dense parity layouts, the estimator's memory, the helpers, the MoE layouts."""
-    from . import test_estimate, test_helpers, test_moe, test_parity_4
+    """4 ranks: the dense parity layouts, the estimator's memory, the helpers, the MoE layouts, context
+    parallelism, pipelines."""
+    from . import test_context_parallel, test_estimate, test_helpers, test_moe, test_parity_4, test_pipeline
 
-    moe = {"tmp": str(shared_tmp / "moe")}
+    moe, context, pipeline = ({"tmp": str(shared_tmp / name)} for name in ("moe", "context", "pipeline"))
     checks = [
         *test_parity_4.CHECKS,
         *test_estimate.CHECKS,
         *test_helpers.CHECKS,
         *((c, moe) for c in test_moe.CHECKS_4),
+        *((c, context) for c in test_context_parallel.CHECKS_4),
+        *((c, pipeline) for c in test_pipeline.CHECKS_4),
     ]
     return run_world(4, checks, timeout_s=1600)
 
 
 @pytest.fixture(scope="session")
 def shared_world2(shared_tmp) -> WorldResult:
-    """2 ranks: the dense parity layouts, transformers' Llama laid out by names, the MoE layouts, then a compiled
-    layout (its cold compile is the slowest check)."""
-    from . import test_compile, test_hf_llama, test_moe, test_parity_2
+    """2 ranks: the dense parity layouts, transformers' Llama laid out by names, the MoE layouts, context
+    parallelism, pipelines, then a compiled layout (its cold compile is the slowest check)."""
+    from . import test_compile, test_context_parallel, test_hf_llama, test_moe, test_parity_2, test_pipeline
 
-    moe = {"tmp": str(shared_tmp / "moe")}
+    moe, context, pipeline = ({"tmp": str(shared_tmp / name)} for name in ("moe", "context", "pipeline"))
     checks = [
         *test_parity_2.CHECKS,
         *test_hf_llama.CHECKS,
         *((c, moe) for c in test_moe.CHECKS_2),
+        *((c, context) for c in test_context_parallel.CHECKS_2),
+        *((c, pipeline) for c in test_pipeline.CHECKS_2),
         *test_compile.CHECKS,
     ]
     return run_world(2, checks, timeout_s=1100)

@@ -11,7 +11,6 @@ import pytest
 from shardlab.checkpoint import step_dir
 from shardlab.config import MeshSpec
 
-from ._harness import run_world
 from .layouts import (
     MID,
     TOL,
@@ -59,21 +58,29 @@ def cp2_checkpoint(rank, world_size, tmp):
     return curves(curves_cfg, until=MID)["loss"]
 
 
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("context")
+def prepare(tmp: Path) -> None:
+    """Before the world starts: the documents of the packed layouts."""
+    tmp.mkdir(parents=True, exist_ok=True)
     write_documents(tmp / "docs.jsonl")
-    return tmp
+
+
+CHECKS_2 = [run, placements, cp2_checkpoint, run_packed]
+CHECKS_4 = [run, placements, run_packed]
 
 
 @pytest.fixture(scope="module")
-def world2(tmp):
-    return run_world(2, [run, placements, cp2_checkpoint, run_packed], timeout_s=300, tmp=str(tmp))
+def tmp(shared_tmp) -> Path:
+    return shared_tmp / "context"  # what the shared worlds gave this module's checks
 
 
 @pytest.fixture(scope="module")
-def world4(tmp):
-    return run_world(4, [run, placements, run_packed], timeout_s=300, tmp=str(tmp))
+def world2(shared_world2):
+    return shared_world2
+
+
+@pytest.fixture(scope="module")
+def world4(shared_world4):
+    return shared_world4
 
 
 @pytest.fixture(scope="module")

@@ -83,25 +83,33 @@ def reference_deep():
     return curves(deep())
 
 
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("pipeline")
+def prepare(tmp: Path) -> None:
+    """Before the world starts: a one-process checkpoint of step MID for pp 2 to continue."""
+    curves(ckpt(tiny(), tmp / "one", every=MID), until=MID)
+
+
+CHECKS_2 = [stage_params, run, pp2_checkpoint]
+CHECKS_4 = [stage_params, run]
 
 
 @pytest.fixture(scope="module")
-def world2(tmp):
-    curves(ckpt(tiny(), tmp / "one", every=MID), until=MID)  # a one-process checkpoint for pp 2 to continue
-    return run_world(2, [stage_params, run, pp2_checkpoint], timeout_s=400, tmp=str(tmp))
+def tmp(shared_tmp) -> Path:
+    return shared_tmp / "pipeline"  # what the shared worlds gave this module's checks
 
 
 @pytest.fixture(scope="module")
-def world4(tmp):
-    return run_world(4, [stage_params, run], timeout_s=400, tmp=str(tmp))
+def world2(shared_world2):
+    return shared_world2
 
 
 @pytest.fixture(scope="module")
-def world8(tmp):
-    return run_world(8, [run], timeout_s=400, tmp=str(tmp))
+def world4(shared_world4):
+    return shared_world4
+
+
+@pytest.fixture(scope="module")
+def world8(tmp_path_factory):
+    return run_world(8, [run], timeout_s=400, tmp=str(tmp_path_factory.mktemp("pipeline8")))
 
 
 @pytest.mark.world
