@@ -11,6 +11,7 @@ import pytest
 from shardlab.checkpoint import step_dir
 from shardlab.config import MeshSpec
 
+from ._harness import run_world
 from .layouts import (
     MID,
     TOL,
@@ -79,8 +80,8 @@ def world2(shared_world2):
 
 
 @pytest.fixture(scope="module")
-def world4(shared_world4):
-    return shared_world4
+def world4(tmp):
+    return run_world(4, CHECKS_4, timeout_s=400, tmp=str(tmp))
 
 
 @pytest.fixture(scope="module")

@@ -103,8 +103,8 @@ def world2(shared_world2):
 
 
 @pytest.fixture(scope="module")
-def world4(shared_world4):
-    return shared_world4
+def world4(tmp):
+    return run_world(4, CHECKS_4, timeout_s=400, tmp=str(tmp))
 
 
 @pytest.fixture(scope="module")
