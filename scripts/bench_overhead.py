@@ -56,7 +56,7 @@ def config(dp: int, tp: int, seq_len: int) -> Config:
 
 def hand_written(cfg: Config, dp: int, tp: int):
     """torchtitan's layout for this model, written with torch's APIs: TP (+SP, loss parallel) inside, FSDP per
-    block and at the root, AdamW, the mean cross-entropy over the global batch."""
+    block and at the root, fused AdamW (as shardlab), the mean cross-entropy over the global batch."""
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
     provider = LlamaProvider(cfg.model)
     with torch.device("meta"):
@@ -87,7 +87,7 @@ def hand_written(cfg: Config, dp: int, tp: int):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh["dp_shard"])
         fully_shard(model, mesh=mesh["dp_shard"])
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=0.1, fused=True)
     tokens = cfg.train.global_batch * cfg.train.seq_len
 
     def step(inputs: torch.Tensor, labels: torch.Tensor, lr: float) -> float:
