@@ -109,7 +109,7 @@ class Floors(Frozen):
         m = layout.mesh
         if self.block is None:
             return 0.0
-        blocks = -(-self.n_layers // m.pp)
+        blocks = self._held_blocks(m.pp)
         b, recomputed = self.block, self._recomputed(cfg, layout)
         flops = blocks * (b.train_flops + b.attention_flops) + recomputed * (
             b.forward_flops + b.attention_forward_flops
@@ -136,12 +136,16 @@ class Floors(Frozen):
             return busy * shared_pipeline_factor(dev.busy_speed, m.pp, m.world_size // m.pp, bubble)
         return busy / (1 - bubble)
 
+    def _held_blocks(self, pp: int) -> int:
+        """Blocks the busiest pp rank holds: at least ceil(L / pp)."""
+        return -(-self.n_layers // pp)
+
     def _recomputed(self, cfg: Config, layout: Layout) -> int:
         """Blocks whose forward runs again at least: every held one under full checkpointing, L // ac_every under
         selective without a pipeline, none counted otherwise."""
         ac, pp = layout.activation_checkpoint, layout.mesh.pp
         if ac == "full":
-            return -(-self.n_layers // pp)
+            return self._held_blocks(pp)
         return self.n_layers // cfg.plan.ac_every if ac == "selective" and pp == 1 else 0
 
     def memory_seconds(self, cfg: Config, layout: Layout) -> float:
@@ -149,7 +153,7 @@ class Floors(Frozen):
         m, b = layout.mesh, self.block
         if b is None or not self.bandwidth:
             return 0.0
-        blocks, recomputed = -(-self.n_layers // m.pp), self._recomputed(cfg, layout)
+        blocks, recomputed = self._held_blocks(m.pp), self._recomputed(cfg, layout)
         tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
         moved = blocks * b.memory_bytes + recomputed * b.memory_forward_bytes
         share = min(DTYPE_BYTES[cfg.plan.param_dtype], 2) / 4  # counted in fp32; run in bf16 at the narrowest
@@ -158,7 +162,7 @@ class Floors(Frozen):
     def cp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
         """Seconds per step CP's K and V gathers (and their gradients' reduce-scatters) take at least."""
         m = layout.mesh
-        blocks, recomputed = -(-self.n_layers // m.pp), self._recomputed(cfg, layout)
+        blocks, recomputed = self._held_blocks(m.pp), self._recomputed(cfg, layout)
         rows = cfg.train.global_batch // m.size("dp")  # over every micro batch
         kv = rows * cfg.train.seq_len * self.kv_dim // m.tp * DTYPE_BYTES[cfg.plan.param_dtype]  # K or V, gathered
         speed = dict(dev.collective_speed)
@@ -172,7 +176,7 @@ class Floors(Frozen):
         state = 4 * self.param_bytes // (m.dp_shard * m.cp * m.tp * m.pp)
         if m.pp == 1 or not uses_fsdp(cfg, m) or self.block is None:
             return state
-        held = -(-self.n_layers // m.pp) * self.block.params // m.tp
+        held = self._held_blocks(m.pp) * self.block.params // m.tp
         return state + held * (DTYPE_BYTES[cfg.plan.param_dtype] + DTYPE_BYTES[cfg.plan.reduce_dtype])
 
 
