@@ -20,7 +20,15 @@ from shardlab.config import Config
 from shardlab.estimate._fake import fake_world
 from shardlab.estimate.probe import Probe, probe, stage_boundary
 from shardlab.estimate.recorder import Collective
-from shardlab.estimate.roofline import DP_AXES, Device, StepTime, collective_seconds, compute_seconds, step_time
+from shardlab.estimate.roofline import (
+    DP_AXES,
+    DTYPE_BYTES,
+    Device,
+    StepTime,
+    collective_seconds,
+    compute_seconds,
+    step_time,
+)
 from shardlab.models.provider import ModelProvider, provider_for
 from shardlab.pipeline import LOOPED, ONE_STAGE, V_SHAPED, in_flight
 from shardlab.plan import ParamPlan, Plan
@@ -29,7 +37,6 @@ from shardlab.schedule import stage_actions
 
 ADAM_STATES = 2
 """AdamW keeps exp_avg and exp_avg_sq per parameter, in the parameter's dtype, plus a 0-dim fp32 step."""
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 class MemoryEstimate(Frozen):

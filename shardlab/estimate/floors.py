@@ -46,14 +46,17 @@ from shardlab._base import Frozen
 from shardlab.config import Config
 from shardlab.estimate._fake import fake_tensors
 from shardlab.estimate.recorder import Recorder
-from shardlab.estimate.roofline import GPUS_PER_NODE, Device, axis_bandwidth, shared_pipeline_factor
+from shardlab.estimate.roofline import DTYPE_BYTES, GPUS_PER_NODE, Device, axis_bandwidth, shared_pipeline_factor
 from shardlab.models.provider import LlamaProvider, ModelProvider
 from shardlab.pipeline import bubble_fraction
 from shardlab.search import Layout, uses_fsdp
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm)
 """The ops counted: every projection of a block runs as one of them (attention's and experts' batched ones don't)."""
+CANNOT_RUN = (RuntimeError, NotImplementedError)
+"""What a model raises where it cannot run on meta or fake tensors (an op without a meta kernel, data-dependent
+control flow; fake tensors' own errors are RuntimeErrors): that floor term is then 0, still a lower bound. Any other
+error is a bug in the model or here, and is raised."""
 
 
 class Block(Frozen):
@@ -184,13 +187,13 @@ def _block(provider: ModelProvider, seq_len: int) -> Block | None:
     """One block's numbers: meta models of 2 and 1 blocks, one sequence each, counted by torch's FlopCounterMode."""
     try:
         one, two = (_count(provider.with_layers(n), seq_len) for n in (1, 2))
-    except Exception:  # a model without a layer count, or one that cannot run on meta tensors: no floor
+    except CANNOT_RUN:  # no compute floor
         return None
     per_token = [(b - a) / seq_len for a, b in zip(one, two, strict=True)]
     attention = 0.5 if isinstance(provider, LlamaProvider) else 0.0  # see the module docstring
     try:
         memory = _memory_per_row(provider, seq_len)
-    except Exception:  # a model that cannot run on fake CPU tensors: no memory floor
+    except CANNOT_RUN:  # no memory floor
         memory = (0.0, 0.0)
     return Block(train_flops=per_token[0], forward_flops=per_token[1], attention_flops=attention * per_token[2],
                  attention_forward_flops=attention * per_token[3], params=round(per_token[4] * seq_len),

@@ -39,6 +39,8 @@ MATMUL_EFFICIENCY = 0.8
 HBM_EFFICIENCY = 0.9
 """Achievable / datasheet HBM bandwidth: a device-to-device copy moved 3.0 of 3.35 TB/s on the same H100."""
 GPUS_PER_NODE = 8
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+"""Bytes per element of the dtypes a plan names (param_dtype, reduce_dtype)."""
 DP_AXES = ("dp_replicate", "dp_shard", "dp", "dp_shard_cp", "batch", "dp_shard_mod_ep")
 ADAM_BYTES_PER_PARAM = 7 * 4
 
