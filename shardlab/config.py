@@ -201,6 +201,10 @@ class TrainConfig(Frozen):
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A step whose loss or gradient norm is not finite: stop (an error naming the step, before the update, so no
     checkpoint holds the broken state) or skip (no update; counted as `skipped_steps` in the metrics)."""
+    keep_freed_memory: bool = True
+    """On CPU: the process's malloc keeps the memory tensors free and reuses it, instead of returning it to the
+    system and page-faulting it in again for the next tensor (`shardlab._malloc`; glibc only). Resident memory then
+    stays at its high-water mark. No effect on CUDA, whose caching allocator already does this."""
 
     def grad_accum(self, dp: int) -> int:
         """Accumulation steps for a data-parallel size `dp` (validated by Config.resolve)."""

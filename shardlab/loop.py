@@ -23,6 +23,7 @@ from shardlab import checkpoint
 from shardlab._base import to_json
 from shardlab._device_mesh import make_mesh
 from shardlab._faults import fault_point
+from shardlab._malloc import keep_freed_memory
 from shardlab._preemption import Preempted, Preemption
 from shardlab.apply import apply
 from shardlab.config import Config
@@ -137,6 +138,8 @@ def train(
     model, plan, mesh = build_model(cfg, rules, device, provider)
     cfg = cfg.resolve(plan.mesh.world_size)
     device = model_device(model)
+    if device.type == "cpu" and cfg.train.keep_freed_memory:
+        keep_freed_memory()
     dp = cfg.mesh.size("dp")
     dp_rank = cfg.mesh.group_index(rank, ("dp",))
     step = make_step(cfg, plan, mesh, provider)

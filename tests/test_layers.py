@@ -9,6 +9,7 @@ LAYERS = [
         "_glob",
         "_faults",
         "_preemption",
+        "_malloc",
         "_strided",
         "_activation_checkpoint",
         "_compile",
