@@ -80,3 +80,43 @@ def test_layouts_that_differ_in_data_parallel_size_and_pp_share_one_twin():
             (twin_cfg.mesh.pp, rank, twin_cfg.train.global_batch // twin_cfg.mesh.size("dp") // twin_cfg.micro_batches)
         )
     assert pipes == {(2, 0, 1)}
+
+
+SMALL = msgspec.structs.replace(DENSE, n_layers=3)
+"""Three blocks: one fake run per probe (the whole model; 4 for 4 pipeline stages)."""
+ROWS = {  # the shape, the pp rank probed, whether one row runs other ops than two
+    "fsdp 2 x tp 2 with SP, full": (SMALL, lay(MeshSpec(dp_shard=2, tp=2), "full"), 0, True),
+    "hsdp 2 x 2 x cp 2, op": (SMALL, lay(MeshSpec(dp_replicate=2, dp_shard=2, cp=2), "op"), 0, False),
+    "pp 2 x fsdp 2, interleaved x2, last rank": (
+        msgspec.structs.replace(DENSE, n_layers=4), lay(MeshSpec(pp=2, dp_shard=2), "none", 4, "interleaved_1f1b", 2),
+        1, False,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ROWS)
+def test_probes_at_two_row_counts_give_every_other_and_resharding_gives_keeping_the_weights_gathered(name):
+    """The search's sharing is exact: a measurement on the line through rows 2 and 3 equals the probe at 5 rows
+    (one row, where SP's all-gather of the sequence is a view instead of a split and a cat, is refused), and a
+    probe that reshards FSDP's weights after forward, without its backward's gathers, equals the probe that keeps
+    them gathered."""
+    from shardlab.estimate.probe import measure
+
+    model, layout, rank, one_row_differs = ROWS[name]
+
+    def probe(rows: int, reshard: bool = True):
+        base = Config(model=model, plan=PlanConfig(param_dtype="bfloat16", reduce_dtype="float32"),
+                      train=TrainConfig(global_batch=rows * layout.mesh.size("dp") * layout.micro_batches, seq_len=64))  # fmt: skip
+        cfg = (
+            msgspec.structs.replace(layout, reshard_after_forward=reshard).config(base).resolve(layout.mesh.world_size)
+        )
+        return measure(cfg, pp_rank=rank, provider=provider_for(cfg))
+
+    two, three, five = probe(2), probe(3), probe(5)
+    line = two.at_rows(5, 2, three, 3)
+    assert line is not None and line.at() == five.at() != two.at()
+    if one_row_differs:
+        assert probe(1).at_rows(5, 1, two, 2) is None
+    kept = two.at(regather=False)
+    assert kept == probe(2, reshard=False).at() != two.at()
+    assert line.at(regather=False) == five.at(regather=False)

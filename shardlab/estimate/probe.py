@@ -9,14 +9,19 @@ records every collective, every op's FLOPs and bytes moved, and what the forward
 
 A model of L identical blocks is probed with 2k and 3k blocks per stage (k = the activation-checkpointing
 period); every quantity is linear in the number of blocks, so the two probes give it for L exactly (for
-uneven pipeline stages, to the nearest byte), in seconds even for 405B on 4096 ranks.
+uneven pipeline stages, to the nearest byte), in seconds even for 405B on 4096 ranks. Likewise every op's FLOPs and
+bytes are affine in the rows of a micro batch, so measurements at two row counts give every other
+(`Measurement.at_rows`), and one probe that reshards FSDP's weights after forward gives the one that does not
+(`Measurement.at`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import Counter
 from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -175,26 +180,101 @@ def probe(
     return measure(cfg, rules, forward_only=forward_only, pp_rank=pp_rank, provider=provider).at(blocks)
 
 
+CollectiveKey = tuple[str, str, str, int, int | None]
+"""(axis, kind, phase, group size, stage): how a Recorder counts collectives."""
+
+
+class Run(NamedTuple):
+    """What one fake run recorded, as `Measurement` extends it."""
+
+    collectives: dict[CollectiveKey, int]
+    collective_bytes: dict[CollectiveKey, int]
+    regathers: dict[CollectiveKey, int]
+    """The collectives FSDP ran to gather weights again in the backward (none with reshard_after_forward=False)."""
+    regather_bytes: dict[CollectiveKey, int]
+    sequence: tuple[tuple[int, int, OpKind, bool], ...]
+    """Every op as it ran: FLOPs, bytes, kind, whether it was such a gather's."""
+    activation_bytes: int
+
+    @classmethod
+    def of(cls, r: Recorder) -> Run:
+        return cls(dict(r.collectives), dict(r.collective_bytes), dict(r.regathers), dict(r.regather_bytes),
+                   tuple(r.sequence), r.activation_bytes)  # fmt: skip
+
+    def counted(self, regather: bool) -> tuple[dict, dict, Counter, int, int]:
+        """(collective counts, their bytes, ops, FLOPs, activations), without the backward's gathers if not
+        `regather`."""
+        counts, nbytes = Counter(self.collectives), Counter(self.collective_bytes)
+        if not regather:
+            counts.subtract(self.regathers)
+            nbytes.subtract(self.regather_bytes)
+        ops = Counter((f, b, kind) for f, b, kind, again in self.sequence if regather or not again)
+        flops = sum(f * n for (f, _, _), n in ops.items())
+        return dict(counts), dict(nbytes), ops, flops, self.activation_bytes
+
+    def at_rows(self, other: Run, t: tuple[int, int]) -> Run | None:
+        """The run on the line through this one (at 0) and `other` (at 1) at t = t[0] / t[1], where both ran the same ops and
+        collectives in the same order; None where they did not, or where a quantity is not a whole number there."""
+        if (
+            len(self.sequence) != len(other.sequence)
+            or self.collectives != other.collectives
+            or self.regathers != other.regathers
+            or any(a[2:] != b[2:] for a, b in zip(self.sequence, other.sequence, strict=True))
+        ):
+            return None
+
+        def line(x: int, y: int) -> int:
+            step, rest = divmod(t[0] * (y - x), t[1])
+            if rest or x + step < 0:
+                raise _NotAffine
+            return x + step
+
+        try:
+            return Run(
+                self.collectives,
+                {key: line(n, other.collective_bytes[key]) for key, n in self.collective_bytes.items()},
+                self.regathers,
+                {key: line(n, other.regather_bytes[key]) for key, n in self.regather_bytes.items()},
+                tuple((line(a[0], b[0]), line(a[1], b[1]), *a[2:]) for a, b in zip(self.sequence, other.sequence)),
+                line(self.activation_bytes, other.activation_bytes),
+            )
+        except _NotAffine:
+            return None
+
+
+class _NotAffine(Exception):
+    pass
+
+
 class Measurement:
     """The probes of a model cut to two sizes (or of the whole model), from which `at` gives any number of blocks."""
 
-    def __init__(self, records: list[Recorder], n: int, k: int, v: int, stages: int) -> None:
-        self.records = [
-            (r.collectives.copy(), r.collective_bytes.copy(), r.ops.copy(), r.flops, r.activation_bytes)
-            for r in records
-        ]
+    def __init__(self, runs: list[Run], n: int, k: int, v: int, stages: int) -> None:
+        self.runs = runs
         self.n, self.k, self.v, self.stages = n, k, v, stages
+        self._counted: dict[bool, list[tuple]] = {}
+        self._probes: dict[tuple[int | None, bool], Probe] = {}
 
-    def at(self, blocks: int | None = None) -> Probe:
-        """The probe of the probed rank holding `blocks` blocks (default: an even share of the model's)."""
+    def at(self, blocks: int | None = None, regather: bool = True) -> Probe:
+        """The probe of the probed rank holding `blocks` blocks (default: an even share of the model's);
+        regather=False: as if FSDP kept the weights gathered from forward to backward (reshard_after_forward=False;
+        the measurement must then reshard)."""
+        if (blocks, regather) not in self._probes:
+            self._probes[blocks, regather] = self._at(blocks, regather)
+        return self._probes[blocks, regather]
+
+    def _at(self, blocks: int | None, regather: bool) -> Probe:
         n, k, v = self.n, self.k, self.v
         held = (n * v // self.stages if blocks is None else blocks) if self.stages > 1 else n
-        if len(self.records) == 1:
-            a = b = self.records[0]
+        if regather not in self._counted:
+            self._counted[regather] = [r.counted(regather) for r in self.runs]
+        records = self._counted[regather]
+        if len(records) == 1:
+            a = b = records[0]
             scale = 0.0
             per_block = a[4] / held
         else:
-            a, b = self.records
+            a, b = records
             # quantity(held) = quantity(2k v) + (held - 2k v) / (k v) * (quantity(3k v) - quantity(2k v))
             scale = (held - 2 * k * v) / (k * v)
             per_block = (b[4] - a[4]) / (k * v)
@@ -210,7 +290,7 @@ class Measurement:
         collectives = tuple(
             Collective(
                 axis=axis, kind=kind, phase=phase, group_size=size, stage=stage,
-                count=extend(a[0][key], b[0][key]), bytes=extend(a[1][key], b[1][key]),
+                count=extend(a[0].get(key, 0), b[0].get(key, 0)), bytes=extend(a[1].get(key, 0), b[1].get(key, 0)),
             )
             for key in sorted(keys, key=str)
             for axis, kind, phase, size, stage in [key]
@@ -223,6 +303,22 @@ class Measurement:
             activation_bytes=extend(a[4], b[4]),
             block_activation_bytes=round(per_block),
         )
+
+    def at_rows(self, rows: int, mine: int, other: Measurement, theirs: int) -> Measurement | None:
+        """This measurement (of `mine` rows per micro batch) at `rows` rows, on the line through `other` (the same
+        layout at `theirs` rows): each op's FLOPs and bytes, each collective's bytes and the activations are affine
+        in the rows of a micro batch (attention is quadratic in the sequence, not in the rows), and the ops and
+        collectives that run do not change with them, which is checked: ops are paired in the order they ran (an
+        op's FLOPs and bytes change with the rows, its place does not). None where the two ran other ops (a
+        dimension of size 1 takes other paths: one row is probed on its own) or a quantity is off the line."""
+        if (self.n, self.k, self.v, self.stages, len(self.runs)) != (other.n, other.k, other.v, other.stages,
+                                                                     len(other.runs)):  # fmt: skip
+            return None
+        t = (rows - mine, theirs - mine) if theirs > mine else (mine - rows, mine - theirs)
+        runs = [a.at_rows(b, t) for a, b in zip(self.runs, other.runs, strict=True)]
+        if any(r is None for r in runs):
+            return None
+        return Measurement(runs, self.n, self.k, self.v, self.stages)
 
 
 def measure(
@@ -248,4 +344,4 @@ def measure(
         # would run on the first one's groups.
         mesh = make_mesh(cfg.mesh, "cpu")
         records = [_probe_layers(cfg, rules, provider, mesh, size, forward_only) for size in sizes]
-    return Measurement(records, n, k, v, stages)
+    return Measurement([Run.of(r) for r in records], n, k, v, stages)

@@ -1,5 +1,9 @@
 """What a fake run records: a dispatch mode that keeps every collective (mesh axis, phase, bytes), every op's
-FLOPs and bytes moved, and the storages a forward leaves alive.
+FLOPs and bytes moved (in the order they ran), and the storages a forward leaves alive.
+
+What FSDP runs to gather weights again in the backward (its pre-backward unshard and backward prefetch, named by
+torch's record_function) is kept apart too: with reshard_after_forward=False those gathers find the weights
+gathered and do nothing, so one probe that reshards gives both (`Measurement.at`).
 
 `shardlab.estimate.probe` runs the model under it; scripts run real tensors under it to compare the two.
 """
@@ -64,6 +68,8 @@ CPU_ATTENTION = {
 OpKind = Literal["matmul", "attention", "memory"]
 """How the roofline prices an op (shardlab.estimate.kernels): attention kernels, other ops with FLOPs, ops without."""
 ATTENTION = {*CPU_ATTENTION, *(p for p in flop_registry if "attention" in str(p))}
+REGATHER = ("FSDP::pre_backward", "FSDP::backward_prefetch")
+"""torch's record_function names of FSDP's backward unshard (its own, and a prefetch of the next unit's)."""
 
 
 class Collective(Frozen):
@@ -94,6 +100,13 @@ class Recorder(CommDebugMode):
         self.collectives: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
         self.collective_bytes: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
         self.ops: Counter[tuple[int, int, OpKind]] = Counter()
+        self.sequence: list[tuple[int, int, OpKind, bool]] = []
+        """Every op as it ran: (FLOPs, bytes, kind, whether FSDP ran it to gather weights again in the backward)."""
+        self.regathers: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
+        self.regather_bytes: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
+        """The part of `collectives` and `collective_bytes` that FSDP ran to gather weights again in the backward."""
+        self.scopes: list[str] = []
+        """The record_function names entered and not yet left."""
         self.flops = 0
         self.storages: dict[int, StorageWeakRef] = {}
         self.activation_bytes = 0
@@ -129,6 +142,10 @@ class Recorder(CommDebugMode):
         if not hasattr(func, "_overloadpacket"):
             return out
         packet = func._overloadpacket
+        if packet is torch.ops.profiler._record_function_enter_new:
+            self.scopes.append(args[0])
+        elif packet is torch.ops.profiler._record_function_exit and self.scopes:
+            self.scopes.pop()
         outputs = list(_tensors(out))
         for t in outputs:  # collectives' outputs too: an SP reduce-scatter's output is the next residual stream
             s = t.untyped_storage()
@@ -146,8 +163,14 @@ class Recorder(CommDebugMode):
             flops = round(flops * self.grouped_rows)
         moved = sum(t.nbytes for t in _tensors((args, kwargs)) if t.numel()) + sum(t.nbytes for t in outputs)
         self.flops += flops
-        self.ops[(flops, moved, "attention" if packet in ATTENTION else "matmul" if flops else "memory")] += 1
+        op_kind: OpKind = "attention" if packet in ATTENTION else "matmul" if flops else "memory"
+        self.ops[(flops, moved, op_kind)] += 1
+        self.sequence.append((flops, moved, op_kind, self._regathering()))
         return out
+
+    def _regathering(self) -> bool:
+        """Whether FSDP is gathering weights again in the backward (what reshard_after_forward=False skips)."""
+        return any(scope.startswith(REGATHER) for scope in self.scopes)
 
     def _collective(self, packet: Any, kind: Kind, args: tuple) -> None:
         name, size = _group(args)
@@ -162,6 +185,9 @@ class Recorder(CommDebugMode):
         key = (axis, kind, phase, size, self.stage)
         self.collectives[key] += 1
         self.collective_bytes[key] += nbytes
+        if self._regathering():
+            self.regathers[key] += 1
+            self.regather_bytes[key] += nbytes
 
     def live_bytes(self, exclude: set[int]) -> int:
         """Bytes of storages made under this mode that are still alive and not in `exclude`."""

@@ -30,9 +30,8 @@ from shardlab._base import Frozen
 from shardlab.config import Config
 from shardlab.estimate import Estimate, estimate_memory, fsdp_buffer_bytes
 from shardlab.estimate.floors import Floors
-from shardlab.estimate.probe import Measurement
 from shardlab.estimate.roofline import Device, collective_seconds
-from shardlab.estimate.shared import estimate_shared
+from shardlab.estimate.shared import Shape, estimate_shared
 from shardlab.metrics import module_flops
 from shardlab.models.provider import ModelProvider, check_layout
 from shardlab.pipeline import ONE_STAGE, V_SHAPED, bubble_fraction
@@ -107,7 +106,7 @@ def search(
     fixed: Mapping[str, int] | None = None,
     top: int = 5,
     prune: bool = True,
-    probes: dict[bytes, Measurement] | None = None,
+    probes: dict[bytes, Shape] | None = None,
 ) -> Search:
     """The `top` fastest layouts of `cfg`'s model and batch on `world` ranks of `dev` within `memory` bytes per rank.
 
@@ -162,7 +161,7 @@ def search(
     time_floor = [floors.time(cfg, layout, dev) for layout in layouts]
     order = sorted(range(len(layouts)), key=lambda i: (time_floor[i], _cheapest_first(layouts[i]), i))
     measured = {} if probes is None else probes  # probes of twins, shared by every layout with the same twin
-    known = len(measured)
+    known = _probed(measured)
     actions: dict[tuple, dict[int, str]] = {}  # pipeline schedule orders
     states: dict[Layout, int | None] = {}  # bytes the plan fixes; None: the model refused the layout
     estimates: dict[Layout, Candidate] = {}
@@ -259,8 +258,12 @@ def search(
     fits.sort(key=lambda f: f[:2])
     return Search(
         best=tuple(c for _, _, c in fits[:top]), layouts=len(layouts), over_memory=over, too_big=too_big,
-        estimated=len(estimates), pruned=pruned, probes=len(measured) - known, seconds=time.perf_counter() - start,
+        estimated=len(estimates), pruned=pruned, probes=_probed(measured) - known, seconds=time.perf_counter() - start,
     )  # fmt: skip
+
+
+def _probed(measured: dict[bytes, Shape]) -> int:
+    return sum(len(shape.probed) for shape in measured.values())
 
 
 def _frame(layout: Layout) -> tuple:

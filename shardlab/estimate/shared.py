@@ -7,7 +7,10 @@ the group sizes of their collectives, which the mesh gives; nor on how many pp r
 layout is probed as its twin (`twin`): dp_replicate 2 and dp_shard the smallest size that keeps every axis, and
 the expert mesh's dp_shard_mod_ep, trivial or not as they were; pp 2 where the probed (busiest) pp rank is the
 first, which then runs the same kinds of stages (the first; the last too under a V-shaped schedule); the global
-batch cut so each micro batch keeps its rows. Many layouts share one twin, hence one probe. A pipeline's last pp
+batch cut so each micro batch keeps its rows. Many layouts share one twin, hence one probe; twins that differ only
+in their rows per micro batch share two (`Shape`: every other row count is on the line through them), and those
+that differ only in FSDP's resharding after forward share one (the one that reshards, without the backward's
+gathers for the one that does not). A pipeline's last pp
 rank, whose compute (it also runs the norm, output and loss) may be the slower, is probed as the twin's last. The twin's probe is
 extrapolated to the layout's blocks as the exact one is, its collectives get the layout's group sizes and stages,
 and everything else (memory, micro batches, the schedule's order, sends, bubble) comes from the layout's own plan
@@ -20,16 +23,18 @@ gathered buffer, so its gathered bytes and copy traffic differ by a few bytes pe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
-from shardlab.config import Config
+from shardlab.config import Config, TrainConfig
 from shardlab.estimate import Estimate, estimate_from, probed_rank
 from shardlab.estimate.probe import Measurement, Probe, measure
 from shardlab.estimate.recorder import Collective
 from shardlab.estimate.roofline import Device
 from shardlab.mesh import MeshSpec
 from shardlab.models.provider import ModelProvider
-from shardlab.pipeline import LOOPED, ONE_STAGE, V_SHAPED, stage_ranks
+from shardlab.pipeline import LOOPED, ONE_STAGE, V_SHAPED, ZERO_BUBBLE, stage_ranks
 from shardlab.plan import Plan
 from shardlab.rules import Rules
 
@@ -99,40 +104,97 @@ def _translated(p: Probe, twin_cfg: Config, twin_rank: int, cfg: Config, plan: P
     return msgspec.structs.replace(p, collectives=collectives)
 
 
+class Shape:
+    """The measurements of one twin at each number of rows per micro batch: probed, or on the line through two
+    probed ones (`Measurement.at_rows`)."""
+
+    def __init__(self) -> None:
+        self.probed: dict[int, Measurement] = {}
+        self.derived: dict[int, Measurement] = {}
+
+    def at(self, rows: int, probe: Callable[[int], Measurement]) -> Measurement:
+        """The measurement at `rows` rows, from two probed ones where they give it (never one row: a dimension of
+        size 1 takes other paths), else probed now."""
+        found = self.probed.get(rows) or self.derived.get(rows)
+        if found is not None:
+            return found
+        if rows > 1:
+            bases = sorted(r for r in self.probed if r > 1)
+            for i, mine in enumerate(bases):
+                for theirs in bases[i + 1 :]:
+                    found = self.probed[mine].at_rows(rows, mine, self.probed[theirs], theirs)
+                    if found is not None:
+                        self.derived[rows] = found
+                        return found
+        self.probed[rows] = probe(rows)
+        return self.probed[rows]
+
+
 def estimate_shared(
     cfg: Config,
     plan: Plan,
     rules: Rules | None,
     dev: Device | None,
     provider: ModelProvider,
-    measured: dict[bytes, Measurement],
+    measured: dict[bytes, Shape],
     actions: dict[tuple, dict[int, str]] | None = None,
 ) -> Estimate:
     """The estimate of `cfg` (resolved) laid out by `plan`, probed as its twin (measured: the cache of the twins'
-    probes, before they are extended to a number of blocks; actions: the cache of pipeline schedule orders).
+    probes, by shape; actions: the cache of pipeline schedule orders).
     Without the forward of the other checkpointing choice."""
     twin_cfg, twin_rank = twin(cfg, plan, provider.n_layers)
     _, blocks = probed_rank(plan)
+    routed = plan.experts is not None  # routing may round per expert: no line through the rows
     p = _translated(
-        _measured(twin_cfg, twin_rank, rules, provider, measured).at(blocks), twin_cfg, twin_rank, cfg, plan
+        _measured(twin_cfg, twin_rank, rules, provider, measured, blocks, routed), twin_cfg, twin_rank, cfg, plan
     )
     last = None
-    if plan.pipeline is not None and probed_rank(plan)[0] != cfg.mesh.pp - 1:
+    if needs_last_rank(cfg, plan):
         # the last stages also run the norm, output and loss (only their compute is used): the twin's last pp rank
         # runs the same kinds of stages, extended to the blocks of the layout's last rank
         held = sum(len(s.blocks) for s in plan.pipeline.stages_of(cfg.mesh.pp - 1))
-        last = _measured(twin_cfg, twin_cfg.mesh.pp - 1, rules, provider, measured).at(held)
+        last = _measured(twin_cfg, twin_cfg.mesh.pp - 1, rules, provider, measured, held, routed)
     return estimate_from(cfg, plan, p, p, cfg.plan.activation_checkpoint, dev, provider, actions, last=last)
 
 
+def needs_last_rank(cfg: Config, plan: Plan) -> bool:
+    """Whether `cfg`'s estimate probes a pipeline's last pp rank too (it is not the busiest)."""
+    return plan.pipeline is not None and probed_rank(plan)[0] != cfg.mesh.pp - 1
+
+
 def _measured(
-    cfg: Config, rank: int, rules: Rules | None, provider: ModelProvider, measured: dict[bytes, Measurement]
-) -> Measurement:
-    """`cfg`'s probes as pp rank `rank`, from `measured` or measured now; layouts whose schedules differ only within
-    one shape of stages share them (the probe runs stages, not schedules)."""
+    cfg: Config,
+    rank: int,
+    rules: Rules | None,
+    provider: ModelProvider,
+    measured: dict[bytes, Shape],
+    blocks: int | None,
+    routed: bool,
+) -> Probe:
+    """`cfg`'s probe as pp rank `rank` holding `blocks` blocks, from `measured` or measured now. Kept under what it
+    depends on: not the schedule within its shape of stages (the probe runs stages, not schedules), nor the rows
+    per micro batch (`Shape`), nor FSDP's resharding after forward (measured resharding, where the schedule
+    allows it, and taken without the backward's gathers where the layout keeps its weights gathered). routed: the
+    model routes tokens to experts, whose loads may round with the rows: each row count is probed."""
     shape = next(group for group in (ONE_STAGE, LOOPED, V_SHAPED) if cfg.plan.pp_schedule in group)
-    canonical = msgspec.structs.replace(cfg.plan, pp_schedule=shape[0])
-    key = msgspec.json.encode((msgspec.structs.replace(cfg, plan=canonical), rank))
-    if key not in measured:
-        measured[key] = measure(cfg, rules, pp_rank=rank, provider=provider)
-    return measured[key]
+    reshard = cfg.plan.reshard_after_forward or shape[0] not in ZERO_BUBBLE
+    canonical = msgspec.structs.replace(cfg.plan, pp_schedule=shape[0], reshard_after_forward=reshard)
+    per_row = cfg.train.global_batch // _rows(cfg)
+    keyed = cfg.train if routed else _train(cfg, per_row)
+    key = msgspec.json.encode((msgspec.structs.replace(cfg, plan=canonical, train=keyed), rank))
+
+    def probe(rows: int) -> Measurement:
+        run = msgspec.structs.replace(cfg, plan=canonical, train=_train(cfg, rows * per_row))
+        return measure(run.resolve(cfg.mesh.world_size), rules, pp_rank=rank, provider=provider)
+
+    found = measured.setdefault(key, Shape()).at(_rows(cfg), probe)
+    return found.at(blocks, regather=cfg.plan.reshard_after_forward or not reshard)
+
+
+def _rows(cfg: Config) -> int:
+    """Rows per micro batch."""
+    return cfg.train.global_batch // cfg.mesh.size("dp") // cfg.micro_batches
+
+
+def _train(cfg: Config, global_batch: int) -> TrainConfig:
+    return msgspec.structs.replace(cfg.train, global_batch=global_batch)
