@@ -109,6 +109,21 @@ class Floors(Frozen):
 
     def time(self, cfg: Config, layout: Layout, dev: Device) -> float:
         """Seconds per step the estimate of `layout` gives at least."""
+        return self.stretched(self.busy(cfg, layout, dev), layout, dev)
+
+    def stretched(self, busy: float, layout: Layout, dev: Device) -> float:
+        """`time` from `busy`: stretched by the pipeline's bubble."""
+        m = layout.mesh
+        if m.pp == 1:
+            return busy
+        bubble = bubble_fraction(layout.pp_schedule, m.pp, layout.pp_stages_per_rank, layout.micro_batches)
+        if dev.busy_speed:
+            return busy * shared_pipeline_factor(dev.busy_speed, m.pp, m.world_size // m.pp, bubble)
+        return busy / (1 - bubble)
+
+    def busy(self, cfg: Config, layout: Layout, dev: Device) -> float:
+        """Seconds per step the rank computes and communicates at least, without the pipeline's bubble: the same
+        for every schedule and, under a pipeline, every micro batch count (`busy_shape`)."""
         m = layout.mesh
         if self.block is None:
             return 0.0
@@ -132,12 +147,13 @@ class Floors(Frozen):
             busy += all_reduced * 2 * (m.tp - 1) / m.tp / axis_bandwidth(m, "tp", dev)
         if m.cp > 1 and self.kv_dim:
             busy += self.cp_seconds(cfg, layout, dev)
-        if m.pp == 1:
-            return busy
-        bubble = bubble_fraction(layout.pp_schedule, m.pp, layout.pp_stages_per_rank, layout.micro_batches)
-        if dev.busy_speed:
-            return busy * shared_pipeline_factor(dev.busy_speed, m.pp, m.world_size // m.pp, bubble)
-        return busy / (1 - bubble)
+        return busy
+
+    @staticmethod
+    def busy_shape(layout: Layout) -> tuple:
+        """What `busy` depends on: the mesh, the checkpointing and, without a pipeline, the micro batches (each
+        gathers the weights again)."""
+        return layout.mesh, layout.activation_checkpoint, layout.micro_batches if layout.mesh.pp == 1 else 0
 
     def _held_blocks(self, pp: int) -> int:
         """Blocks the busiest pp rank holds: at least ceil(L / pp)."""
