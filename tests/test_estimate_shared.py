@@ -96,10 +96,10 @@ ROWS = {  # the shape, the pp rank probed, whether one row runs other ops than t
 
 @pytest.mark.parametrize("name", ROWS)
 def test_probes_at_two_row_counts_give_every_other_and_resharding_gives_keeping_the_weights_gathered(name):
-    """The search's sharing is exact: a measurement on the line through rows 2 and 3 equals the probe at 5 rows
-    (one row, where SP's all-gather of the sequence is a view instead of a split and a cat, is refused), and a
-    probe that reshards FSDP's weights after forward, without its backward's gathers, equals the probe that keeps
-    them gathered."""
+    """The search's sharing is exact: a measurement on the line through rows 2 and 3 equals the probe at 5 rows,
+    and so does the one through rows 1 and 2 where they ran the same ops (not under SP, whose all-gather of one
+    sequence is a view instead of a split and a cat: that pair is refused); a probe that reshards FSDP's weights
+    after forward, without its backward's gathers, equals the probe that keeps them gathered."""
     from shardlab.estimate.probe import measure
 
     model, layout, rank, one_row_differs = ROWS[name]
@@ -115,8 +115,8 @@ def test_probes_at_two_row_counts_give_every_other_and_resharding_gives_keeping_
     two, three, five = probe(2), probe(3), probe(5)
     line = two.at_rows(5, 2, three, 3)
     assert line is not None and line.at() == five.at() != two.at()
-    if one_row_differs:
-        assert probe(1).at_rows(5, 1, two, 2) is None
+    from_one = probe(1).at_rows(5, 1, two, 2)
+    assert from_one is None if one_row_differs else from_one.at() == five.at()
     kept = two.at(regather=False)
     assert kept == probe(2, reshard=False).at() != two.at()
     assert line.at(regather=False) == five.at(regather=False)

@@ -243,3 +243,32 @@ def test_the_floors_of_the_ops_without_flops_and_of_cp_are_below_what_each_layou
         run_mesh = layout.config(c).resolve(16).mesh
         cp = layout.micro_batches * sum(collective_seconds(x, run_mesh, dev) for x in p.collectives if x.axis == "cp")
         assert (0 < floors.cp_seconds(c, layout, dev) <= cp) if mesh.cp > 1 else cp == 0, (mesh, ac)
+
+
+def test_a_pipelines_last_rank_is_probed_only_for_layouts_that_may_enter_the_top():
+    """Without the probe of a pipeline's last pp rank a layout's peak is exact and its step time a lower bound (the
+    last rank, with the output layer over a large vocabulary, is the slower one here): the search probes that rank
+    only for the layouts that fit and may enter the top K, and ranks them as the exhaustive search does, exactly."""
+    from shardlab.estimate.roofline import device
+    from shardlab.estimate.search import search
+    from shardlab.estimate.shared import estimate_shared
+    from shardlab.loop import plan_model
+    from shardlab.models.provider import LlamaProvider
+
+    model = msgspec.structs.replace(MODEL, vocab_size=32768)
+    c = cfg(model, global_batch=4, param_dtype="bfloat16")
+    provider, dev, fixed = LlamaProvider(model), device("h100"), {"pp": 2, "dp_shard": 2, "cp": 1, "tp": 1}
+    probes = {}
+    run = lambda prune: search(c, 4, provider, lambda _: None, dev, 2**40, fixed=fixed, top=2, prune=prune,  # noqa: E731
+                               probes=probes)  # fmt: skip
+    pruned, every = run(True), run(False)
+    assert every.bounded > 0 and [(b.layout, b.step_s, b.peak) for b in pruned.best] == [
+        (b.layout, b.step_s, b.peak) for b in every.best
+    ]
+    for b in every.best:
+        layout_cfg = b.layout.config(c).resolve(4)
+        plan = plan_model(layout_cfg)[1]
+        exact, bound = (estimate_shared(layout_cfg, plan, None, dev, provider, probes, last_rank=last)
+                        for last in (True, False))  # fmt: skip
+        assert exact.time.step_s == b.step_s and exact.peak == bound.peak == b.peak
+        assert bound.time.step_s < exact.time.step_s

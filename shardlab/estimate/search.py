@@ -6,7 +6,10 @@ fastest layout that fits: every later one is at least that slow, so the top K ar
 (`prune=False` looks at them all; tests/test_search.py compares the two). What is cheap and exact comes next: each
 layout's parameters, gradients, AdamW state and FSDP buffers are read off its plan (one plan per mesh and pipeline
 shape, on one meta model), and a layout whose state alone exceeds the memory is dropped before any probe. The rest
-are estimated (`shardlab.estimate.estimate`) with probes shared through one cache. A layout is dropped without a
+are estimated (`shardlab.estimate.shared`) with probes shared through one cache (one per twin shape: every row
+count on the line through two, keeping FSDP's weights gathered from the probe that reshards them). A pipeline's
+last pp rank, whose probe only its compute needs, is probed only for a layout that fits and may enter the top K
+(without it the step time is a lower bound, the memory exact). A layout is dropped without a
 probe of its own where a sibling that needs no more memory did not fit: the same layout resharding FSDP's weights
 after forward, checkpointing every block, or running one sequence per micro batch. Within one mesh and schedule,
 fewer micro batches and less recomputation never make a step slower in the estimator's model (the same work in
@@ -31,7 +34,7 @@ from shardlab.config import Config
 from shardlab.estimate import Estimate, estimate_memory, fsdp_buffer_bytes
 from shardlab.estimate.floors import Floors
 from shardlab.estimate.roofline import Device, collective_seconds
-from shardlab.estimate.shared import Shape, estimate_shared
+from shardlab.estimate.shared import Shape, estimate_shared, needs_last_rank
 from shardlab.metrics import module_flops
 from shardlab.models.provider import ModelProvider, check_layout
 from shardlab.pipeline import ONE_STAGE, V_SHAPED, bubble_fraction
@@ -70,6 +73,9 @@ class Search(Frozen):
     """Dropped without a probe of their own: a sibling needing no more memory did not fit (the same layout resharding
     FSDP's weights after forward, checkpointing more, or with fewer rows per micro batch)."""
     estimated: int
+    bounded: int
+    """Estimated without the probe of their pipeline's last pp rank (they did not fit, or could not enter the top
+    K even at the lower bound on their step time that leaves it out)."""
     pruned: int
     """Not looked at: their floor (`shardlab.estimate.floors`) is above the `top`-th fastest layout that fits."""
     probes: int
@@ -147,13 +153,8 @@ def search(
             plans[key] = make_plan(model, run.mesh, rules_of(run) or provider.rules(base_plan), base_plan, flops)
         return _derived(plans[key], run)
 
-    def state(layout: Layout) -> int:
+    def state(shape: Layout) -> int:
         """Bytes the plan fixes (all but activations): the same for every checkpointing and micro batch count."""
-        shape = Layout(
-            mesh=layout.mesh, activation_checkpoint="none", micro_batches=layout.mesh.pp,
-            pp_schedule=layout.pp_schedule, pp_stages_per_rank=layout.pp_stages_per_rank,
-            reshard_after_forward=layout.reshard_after_forward,
-        )  # fmt: skip
         plan = plan_of(shape.config(cfg).resolve(world))
         return estimate_memory(plan).total + fsdp_buffer_bytes(plan)
 
@@ -167,8 +168,9 @@ def search(
     measured = {} if probes is None else probes  # probes of twins, shared by every layout with the same twin
     known = _probed(measured)
     actions: dict[tuple, dict[int, str]] = {}  # pipeline schedule orders
-    states: dict[Layout, int | None] = {}  # bytes the plan fixes; None: the model refused the layout
+    states: dict[Layout, int | None] = {}  # per state shape (`_state_shape`): bytes the plan fixes; None: refused
     estimates: dict[Layout, Candidate] = {}
+    bounds: set[Layout] = set()  # estimated without a pipeline's last pp rank: a lower bound on their step time
     done: dict[tuple, list[Layout]] = {}  # per mesh and schedule: the layouts that fit
     unfit = 0  # layouts looked at that did not fit
     too_large: dict[tuple, list[Layout]] = {}  # per mesh and schedule: every estimated layout that did not fit
@@ -179,20 +181,28 @@ def search(
     closest_state: tuple[int, Layout] | None = None
 
     def fixed_bytes(layout: Layout) -> int | None:
-        if layout not in states:
+        shape = _state_shape(layout)
+        if shape not in states:
             try:
-                states[layout] = state(layout)
+                states[shape] = state(shape)
             except ValueError as err:  # the model's own limits (e.g. tp vs a transformers model's heads)
                 refused.append(f"{layout.mesh.describe()}: {err}")
-                states[layout] = None
-        return states[layout]
+                states[shape] = None
+        return states[shape]
 
-    def estimated(layout: Layout) -> Candidate:
-        if layout not in estimates:
+    def estimated(layout: Layout, exact: bool = False) -> Candidate:
+        """The layout's estimate; exact=False: its step time may be a lower bound (`bounds`), its peak is exact."""
+        first = layout not in estimates
+        if first or (exact and layout in bounds):
             run = layout.config(cfg).resolve(world)
-            e = estimate_shared(run, plan_of(run), rules_of(run), dev, provider, measured, actions)
+            plan = plan_of(run)
+            e = estimate_shared(run, plan, rules_of(run), dev, provider, measured, actions, last_rank=exact)
             estimates[layout] = _candidate(layout, e, run, dev)
-            if e.peak > memory:
+            if not exact and needs_last_rank(run, plan):
+                bounds.add(layout)
+            else:
+                bounds.discard(layout)
+            if e.peak > memory and first:
                 too_large.setdefault(_frame(layout), []).append(layout)
         return estimates[layout]
 
@@ -246,6 +256,8 @@ def search(
             continue
         candidate = estimated(layout)
         if candidate.peak <= memory:
+            if layout in bounds and (len(kth) < top or candidate.step_s <= -kth[0]):
+                candidate = estimated(layout, exact=True)  # it may enter the top: its last pp rank's probe too
             fits.append((candidate.step_s, i, candidate))
             done.setdefault(frame, []).append(layout)
             heapq.heappush(kth, -candidate.step_s)
@@ -262,7 +274,15 @@ def search(
     fits.sort(key=lambda f: f[:2])
     return Search(
         best=tuple(c for _, _, c in fits[:top]), layouts=len(layouts), over_memory=over, too_big=too_big,
-        estimated=len(estimates), pruned=pruned, probes=_probed(measured) - known, seconds=time.perf_counter() - start,
+        estimated=len(estimates), bounded=len(bounds), pruned=pruned, probes=_probed(measured) - known, seconds=time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def _state_shape(layout: Layout) -> Layout:
+    """The layout whose plan fixes the same bytes as `layout`'s: any checkpointing, any micro batch count."""
+    return Layout(
+        mesh=layout.mesh, activation_checkpoint="none", micro_batches=layout.mesh.pp, pp_schedule=layout.pp_schedule,
+        pp_stages_per_rank=layout.pp_stages_per_rank, reshard_after_forward=layout.reshard_after_forward,
     )  # fmt: skip
 
 

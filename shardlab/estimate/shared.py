@@ -113,13 +113,13 @@ class Shape:
         self.derived: dict[int, Measurement] = {}
 
     def at(self, rows: int, probe: Callable[[int], Measurement]) -> Measurement:
-        """The measurement at `rows` rows, from two probed ones where they give it (never one row: a dimension of
-        size 1 takes other paths), else probed now."""
+        """The measurement at `rows` rows, from two probed ones where they ran the same ops (never at one row: a
+        dimension of size 1 may take other paths, as SP's gather of one sequence does), else probed now."""
         found = self.probed.get(rows) or self.derived.get(rows)
         if found is not None:
             return found
         if rows > 1:
-            bases = sorted(r for r in self.probed if r > 1)
+            bases = sorted(self.probed)
             for i, mine in enumerate(bases):
                 for theirs in bases[i + 1 :]:
                     found = self.probed[mine].at_rows(rows, mine, self.probed[theirs], theirs)
@@ -138,10 +138,14 @@ def estimate_shared(
     provider: ModelProvider,
     measured: dict[bytes, Shape],
     actions: dict[tuple, dict[int, str]] | None = None,
+    *,
+    last_rank: bool = True,
 ) -> Estimate:
     """The estimate of `cfg` (resolved) laid out by `plan`, probed as its twin (measured: the cache of the twins'
     probes, by shape; actions: the cache of pipeline schedule orders).
-    Without the forward of the other checkpointing choice."""
+    Without the forward of the other checkpointing choice. last_rank=False: without the probe of a pipeline's last
+    pp rank where another is the probed one (`needs_last_rank`), whose compute only the step time takes (the
+    slower rank's): the step time is then at most the estimate's, the memory the same."""
     twin_cfg, twin_rank = twin(cfg, plan, provider.n_layers)
     _, blocks = probed_rank(plan)
     routed = plan.experts is not None  # routing may round per expert: no line through the rows
@@ -149,7 +153,7 @@ def estimate_shared(
         _measured(twin_cfg, twin_rank, rules, provider, measured, blocks, routed), twin_cfg, twin_rank, cfg, plan
     )
     last = None
-    if needs_last_rank(cfg, plan):
+    if last_rank and needs_last_rank(cfg, plan):
         # the last stages also run the norm, output and loss (only their compute is used): the twin's last pp rank
         # runs the same kinds of stages, extended to the blocks of the layout's last rank
         held = sum(len(s.blocks) for s in plan.pipeline.stages_of(cfg.mesh.pp - 1))
