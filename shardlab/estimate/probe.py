@@ -141,6 +141,7 @@ def _stages_forward_backward(
     last = len(plan.pipeline.stages) - 1
     hidden, dtype = stage_boundary(cfg, plan, tokens.shape[0], dim)
     outputs = []
+    alive = 0
     with loss_parallel() if plan.loss_parallel else contextlib.nullcontext():
         for module, stage in zip(stage_modules(model), stages, strict=True):
             recorder.stage = stage.index
@@ -149,6 +150,8 @@ def _stages_forward_backward(
             if stage.index == last:
                 y = summed_loss(y, tokens)
             outputs.append((stage.index, y))
+            now = recorder.live_bytes(param_storages(model))
+            recorder.stage_activations[stage.index], alive = now - alive, now
         after_forward()
         for index, y in reversed(outputs):  # the schedule runs the backwards in reverse stage order
             recorder.stage = index
@@ -192,14 +195,40 @@ class Run(NamedTuple):
     regathers: dict[CollectiveKey, int]
     """The collectives FSDP ran to gather weights again in the backward (none with reshard_after_forward=False)."""
     regather_bytes: dict[CollectiveKey, int]
-    sequence: tuple[tuple[int, int, OpKind, bool], ...]
-    """Every op as it ran: FLOPs, bytes, kind, whether it was such a gather's."""
+    sequence: tuple[tuple[int, int, OpKind, bool, int | None], ...]
+    """Every op as it ran: FLOPs, bytes, kind, whether it was such a gather's, its pipeline stage."""
     activation_bytes: int
+    stage_activations: dict[int | None, int]
+    """Each pipeline stage's share of activation_bytes (empty without a pipeline)."""
 
     @classmethod
     def of(cls, r: Recorder) -> Run:
         return cls(dict(r.collectives), dict(r.collective_bytes), dict(r.regathers), dict(r.regather_bytes),
-                   tuple(r.sequence), r.activation_bytes)  # fmt: skip
+                   tuple(r.sequence), r.activation_bytes, dict(r.stage_activations))  # fmt: skip
+
+    def stage(self, stage: int | None, to: int | None) -> Run:
+        """What pipeline stage `stage` ran (None: what the rank ran before any), as stage `to`: its collectives, ops
+        and activations."""
+
+        def moved(counts: dict[CollectiveKey, int]) -> dict[CollectiveKey, int]:
+            return {(*key[:4], to): n for key, n in counts.items() if key[4] == stage}
+
+        alive = self.stage_activations.get(stage, 0)
+        return Run(
+            moved(self.collectives), moved(self.collective_bytes), moved(self.regathers), moved(self.regather_bytes),
+            tuple((*op[:4], to) for op in self.sequence if op[4] == stage), alive,
+            {} if stage is None else {to: alive},
+        )  # fmt: skip
+
+    @staticmethod
+    def joined(runs: list[Run]) -> Run:
+        """The runs of distinct stages as one rank running them all, in that order."""
+        return Run(
+            *({key: n for r in runs for key, n in getattr(r, field).items()}
+              for field in ("collectives", "collective_bytes", "regathers", "regather_bytes")),
+            tuple(op for r in runs for op in r.sequence), sum(r.activation_bytes for r in runs),
+            {s: n for r in runs for s, n in r.stage_activations.items()},
+        )  # fmt: skip
 
     def counted(self, regather: bool) -> tuple[dict, dict, Counter, int, int]:
         """(collective counts, their bytes, ops, FLOPs, activations), without the backward's gathers if not
@@ -208,7 +237,7 @@ class Run(NamedTuple):
         if not regather:
             counts.subtract(self.regathers)
             nbytes.subtract(self.regather_bytes)
-        ops = Counter((f, b, kind) for f, b, kind, again in self.sequence if regather or not again)
+        ops = Counter((f, b, kind) for f, b, kind, again, _ in self.sequence if regather or not again)
         flops = sum(f * n for (f, _, _), n in ops.items())
         return dict(counts), dict(nbytes), ops, flops, self.activation_bytes
 
@@ -219,6 +248,7 @@ class Run(NamedTuple):
             len(self.sequence) != len(other.sequence)
             or self.collectives != other.collectives
             or self.regathers != other.regathers
+            or self.stage_activations.keys() != other.stage_activations.keys()
             or any(a[2:] != b[2:] for a, b in zip(self.sequence, other.sequence, strict=True))
         ):
             return None
@@ -237,6 +267,7 @@ class Run(NamedTuple):
                 {key: line(n, other.regather_bytes[key]) for key, n in self.regather_bytes.items()},
                 tuple((line(a[0], b[0]), line(a[1], b[1]), *a[2:]) for a, b in zip(self.sequence, other.sequence)),
                 line(self.activation_bytes, other.activation_bytes),
+                {s: line(n, other.stage_activations[s]) for s, n in self.stage_activations.items()},
             )
         except _NotAffine:
             return None
@@ -319,6 +350,21 @@ class Measurement:
         if any(r is None for r in runs):
             return None
         return Measurement(runs, self.n, self.k, self.v, self.stages)
+
+
+def staged(pieces: list[tuple[Measurement, int, int]], stages: int) -> Measurement:
+    """The measurement of a pp rank running, of a model's `stages` pipeline stages, those `pieces` name in the order
+    it runs them: (a measurement, a stage it ran, the rank's stage that runs the same), the first one run first there
+    too (a rank's first stage leaves a few more bytes alive than its others), with what the first measurement ran
+    before any stage. Each stage of a rank holding several is its own module (and FSDP root) fed its own input, so
+    what one records does not depend on the others the rank runs; both probes of a measurement hold 2k and 3k
+    blocks in every stage (tests/test_estimate_shared.py checks the sum against the probe of the rank)."""
+    first = pieces[0][0]
+    runs = [
+        Run.joined([first.runs[i].stage(None, None), *(m.runs[i].stage(s, to) for m, s, to in pieces)])
+        for i in range(len(first.runs))
+    ]
+    return Measurement(runs, first.n, first.k, len(pieces), stages)
 
 
 def measure(

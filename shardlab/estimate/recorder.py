@@ -100,8 +100,11 @@ class Recorder(CommDebugMode):
         self.collectives: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
         self.collective_bytes: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
         self.ops: Counter[tuple[int, int, OpKind]] = Counter()
-        self.sequence: list[tuple[int, int, OpKind, bool]] = []
-        """Every op as it ran: (FLOPs, bytes, kind, whether FSDP ran it to gather weights again in the backward)."""
+        self.sequence: list[tuple[int, int, OpKind, bool, int | None]] = []
+        """Every op as it ran: (FLOPs, bytes, kind, whether FSDP ran it to gather weights again in the backward, the
+        pipeline stage that ran it)."""
+        self.stage_activations: dict[int | None, int] = {}
+        """What each pipeline stage's forward left alive (they add up to activation_bytes)."""
         self.regathers: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
         self.regather_bytes: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
         """The part of `collectives` and `collective_bytes` that FSDP ran to gather weights again in the backward."""
@@ -165,7 +168,7 @@ class Recorder(CommDebugMode):
         self.flops += flops
         op_kind: OpKind = "attention" if packet in ATTENTION else "matmul" if flops else "memory"
         self.ops[(flops, moved, op_kind)] += 1
-        self.sequence.append((flops, moved, op_kind, self._regathering()))
+        self.sequence.append((flops, moved, op_kind, self._regathering(), self.stage))
         return out
 
     def _regathering(self) -> bool:

@@ -29,7 +29,7 @@ import msgspec
 
 from shardlab.config import Config, TrainConfig
 from shardlab.estimate import Estimate, estimate_from, probed_rank
-from shardlab.estimate.probe import Measurement, Probe, measure
+from shardlab.estimate.probe import Measurement, Probe, measure, staged
 from shardlab.estimate.recorder import Collective
 from shardlab.estimate.roofline import Device
 from shardlab.mesh import MeshSpec
@@ -175,24 +175,74 @@ def _measured(
     blocks: int | None,
     routed: bool,
 ) -> Probe:
-    """`cfg`'s probe as pp rank `rank` holding `blocks` blocks, from `measured` or measured now. Kept under what it
-    depends on: not the schedule within its shape of stages (the probe runs stages, not schedules), nor the rows
-    per micro batch (`Shape`), nor FSDP's resharding after forward (measured resharding, where the schedule
-    allows it, and taken without the backward's gathers where the layout keeps its weights gathered). routed: the
-    model routes tokens to experts, whose loads may round with the rows: each row count is probed."""
+    """`cfg`'s probe as pp rank `rank` holding `blocks` blocks, from `measured` or measured now (`_measurement`).
+    routed: the model routes tokens to experts, whose loads may round with the rows: each row count is probed."""
+    found = _measurement(cfg, rank, rules, provider, measured, routed)
+    return found.at(blocks, regather=cfg.plan.reshard_after_forward or not _reshards(cfg, provider.n_layers))
+
+
+def _reshards(cfg: Config, n_layers: int) -> bool:
+    """Whether the measurement of `cfg` reshards FSDP's weights after forward: where its schedule allows it (a rank
+    put together from `BASE`'s stages: as BASE does)."""
     shape = next(group for group in (ONE_STAGE, LOOPED, V_SHAPED) if cfg.plan.pp_schedule in group)
-    reshard = cfg.plan.reshard_after_forward or shape[0] not in ZERO_BUBBLE
+    return cfg.plan.reshard_after_forward or shape[0] not in ZERO_BUBBLE or _pieces(cfg, 0, n_layers) is not None
+
+
+def _measurement(
+    cfg: Config, rank: int, rules: Rules | None, provider: ModelProvider, measured: dict[bytes, Shape], routed: bool
+) -> Measurement:
+    """Kept under what it depends on: not the schedule within its shape of stages (the probe runs stages, not
+    schedules), nor the rows per micro batch (`Shape`), nor FSDP's resharding after forward (measured resharding
+    where the schedule allows it, and taken without the backward's gathers where the layout keeps its weights
+    gathered). A rank of several stages per rank is put together from the stages of `BASE`'s ranks (`_pieces`)."""
+    shape = next(group for group in (ONE_STAGE, LOOPED, V_SHAPED) if cfg.plan.pp_schedule in group)
+    reshard = _reshards(cfg, provider.n_layers)
     canonical = msgspec.structs.replace(cfg.plan, pp_schedule=shape[0], reshard_after_forward=reshard)
     per_row = cfg.train.global_batch // _rows(cfg)
     keyed = cfg.train if routed else _train(cfg, per_row)
     key = msgspec.json.encode((msgspec.structs.replace(cfg, plan=canonical, train=keyed), rank))
+    found = measured.setdefault(key, Shape())
+    rows = _rows(cfg)
+    pieces = _pieces(cfg, rank, provider.n_layers)
+    if pieces is not None:
+        if rows not in found.derived:
+            v, micro = BASE[1], 2 * TWIN_PP * BASE[1]  # as `twin` makes them
+            plan = msgspec.structs.replace(canonical, pp_schedule=BASE[0], pp_stages_per_rank=v, pp_microbatches=micro)
+            base = msgspec.structs.replace(cfg, plan=plan, train=_train(cfg, rows * cfg.mesh.size("dp") * micro))
+            ranks = {r: _measurement(base, r, rules, provider, measured, routed) for r, _, _ in pieces}
+            stages = TWIN_PP * cfg.plan.pp_stages_per_rank
+            found.derived[rows] = staged([(ranks[r], s, to) for r, s, to in pieces], stages)
+        return found.derived[rows]
 
     def probe(rows: int) -> Measurement:
         run = msgspec.structs.replace(cfg, plan=canonical, train=_train(cfg, rows * per_row))
         return measure(run.resolve(cfg.mesh.world_size), rules, pp_rank=rank, provider=provider)
 
-    found = measured.setdefault(key, Shape()).at(_rows(cfg), probe)
-    return found.at(blocks, regather=cfg.plan.reshard_after_forward or not reshard)
+    return found.at(rows, probe)
+
+
+BASE = ("interleaved_1f1b", 2)
+"""The twin whose stages make up every twin of several stages per rank: its rank 0 runs the first stage, then a
+middle one; its rank 1 a middle one, then the last."""
+
+
+def _pieces(cfg: Config, rank: int, n_layers: int) -> list[tuple[int, int, int]] | None:
+    """Each stage of pp rank `rank` of twin `cfg` as (rank of `BASE`, its stage of the same kind run first or not as
+    here, the stage): for twins of two pp ranks holding several stages each (other than `BASE`), whose probes hold
+    2k and 3k blocks in every stage; else None."""
+    v = cfg.plan.pp_stages_per_rank
+    k = cfg.plan.ac_every if cfg.plan.activation_checkpoint == "selective" else 1
+    schedule = cfg.plan.pp_schedule
+    if cfg.mesh.pp != TWIN_PP or v < 2 or cfg.plan.pp_split or (schedule in LOOPED and v == BASE[1]):
+        return None
+    if n_layers <= 3 * k * TWIN_PP * v:  # the probes would hold the whole model, its stages maybe uneven
+        return None
+    mine = [s for s, r in enumerate(stage_ranks(TWIN_PP, v, schedule)) if r == rank]
+    last = TWIN_PP * v - 1
+    return [
+        (0, 0, s) if s == 0 else (1, 2 * TWIN_PP - 1, s) if s == last else (1, 1, s) if i == 0 else (0, 2, s)
+        for i, s in enumerate(mine)
+    ]
 
 
 def _rows(cfg: Config) -> int:
