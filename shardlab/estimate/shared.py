@@ -10,7 +10,9 @@ first, which then runs the same kinds of stages (the first; the last too under a
 batch cut so each micro batch keeps its rows. Many layouts share one twin, hence one probe; twins that differ only
 in their rows per micro batch share two (`Shape`: every other row count is on the line through them), and those
 that differ only in FSDP's resharding after forward share one (the one that reshards, without the backward's
-gathers for the one that does not). A pipeline's last pp
+gathers for the one that does not). A pipelined twin's rank is the sum of its stages, each its own module: every
+looped and V-shaped twin, and the first rank of a twin of one stage per rank, is put together from the stages of
+one base twin (`BASE`). A pipeline's last pp
 rank, whose compute (it also runs the norm, output and loss) may be the slower, is probed as the twin's last. The twin's probe is
 extrapolated to the layout's blocks as the exact one is, its collectives get the layout's group sizes and stages,
 and everything else (memory, micro batches, the schedule's order, sends, bubble) comes from the layout's own plan
@@ -148,16 +150,15 @@ def estimate_shared(
     slower rank's): the step time is then at most the estimate's, the memory the same."""
     twin_cfg, twin_rank = twin(cfg, plan, provider.n_layers)
     _, blocks = probed_rank(plan)
-    routed = plan.experts is not None  # routing may round per expert: no line through the rows
     p = _translated(
-        _measured(twin_cfg, twin_rank, rules, provider, measured, blocks, routed), twin_cfg, twin_rank, cfg, plan
+        _measured(twin_cfg, twin_rank, rules, provider, measured, blocks, plan), twin_cfg, twin_rank, cfg, plan
     )
     last = None
     if last_rank and needs_last_rank(cfg, plan):
         # the last stages also run the norm, output and loss (only their compute is used): the twin's last pp rank
         # runs the same kinds of stages, extended to the blocks of the layout's last rank
         held = sum(len(s.blocks) for s in plan.pipeline.stages_of(cfg.mesh.pp - 1))
-        last = _measured(twin_cfg, twin_cfg.mesh.pp - 1, rules, provider, measured, held, routed)
+        last = _measured(twin_cfg, twin_cfg.mesh.pp - 1, rules, provider, measured, held, plan)
     return estimate_from(cfg, plan, p, p, cfg.plan.activation_checkpoint, dev, provider, actions, last=last)
 
 
@@ -173,43 +174,44 @@ def _measured(
     provider: ModelProvider,
     measured: dict[bytes, Shape],
     blocks: int | None,
-    routed: bool,
+    plan: Plan,
 ) -> Probe:
     """`cfg`'s probe as pp rank `rank` holding `blocks` blocks, from `measured` or measured now (`_measurement`).
-    routed: the model routes tokens to experts, whose loads may round with the rows: each row count is probed."""
-    found = _measurement(cfg, rank, rules, provider, measured, routed)
-    return found.at(blocks, regather=cfg.plan.reshard_after_forward or not _reshards(cfg, provider.n_layers))
+    plan: the layout's."""
+    found = _measurement(cfg, rank, rules, provider, measured, plan)
+    return found.at(blocks, regather=cfg.plan.reshard_after_forward or not _reshards(cfg, provider.n_layers, plan))
 
 
-def _reshards(cfg: Config, n_layers: int) -> bool:
+def _reshards(cfg: Config, n_layers: int, plan: Plan) -> bool:
     """Whether the measurement of `cfg` reshards FSDP's weights after forward: where its schedule allows it (a rank
     put together from `BASE`'s stages: as BASE does)."""
     shape = next(group for group in (ONE_STAGE, LOOPED, V_SHAPED) if cfg.plan.pp_schedule in group)
-    return cfg.plan.reshard_after_forward or shape[0] not in ZERO_BUBBLE or _pieces(cfg, 0, n_layers) is not None
+    return cfg.plan.reshard_after_forward or shape[0] not in ZERO_BUBBLE or _pieces(cfg, 0, n_layers, plan) is not None
 
 
 def _measurement(
-    cfg: Config, rank: int, rules: Rules | None, provider: ModelProvider, measured: dict[bytes, Shape], routed: bool
+    cfg: Config, rank: int, rules: Rules | None, provider: ModelProvider, measured: dict[bytes, Shape], plan: Plan
 ) -> Measurement:
     """Kept under what it depends on: not the schedule within its shape of stages (the probe runs stages, not
     schedules), nor the rows per micro batch (`Shape`), nor FSDP's resharding after forward (measured resharding
     where the schedule allows it, and taken without the backward's gathers where the layout keeps its weights
-    gathered). A rank of several stages per rank is put together from the stages of `BASE`'s ranks (`_pieces`)."""
+    gathered). A pipeline's rank is put together from the stages of `BASE`'s ranks where it can be (`_pieces`)."""
     shape = next(group for group in (ONE_STAGE, LOOPED, V_SHAPED) if cfg.plan.pp_schedule in group)
-    reshard = _reshards(cfg, provider.n_layers)
+    reshard = _reshards(cfg, provider.n_layers, plan)
     canonical = msgspec.structs.replace(cfg.plan, pp_schedule=shape[0], reshard_after_forward=reshard)
     per_row = cfg.train.global_batch // _rows(cfg)
-    keyed = cfg.train if routed else _train(cfg, per_row)
+    keyed = cfg.train if plan.experts is not None else _train(cfg, per_row)  # loads may round with the rows
     key = msgspec.json.encode((msgspec.structs.replace(cfg, plan=canonical, train=keyed), rank))
     found = measured.setdefault(key, Shape())
     rows = _rows(cfg)
-    pieces = _pieces(cfg, rank, provider.n_layers)
+    pieces = _pieces(cfg, rank, provider.n_layers, plan)
     if pieces is not None:
         if rows not in found.derived:
             v, micro = BASE[1], 2 * TWIN_PP * BASE[1]  # as `twin` makes them
-            plan = msgspec.structs.replace(canonical, pp_schedule=BASE[0], pp_stages_per_rank=v, pp_microbatches=micro)
-            base = msgspec.structs.replace(cfg, plan=plan, train=_train(cfg, rows * cfg.mesh.size("dp") * micro))
-            ranks = {r: _measurement(base, r, rules, provider, measured, routed) for r, _, _ in pieces}
+            options = msgspec.structs.replace(canonical, pp_schedule=BASE[0], pp_stages_per_rank=v,
+                                              pp_microbatches=micro)  # fmt: skip
+            base = msgspec.structs.replace(cfg, plan=options, train=_train(cfg, rows * cfg.mesh.size("dp") * micro))
+            ranks = {r: _measurement(base, r, rules, provider, measured, plan) for r, _, _ in pieces}
             stages = TWIN_PP * cfg.plan.pp_stages_per_rank
             found.derived[rows] = staged([(ranks[r], s, to) for r, s, to in pieces], stages)
         return found.derived[rows]
@@ -226,16 +228,21 @@ BASE = ("interleaved_1f1b", 2)
 middle one; its rank 1 a middle one, then the last."""
 
 
-def _pieces(cfg: Config, rank: int, n_layers: int) -> list[tuple[int, int, int]] | None:
+def _pieces(cfg: Config, rank: int, n_layers: int, plan: Plan) -> list[tuple[int, int, int]] | None:
     """Each stage of pp rank `rank` of twin `cfg` as (rank of `BASE`, its stage of the same kind run first or not as
-    here, the stage): for twins of two pp ranks holding several stages each (other than `BASE`), whose probes hold
-    2k and 3k blocks in every stage; else None."""
-    v = cfg.plan.pp_stages_per_rank
+    here, the stage): for twins of two pp ranks (other than `BASE`), whose probes hold 2k and 3k blocks in every
+    stage; else None. A rank of one stage runs the model itself, not a stage module: the first stage's is the
+    same (tests/test_estimate_shared.py), the last stage's is probed on its own."""
+    v = cfg.plan.pp_stages_per_rank if cfg.mesh.pp > 1 else 0
     k = cfg.plan.ac_every if cfg.plan.activation_checkpoint == "selective" else 1
     schedule = cfg.plan.pp_schedule
-    if cfg.mesh.pp != TWIN_PP or v < 2 or cfg.plan.pp_split or (schedule in LOOPED and v == BASE[1]):
+    if cfg.mesh.pp != TWIN_PP or cfg.plan.pp_split or (schedule in LOOPED and v == BASE[1]):
         return None
-    if n_layers <= 3 * k * TWIN_PP * v:  # the probes would hold the whole model, its stages maybe uneven
+    if plan.pipeline is None or plan.pipeline.call != "tensor":  # stages that are not stage modules
+        return None
+    if v == 1 and rank != 0:  # the last stage run first on its rank: BASE runs it second
+        return None
+    if n_layers <= 3 * k * TWIN_PP * max(v, BASE[1]):  # the probes would hold the whole model, maybe uneven stages
         return None
     mine = [s for s, r in enumerate(stage_ranks(TWIN_PP, v, schedule)) if r == rank]
     last = TWIN_PP * v - 1
