@@ -7,6 +7,8 @@ to mesh axes with Flax linen semantics. Every resolution says which rule matched
 
 from __future__ import annotations
 
+import functools
+
 from shardlab._base import Frozen
 from shardlab._glob import glob_regex as glob_regex
 from shardlab._glob import matches as matches
@@ -126,6 +128,30 @@ def logical_to_spec(
     ("embed" wanted tp, which "heads" took, so its fallback None applied and is reported.) A name with no
     pair at all is an error; a name whose every pair is blocked is replicated and reported.
     """
+    key = tuple(axes), tuple(table)
+    try:
+        hash(key)
+    except TypeError:  # a table with lists in it: not remembered
+        spec_of = _logical_to_spec.__wrapped__
+    else:
+        spec_of = _logical_to_spec
+    try:
+        return spec_of(*key)
+    except _NoEntry as missing:
+        raise ValueError(
+            f"{name}: logical axis {missing.args[0]!r} has no entry in the logical table; add "
+            f"({missing.args[0]!r}, None) to replicate it"
+        ) from None
+
+
+class _NoEntry(Exception):
+    pass
+
+
+@functools.lru_cache(maxsize=4096)
+def _logical_to_spec(axes: tuple[str | None, ...], table: LogicalTable) -> tuple[P, tuple[str, ...]]:
+    """`logical_to_spec`, once per tensor's logical axes and table: a model's blocks repeat the same few (make_plan
+    of a 126-block model asks 2,400 times)."""
     known = {n for n, _ in table}
     used: set[str] = set()
     entries: list[Entry] = [None] * len(axes)
@@ -134,9 +160,7 @@ def logical_to_spec(
     pending = {i: n for i, n in enumerate(axes) if n is not None}
     for n in pending.values():
         if n not in known:
-            raise ValueError(
-                f"{name}: logical axis {n!r} has no entry in the logical table; add ({n!r}, None) to replicate it"
-            )
+            raise _NoEntry(n)
     done: set[int] = set()
     tried: dict[int, int] = {}
     for logical, mesh_axes in table:
