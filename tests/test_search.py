@@ -272,3 +272,17 @@ def test_a_pipelines_last_rank_is_probed_only_for_layouts_that_may_enter_the_top
                         for last in (True, False))  # fmt: skip
         assert exact.time.step_s == b.step_s and exact.peak == bound.peak == b.peak
         assert bound.time.step_s < exact.time.step_s
+
+
+def test_the_siblings_a_layout_is_dropped_for_are_layouts_of_the_search():
+    """A layout is dropped where a sibling needing no more memory did not fit: each sibling must be one the search
+    enumerates (a zero-bubble schedule with FSDP has no resharding sibling: make_plan refuses it)."""
+    from shardlab.estimate.search import _memory_siblings
+
+    c = cfg(global_batch=16, param_dtype="bfloat16")
+    found, _ = layouts(c, 4)
+    enumerated = set(found)
+    assert any(lay.pp_schedule == "zbv_zero_bubble" for lay in found)
+    for layout in found:
+        one_row, others = _memory_siblings(layout, c)
+        assert set(one_row + others) <= enumerated, layout.describe()

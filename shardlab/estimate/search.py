@@ -37,7 +37,7 @@ from shardlab.estimate.roofline import Device, collective_seconds
 from shardlab.estimate.shared import Shape, estimate_shared, needs_last_rank
 from shardlab.metrics import module_flops
 from shardlab.models.provider import ModelProvider, check_layout
-from shardlab.pipeline import ONE_STAGE, V_SHAPED, bubble_fraction
+from shardlab.pipeline import ONE_STAGE, V_SHAPED, ZERO_BUBBLE, bubble_fraction
 from shardlab.plan import Plan, make_plan
 from shardlab.rules import Rules
 from shardlab.search import AC_MODES, Layout, divisors, enumerate_layouts, recomputes_no_more, uses_fsdp
@@ -308,8 +308,9 @@ def _needs_no_more(small: Layout, other: Layout) -> bool:
 
 
 def _resharding(layout: Layout, cfg: Config) -> Layout:
-    """`layout` resharding FSDP's weights after forward, where it is enumerated with that sibling (else itself)."""
-    if layout.reshard_after_forward or not uses_fsdp(cfg, layout.mesh):
+    """`layout` resharding FSDP's weights after forward, where it is enumerated with that sibling (else itself: not
+    under a zero-bubble schedule, whose weight gradients need the weights kept gathered)."""
+    if layout.reshard_after_forward or not uses_fsdp(cfg, layout.mesh) or layout.pp_schedule in ZERO_BUBBLE:
         return layout
     return msgspec.structs.replace(layout, reshard_after_forward=True)
 
