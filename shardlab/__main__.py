@@ -215,7 +215,8 @@ def _search(cfg, recipe, world: int | None, device_name: str | None, flags: dict
     from pathlib import Path
 
     from shardlab.estimate.roofline import device
-    from shardlab.estimate.search import layout_recipe, search, search_json, search_table
+    from shardlab.estimate.search import search
+    from shardlab.estimate.search_report import layout_recipe, search_json, search_table
     from shardlab.models.provider import provider_for
 
     if world is None:

@@ -52,7 +52,7 @@ LAYERS = [
     {"estimate.probe"},
     {"estimate.kernels", "estimate.roofline", "estimate.cpu", "estimate.floors"},
     {"estimate", "estimate.shared", "estimate.search", "checkpoint"},
-    {"loop", "recipe"},
+    {"loop", "recipe", "estimate.search_report"},
     {"__main__", "__init__"},
 ]
 LAYER_OF = {m: i for i, layer in enumerate(LAYERS) for m in layer}

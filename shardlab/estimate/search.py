@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import pprint
 import time
 from collections.abc import Callable, Mapping
 
@@ -367,7 +366,7 @@ def _stage_flops(cfg: Config, model: torch.nn.Module, provider: ModelProvider) -
     return module_flops(model, sample, provider.forward)
 
 
-def _gib(n: float) -> str:
+def readable_bytes(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
@@ -381,79 +380,12 @@ def _nothing_fits(
     closest_state: tuple[int, Layout] | None,
     refused: list[str],
 ) -> str:
-    tried = f"search: none of the {layouts} layouts of {world} ranks fits {_gib(memory)} per rank"
+    tried = f"search: none of the {layouts} layouts of {world} ranks fits {readable_bytes(memory)} per rank"
     if closest is not None:
-        near = f"the closest, {closest.layout.describe()}, peaks at {_gib(closest.peak)}"
+        near = f"the closest, {closest.layout.describe()}, peaks at {readable_bytes(closest.peak)}"
     elif closest_state is not None:
-        near = f"the closest, {closest_state[1].describe()}, needs {_gib(closest_state[0])} or more before activations"
+        near = f"the closest, {closest_state[1].describe()}, needs {readable_bytes(closest_state[0])} or more before activations"
     else:
         near = f"the model refused every mesh ({refused[0]})" if refused else "no layout could be planned"
     counts = f"{over} exceed it by parameters, gradients and optimizer state alone, {estimated} estimated"
     return f"{tried} ({counts}); {near}; raise --memory or --world, or shrink the batch"
-
-
-def why(best: Candidate, runner_up: Candidate | None) -> str:
-    """One line on why the winner wins: against the runner-up, the part of the step that differs most."""
-    if runner_up is None:
-        return f"{best.layout.describe()} is the only layout that fits"
-    mine, theirs = dict(best.parts), dict(runner_up.parts)
-    part = max(mine, key=lambda k: theirs[k] - mine[k])
-    faster = runner_up.step_s / best.step_s - 1
-    if faster < 1e-3:
-        return f"{best.layout.describe()} ties with {runner_up.layout.describe()} (within 0.1%)"
-    return (
-        f"{best.layout.describe()} wins, {100 * faster:.1f}% faster than {runner_up.layout.describe()}: "
-        f"{part} {mine[part]:.3g} s against {theirs[part]:.3g} s per step"
-    )
-
-
-def search_table(s: Search, dev: Device, memory: int) -> str:
-    """The ranking as text, for `python -m shardlab search`."""
-    header = ("#", "mesh", "AC", "micro", "schedule", "peak GiB", "comm s/step by axis", "tokens/s/dev", "MFU")
-    rows = [header]
-    for i, c in enumerate(s.best, 1):
-        lay = c.layout
-        schedule = "-" if lay.pp_schedule is None else f"{lay.pp_schedule} x{lay.pp_stages_per_rank}"
-        if not lay.reshard_after_forward:
-            schedule = "no reshard" if lay.pp_schedule is None else f"{schedule}, no reshard"
-        comm = " ".join(f"{axis} {sec:.3g}" for axis, sec in c.comm_s) or "-"
-        rows.append((
-            str(i), lay.mesh.describe().rsplit(" (", 1)[0], lay.activation_checkpoint, str(lay.micro_batches),
-            schedule, f"{c.peak / 2**30:.2f}", comm, f"{c.tokens_per_s_per_device:,.0f}", f"{100 * c.mfu:.1f}%",
-        ))  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [
-        f"Search on {dev.name}, {_gib(memory)} per rank: {s.layouts} layouts, {s.over_memory} dropped by their plan "
-        f"before any probe and {s.too_big} as a sibling needing less memory was too big, {s.pruned} slower than "
-        f"the top {len(s.best)} by their floor alone, {s.estimated} estimated ({s.probes} probes) in {s.seconds:.1f} s",
-        *("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows),
-        why(s.best[0], s.best[1] if len(s.best) > 1 else None),
-    ]
-    return "\n".join(lines)
-
-
-def search_json(s: Search) -> bytes:
-    """The ranking for scripts: each candidate's layout, peak bytes, step time, tokens/s per device, MFU, comm."""
-    return msgspec.json.encode(s)
-
-
-def layout_recipe(cfg: Config, layout: Layout, world: int, source: str, own: bool, note: str) -> str:
-    """A recipe file running `cfg`'s model and batch with `layout`: the whole config as data. `own`: the source recipe
-    defines its own model or rules, which the file then takes from it (by its path, `source`)."""
-    run = layout.config(cfg).resolve(world)
-    data = pprint.pformat(msgspec.to_builtins(run), indent=4, width=116, sort_dicts=False)
-    lines = [
-        f'"""{cfg.name} laid out by `python -m shardlab search`: {layout.describe()} on {world} ranks.',
-        f'{note}"""',
-        "",
-        "import msgspec",
-        "",
-        "from shardlab import Config",
-    ]
-    if own:
-        lines += ["from shardlab.recipe import load_recipe", "", f"_source = load_recipe({source!r})"]
-    lines += ["", f"config = msgspec.convert(\n{data},\n    Config,\n)"]
-    if own:
-        lines += ["", "", "def rules(cfg):", "    return _source.rules(cfg)", "", "", "def model(cfg):",
-                  "    return _source.model(cfg)"]  # fmt: skip
-    return "\n".join(lines) + "\n"
