@@ -8,6 +8,7 @@ A failure on the ranks comes back as one line (see `shardlab._torchrun`).
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -227,4 +228,15 @@ def init_distributed(device: str = "auto") -> Dist:
         timeout=timedelta(seconds=timeout_s),
         device_id=dev if dev.type == "cuda" else None,
     )
+    atexit.register(_leave_world)
     return Dist(rank, world_size, local_rank, dev, backend)
+
+
+def _leave_world() -> None:
+    """At exit, the process group this process made, if its program did not destroy it: left to the interpreter's
+    teardown, the group's threads may be destroyed while still running, and the process then dies of SIGABRT
+    ("terminate called without an active exception") instead of exiting with its own code."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
