@@ -29,6 +29,12 @@ ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 """Schedules that split the backward into an input-gradient and a later weight-gradient step."""
 
 
+def stage_shape(schedule: Schedule) -> tuple[Schedule, ...]:
+    """The schedules that place stages on ranks as `schedule` does: one per rank (ONE_STAGE), looped (LOOPED) or
+    V-shaped (V_SHAPED). What a rank computes depends on its stages, not on the order the schedule runs them in."""
+    return next(group for group in (ONE_STAGE, LOOPED, V_SHAPED) if schedule in group)
+
+
 class StagePlan(Frozen):
     """One pipeline stage: a contiguous run of blocks, plus the embeddings (first) or the norm and head (last)."""
 

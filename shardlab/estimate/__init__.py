@@ -30,7 +30,7 @@ from shardlab.estimate.roofline import (
     step_time,
 )
 from shardlab.models.provider import ModelProvider, provider_for
-from shardlab.pipeline import LOOPED, ONE_STAGE, V_SHAPED, in_flight
+from shardlab.pipeline import in_flight, stage_shape
 from shardlab.plan import ParamPlan, Plan
 from shardlab.rules import Rules
 from shardlab.schedule import stage_actions
@@ -241,9 +241,7 @@ def cached_probe(
     stages), the pp rank and its blocks. A whole probe answers a forward-only one (same forward, same activations)."""
     if cache is None:
         return probe(cfg, rules, forward_only=forward_only, pp_rank=pp_rank, blocks=blocks, provider=provider)
-    schedule = cfg.plan.pp_schedule
-    shape = next(group for group in (ONE_STAGE, LOOPED, V_SHAPED) if schedule in group)
-    canonical = msgspec.structs.replace(cfg.plan, pp_schedule=shape[0])
+    canonical = msgspec.structs.replace(cfg.plan, pp_schedule=stage_shape(cfg.plan.pp_schedule)[0])
     key = msgspec.json.encode((msgspec.structs.replace(cfg, plan=canonical), pp_rank, blocks))
     if key in cache:
         return cache[key]

@@ -36,7 +36,7 @@ from shardlab.estimate.roofline import Device, collective_seconds
 from shardlab.estimate.shared import Shape, estimate_shared, needs_last_rank
 from shardlab.metrics import module_flops
 from shardlab.models.provider import ModelProvider, check_layout
-from shardlab.pipeline import ONE_STAGE, V_SHAPED, ZERO_BUBBLE, bubble_fraction
+from shardlab.pipeline import LOOPED, ONE_STAGE, V_SHAPED, ZERO_BUBBLE, bubble_fraction, stage_shape
 from shardlab.plan import Plan, make_plan
 from shardlab.rules import Rules
 from shardlab.search import AC_MODES, Layout, divisors, enumerate_layouts, recomputes_no_more, uses_fsdp
@@ -142,8 +142,9 @@ def search(
         """One make_plan per mesh and stage placement: checkpointing, resharding and the schedule within a placement
         change only the plan's own fields for them and its pipeline's schedule, micro batches and bubble
         (`_derived`)."""
-        schedule = run.plan.pp_schedule
-        placement = "zbv_zero_bubble" if schedule in V_SHAPED else "1f1b" if schedule in ONE_STAGE else "looped_bfs"
+        placement = {ONE_STAGE: "1f1b", LOOPED: "looped_bfs", V_SHAPED: "zbv_zero_bubble"}[
+            stage_shape(run.plan.pp_schedule)
+        ]
         base_plan = msgspec.structs.replace(run.plan, reshard_after_forward=False, pp_schedule=placement,
                                             pp_microbatches=None, activation_checkpoint="none")  # fmt: skip
         key = msgspec.json.encode(run.mesh) + msgspec.json.encode(base_plan)

@@ -36,7 +36,7 @@ from shardlab.estimate.recorder import Collective
 from shardlab.estimate.roofline import Device
 from shardlab.mesh import MeshSpec
 from shardlab.models.provider import ModelProvider
-from shardlab.pipeline import LOOPED, ONE_STAGE, V_SHAPED, ZERO_BUBBLE, stage_ranks
+from shardlab.pipeline import LOOPED, ZERO_BUBBLE, stage_ranks, stage_shape
 from shardlab.plan import Plan
 from shardlab.rules import Rules
 
@@ -185,8 +185,8 @@ def _measured(
 def _reshards(cfg: Config, n_layers: int, plan: Plan) -> bool:
     """Whether the measurement of `cfg` reshards FSDP's weights after forward: where its schedule allows it (a rank
     put together from `BASE`'s stages: as BASE does)."""
-    shape = next(group for group in (ONE_STAGE, LOOPED, V_SHAPED) if cfg.plan.pp_schedule in group)
-    return cfg.plan.reshard_after_forward or shape[0] not in ZERO_BUBBLE or _pieces(cfg, 0, n_layers, plan) is not None
+    first = stage_shape(cfg.plan.pp_schedule)[0]
+    return cfg.plan.reshard_after_forward or first not in ZERO_BUBBLE or _pieces(cfg, 0, n_layers, plan) is not None
 
 
 def _measurement(
@@ -196,14 +196,14 @@ def _measurement(
     schedules), nor the rows per micro batch (`Shape`), nor FSDP's resharding after forward (measured resharding
     where the schedule allows it, and taken without the backward's gathers where the layout keeps its weights
     gathered). A pipeline's rank is put together from the stages of `BASE`'s ranks where it can be (`_pieces`)."""
-    shape = next(group for group in (ONE_STAGE, LOOPED, V_SHAPED) if cfg.plan.pp_schedule in group)
     reshard = _reshards(cfg, provider.n_layers, plan)
-    canonical = msgspec.structs.replace(cfg.plan, pp_schedule=shape[0], reshard_after_forward=reshard)
-    per_row = cfg.train.global_batch // _rows(cfg)
+    canonical = msgspec.structs.replace(cfg.plan, pp_schedule=stage_shape(cfg.plan.pp_schedule)[0],
+                                        reshard_after_forward=reshard)  # fmt: skip
+    rows = _rows(cfg)
+    per_row = cfg.train.global_batch // rows
     keyed = cfg.train if plan.experts is not None else _train(cfg, per_row)  # loads may round with the rows
     key = msgspec.json.encode((msgspec.structs.replace(cfg, plan=canonical, train=keyed), rank))
     found = measured.setdefault(key, Shape())
-    rows = _rows(cfg)
     pieces = _pieces(cfg, rank, provider.n_layers, plan)
     if pieces is not None:
         if rows not in found.derived:
