@@ -63,8 +63,8 @@ def error_of(args, capsys) -> str:
         (["search", "recipes/llama_debug.py", "--world", "4", "--mesh.tp", "3"], r"model.n_heads=16 is not divisible"),
         (
             ["search", "recipes/llama_debug.py", "--world", "4", "--memory", "0.0001"],
-            r"none of the 616 layouts of 4 ranks fits 0.1 MiB per rank \(616 exceed it by parameters, gradients and "
-            r"optimizer state alone, 0 estimated\); the closest, .*, needs .* MiB or more before activations",
+            r"none of the 616 layouts of 4 ranks fits 0.1 MiB per rank \(616 exceed it by their state and the "
+            r"activations they keep at least, 0 estimated\); the closest, .*, needs .* MiB or more",
         ),
         (["search", "recipes/llama_debug.py", "--world", "4", "--top", "0"], r"--top '0': expected how many"),
         (["search", "recipes/llama_debug.py", "--world", "4", "--memory", "x"], r"--memory 'x': expected GiB per rank"),
@@ -364,7 +364,7 @@ def test_search_ranks_the_layouts_that_fit_and_writes_the_winner(tmp_path, capsy
             "--mesh.dp-replicate", "1", "--top", "3"]  # fmt: skip
     assert main([*args, "--out", str(tmp_path / "best.py")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("Search on H100 SXM, 79.6 GiB per rank: 40 layouts, 0 dropped by their plan")
+    assert lines[0].startswith("Search on H100 SXM, 79.6 GiB per rank: 40 layouts, 0 dropped by their state and activations")
     assert lines[1].split() == ["#", "mesh", "AC", "micro", "schedule", "peak", "GiB", "comm", "s/step", "by", "axis",
                                 "tokens/s/dev", "MFU"]  # fmt: skip
     assert re.match(r"^dp_shard=2, AC none, 1 micro(, no reshard)? (wins|ties)", lines[-2])

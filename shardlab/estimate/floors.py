@@ -21,7 +21,8 @@ That holds only if each floor is at most what the estimate gives, term by term:
   over its input dim, whose partial outputs tp reduces in the forward, and begin with ones sharded over their
   output dim, whose input gradients it reduces in the backward: at least 4 collectives of the rank's tokens x dim
   (all-reduces, or under sequence parallelism all-gathers and reduce-scatters, twice as many of half the traffic),
-  2 more for each recomputed block, on the critical path as the roofline puts them.
+  1 more for each recomputed block (the attention's: torch's checkpoint stops recomputing after the last tensor the
+  backward needs, before the MLP's reduction), on the critical path as the roofline puts them.
 - CP, for shardlab's Llama laid out by its own rules: each block's attention all-gathers K and V over cp (the whole
   sequence of the rank's rows and kv heads, 1 / tp of them, in param_dtype) and reduce-scatters their gradients in
   the backward; a recomputed block gathers them again. On the critical path, as the roofline puts every collective
@@ -32,23 +33,38 @@ That holds only if each floor is at most what the estimate gives, term by term:
   pipeline's bubble as `roofline.step_time` stretches it; CP's and EP's collectives, pipeline sends and the
   optimizer only add.
 - memory: parameters, gradients and two AdamW moments, split at most dp_shard x cp x tp x pp ways, and under a
-  pipeline with FSDP the held blocks' unsharded weights and gradients (`fsdp_buffer_bytes`).
+  pipeline with FSDP the held blocks' unsharded weights and gradients (`fsdp_buffer_bytes`). Plus the activations
+  (`activations`): what a block's forward leaves alive for each row of a micro batch with the layout's checkpointing
+  (none, op or full; selective checkpoints every ac_every-th block whole), counted on fake CPU tensors as the probe
+  counts them, in fp32 on one rank, and taken at param_dtype and 1 / (tp x cp) on the rank: each
+  tensor the forward keeps there is its counterpart's share of the tokens, heads or hidden units, or whole. The
+  busiest pp rank holds at least ceil(L / pp) blocks, and at its peak the activations of the micro batches its
+  schedule keeps in flight (`pipeline.in_flight`, one without a pipeline). Without this term most layouts of a large
+  model pass the memory floor (a 405B model's 512-rank layouts without checkpointing, at 111 s the lowest time
+  floors, need terabytes of activations) and are dropped only after a probe each.
 A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Models with
-experts get no compute or FSDP floor: routing meta tensors is not the probe's even routing.
+experts get no compute, FSDP or activation floor: routing meta tensors is not the probe's even routing. A recipe's
+own rules may checkpoint other modules than the model's blocks: only the activations without checkpointing count.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import msgspec
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardlab._base import Frozen
-from shardlab.config import Config
+from shardlab.apply import apply
+from shardlab.config import Config, PlanConfig
 from shardlab.estimate._fake import fake_tensors
-from shardlab.estimate.recorder import Recorder
+from shardlab.estimate.recorder import Recorder, param_storages
 from shardlab.estimate.roofline import DTYPE_BYTES, GPUS_PER_NODE, Device, axis_bandwidth, shared_pipeline_factor
+from shardlab.mesh import MeshSpec
 from shardlab.models.provider import LlamaProvider, ModelProvider
-from shardlab.pipeline import bubble_fraction
+from shardlab.pipeline import bubble_fraction, in_flight
+from shardlab.plan import make_plan
 from shardlab.search import Layout, uses_fsdp
 
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm)
@@ -73,6 +89,9 @@ class Block(Frozen):
     memory_bytes: float = 0.0
     """Bytes its ops without FLOPs read and write per token, forward and backward, in fp32 on one rank."""
     memory_forward_bytes: float = 0.0
+    kept: tuple[tuple[str, float], ...] = ()
+    """Bytes its forward leaves alive per token, in fp32 on one rank, per checkpointing mode counted ("none", and
+    "op" and "full" where the model's blocks are the ones checkpointed); a mode not counted keeps 0 at least."""
 
 
 class Floors(Frozen):
@@ -100,7 +119,7 @@ class Floors(Frozen):
         if dev.kernels is not None:
             best = max(e for curve in (dev.kernels.matmul, dev.kernels.attention) for _, e in curve)
             best_memory = max(e for _, e in dev.kernels.memory)
-        block = None if provider.moe is not None else _block(provider, cfg.train.seq_len)
+        block = None if provider.moe is not None else _block(provider, cfg.train.seq_len, cfg.plan, own_rules)
         llama = isinstance(provider, LlamaProvider) and block is not None and not own_rules
         kv_dim = provider.cfg.n_kv_heads * provider.cfg.head_dim if llama else 0
         return cls(block=block, tp_dim=provider.dim if llama else 0, kv_dim=kv_dim, param_bytes=param_bytes,
@@ -143,8 +162,7 @@ class Floors(Frozen):
             fsdp = (1 if m.pp > 1 else layout.micro_batches) * both * (shards - 1) / shards / bandwidth
         busy = max(compute, fsdp)
         if m.tp > 1 and self.tp_dim:
-            all_reduced = tokens * self.tp_dim * DTYPE_BYTES[cfg.plan.param_dtype] * (4 * blocks + 2 * recomputed)
-            busy += all_reduced * 2 * (m.tp - 1) / m.tp / axis_bandwidth(m, "tp", dev)
+            busy += self.tp_seconds(cfg, layout, dev)
         if m.cp > 1 and self.kv_dim:
             busy += self.cp_seconds(cfg, layout, dev)
         return busy
@@ -178,6 +196,15 @@ class Floors(Frozen):
         share = min(DTYPE_BYTES[cfg.plan.param_dtype], 2) / 4  # counted in fp32; run in bf16 at the narrowest
         return tokens * moved * share / m.tp / self.bandwidth
 
+    def tp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
+        """Seconds per step the blocks' TP reductions take at least (as all-reduces: an all-gather and a
+        reduce-scatter under sequence parallelism move as much)."""
+        m = layout.mesh
+        blocks, recomputed = self._held_blocks(m.pp), self._recomputed(cfg, layout)
+        tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
+        all_reduced = tokens * self.tp_dim * DTYPE_BYTES[cfg.plan.param_dtype] * (4 * blocks + recomputed)
+        return all_reduced * 2 * (m.tp - 1) / m.tp / axis_bandwidth(m, "tp", dev)
+
     def cp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
         """Seconds per step CP's K and V gathers (and their gradients' reduce-scatters) take at least."""
         m = layout.mesh
@@ -190,30 +217,59 @@ class Floors(Frozen):
         return gathers + 2 * blocks * kv * per_byte / speed.get("reduce_scatter", 1.0)
 
     def memory(self, cfg: Config, layout: Layout) -> int:
-        """Bytes the plan of `layout` fixes (state and FSDP buffers, `estimate.search`'s `state`) at least."""
+        """Bytes at the peak of `layout` (the estimate's) at least: what its plan fixes (state and FSDP buffers,
+        `estimate.search`'s `state`) and `activations`."""
         m = layout.mesh
         state = 4 * self.param_bytes // (m.dp_shard * m.cp * m.tp * m.pp)
         if m.pp == 1 or not uses_fsdp(cfg, m) or self.block is None:
-            return state
+            return state + self.activations(cfg, layout)
         held = self._held_blocks(m.pp) * self.block.params // m.tp
-        return state + held * (DTYPE_BYTES[cfg.plan.param_dtype] + DTYPE_BYTES[cfg.plan.reduce_dtype])
+        buffers = held * (DTYPE_BYTES[cfg.plan.param_dtype] + DTYPE_BYTES[cfg.plan.reduce_dtype])
+        return state + buffers + self.activations(cfg, layout)
+
+    def activations(self, cfg: Config, layout: Layout) -> int:
+        """Bytes the blocks' forwards leave alive at the peak of the busiest rank at least: the micro batches in
+        flight there, each through at least ceil(L / pp) blocks."""
+        if self.block is None or not self.block.kept:
+            return 0
+        m, kept = layout.mesh, dict(self.block.kept)
+        blocks, ac = self._held_blocks(m.pp), layout.activation_checkpoint
+        if ac == "selective":  # at most one in ac_every of any run of blocks is checkpointed
+            whole = -(-blocks // cfg.plan.ac_every)
+            per_token = (blocks - whole) * kept["none"] + whole * kept.get("full", 0.0)
+        else:
+            per_token = blocks * kept.get(ac, 0.0)
+        rows = cfg.train.global_batch // m.size("dp") // layout.micro_batches
+        held = 1.0  # micro batches in flight
+        if m.pp > 1:
+            held = in_flight(layout.pp_schedule, m.pp, layout.pp_stages_per_rank, layout.micro_batches)
+        share = DTYPE_BYTES[cfg.plan.param_dtype] / 4  # counted in fp32; kept in the compute dtype or wider
+        return int(held * rows * cfg.train.seq_len * per_token * share / (m.tp * m.cp))
 
 
-def _block(provider: ModelProvider, seq_len: int) -> Block | None:
-    """One block's numbers: meta models of 2 and 1 blocks, one sequence each, counted by torch's FlopCounterMode."""
+def _block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_rules: bool) -> Block | None:
+    """One block's numbers: meta models of 2 and 1 blocks, one sequence each, counted by torch's FlopCounterMode;
+    its memory-bound ops and what its forward keeps alive, per row (`_per_row`). own_rules: the recipe's rules may
+    checkpoint other modules than the model's blocks (only what no checkpointing keeps is counted)."""
     try:
         one, two = (_count(provider.with_layers(n), seq_len) for n in (1, 2))
     except CANNOT_RUN:  # no compute floor
         return None
     per_token = [(b - a) / seq_len for a, b in zip(one, two, strict=True)]
     attention = 0.5 if isinstance(provider, LlamaProvider) else 0.0  # see the module docstring
+    memory, kept = (0.0, 0.0), []
     try:
-        memory = _memory_per_row(provider, seq_len)
-    except CANNOT_RUN:  # no memory floor
-        memory = (0.0, 0.0)
+        *memory, alive = _per_row(lambda p, rows: _memory_bytes(p, seq_len, rows), provider)
+        kept.append(("none", alive / seq_len))
+        for ac in () if own_rules else ("op", "full"):
+            (alive,) = _per_row(lambda p, rows: _kept_bytes(p, seq_len, rows, options, ac), provider)  # noqa: B023
+            kept.append((ac, alive / seq_len))
+    except CANNOT_RUN:  # no memory floor, or none for the modes not counted
+        pass
     return Block(train_flops=per_token[0], forward_flops=per_token[1], attention_flops=attention * per_token[2],
                  attention_forward_flops=attention * per_token[3], params=round(per_token[4] * seq_len),
-                 memory_bytes=memory[0] / seq_len, memory_forward_bytes=memory[1] / seq_len)  # fmt: skip
+                 memory_bytes=memory[0] / seq_len, memory_forward_bytes=memory[1] / seq_len,
+                 kept=tuple(kept))  # fmt: skip
 
 
 def _count(provider: ModelProvider, seq_len: int) -> tuple[int, int, int, int, int]:
@@ -232,18 +288,18 @@ def _count(provider: ModelProvider, seq_len: int) -> tuple[int, int, int, int, i
     return matmuls[0], matmuls[1], batched[0], batched[1], sum(p.numel() for p in model.parameters())
 
 
-def _memory_per_row(provider: ModelProvider, seq_len: int) -> tuple[float, float]:
-    """Bytes one block's ops without FLOPs move for each row of a micro batch (training, forward), as the probe
-    records them: fake CPU models of 1 and 2 blocks on 1 and 2 rows, so what does not grow with the rows (rotary
-    tables, masks) drops out; negative parts (none expected) count as 0."""
-    moved = {(n, rows): _memory_bytes(provider.with_layers(n), seq_len, rows) for n in (1, 2) for rows in (1, 2)}
-    per_row = [moved[2, 2][i] - moved[1, 2][i] - moved[2, 1][i] + moved[1, 1][i] for i in range(2)]
-    return max(per_row[0], 0.0), max(per_row[1], 0.0)
+def _per_row(count: Callable[[ModelProvider, int], tuple[int, ...]], provider: ModelProvider) -> tuple[float, ...]:
+    """What one block adds to `count`'s numbers for each row of a micro batch: fake CPU models of 1 and 2 blocks on
+    1 and 2 rows, so what does not grow with the rows (rotary tables, masks) drops out; negative parts (none
+    expected) count as 0."""
+    c = {(n, rows): count(provider.with_layers(n), rows) for n in (1, 2) for rows in (1, 2)}
+    return tuple(max(c[2, 2][i] - c[1, 2][i] - c[2, 1][i] + c[1, 1][i], 0.0) for i in range(len(c[1, 1])))
 
 
-def _memory_bytes(provider: ModelProvider, seq_len: int, rows: int) -> tuple[int, int]:
+def _memory_bytes(provider: ModelProvider, seq_len: int, rows: int) -> tuple[int, int, int]:
     """Bytes read and written by the ops without FLOPs of `provider`'s model on `rows` sequences, forward and
-    backward, and forward only, on fake CPU tensors (the kernels the probe sees: CPU's fused attention)."""
+    backward, and forward only, on fake CPU tensors (the kernels the probe sees: CPU's fused attention); and the
+    bytes its forward leaves alive."""
     with torch.device("meta"):
         model = provider.build()
     recorder = Recorder({})
@@ -252,10 +308,29 @@ def _memory_bytes(provider: ModelProvider, seq_len: int, rows: int) -> tuple[int
         tokens = torch.zeros(rows, seq_len, dtype=torch.long)
         with recorder:
             out = provider.forward(model, tokens)
+            alive = recorder.live_bytes(param_storages(model))
         forward = _moved(recorder)
         with recorder:
             out.float().sum().backward()
-    return _moved(recorder), forward
+    return _moved(recorder), forward, alive
+
+
+def _kept_bytes(provider: ModelProvider, seq_len: int, rows: int, options: PlanConfig, ac: str) -> tuple[int]:
+    """Bytes the forward of `provider`'s model on `rows` sequences leaves alive on fake CPU tensors, its blocks
+    checkpointed as `ac` says (`apply` on one process in fp32: checkpointing alone)."""
+    with torch.device("meta"):
+        model = provider.build()
+    one = msgspec.structs.replace(options, activation_checkpoint=ac, param_dtype="float32", reduce_dtype="float32",
+                                  compile=False, cpu_offload=False)  # fmt: skip
+    apply(model, make_plan(model, MeshSpec(dp_shard=1), provider.rules(one), one))
+    recorder = Recorder({})
+    with fake_tensors():
+        model.to_empty(device="cpu")
+        with recorder:
+            out = provider.forward(model, torch.zeros(rows, seq_len, dtype=torch.long))  # holds what backward needs
+            alive = recorder.live_bytes(param_storages(model))
+    del out
+    return (alive,)
 
 
 def _moved(recorder: Recorder) -> int:

@@ -5,7 +5,8 @@ memory from its shape alone) and they are looked at lowest floor first, until th
 fastest layout that fits: every later one is at least that slow, so the top K are the exhaustive search's
 (`prune=False` looks at them all; tests/test_search.py compares the two). What is cheap and exact comes next: each
 layout's parameters, gradients, AdamW state and FSDP buffers are read off its plan (one plan per mesh and pipeline
-shape, on one meta model), and a layout whose state alone exceeds the memory is dropped before any probe. The rest
+shape, on one meta model), and a layout whose state and the activations it keeps at least (`Floors.activations`)
+exceed the memory is dropped before any probe. The rest
 are estimated (`shardlab.estimate.shared`) with probes shared through one cache (one per twin shape: every row
 count on the line through two, keeping FSDP's weights gathered from the probe that reshards them). A pipeline's
 last pp rank, whose probe only its compute needs, is probed only for a layout that fits and may enter the top K
@@ -67,7 +68,8 @@ class Search(Frozen):
     layouts: int
     """Valid layouts enumerated."""
     over_memory: int
-    """Dropped by their plan alone, before any probe."""
+    """Dropped before any probe: what their plan fixes (parameters, gradients, optimizer state, FSDP's buffers) and
+    the activations they keep at least (`Floors.activations`) exceed the memory."""
     too_big: int
     """Dropped without a probe of their own: a sibling needing no more memory did not fit (the same layout resharding
     FSDP's weights after forward, checkpointing more, or with fewer rows per micro batch)."""
@@ -243,9 +245,10 @@ def search(
             if any(_needs_no_more(other, layout) for other in too_large.get(frame, ())):
                 too_big += 1
                 continue
-            need = fixed_bytes(layout)  # its plan's
-            if need is None:
+            fixed_by_plan = fixed_bytes(layout)
+            if fixed_by_plan is None:
                 continue
+            need = fixed_by_plan + floors.activations(cfg, layout)
         if need > memory:
             over += 1
             if closest_state is None or need < closest_state[0]:
@@ -385,8 +388,8 @@ def _nothing_fits(
     if closest is not None:
         near = f"the closest, {closest.layout.describe()}, peaks at {readable_bytes(closest.peak)}"
     elif closest_state is not None:
-        near = f"the closest, {closest_state[1].describe()}, needs {readable_bytes(closest_state[0])} or more before activations"
+        near = f"the closest, {closest_state[1].describe()}, needs {readable_bytes(closest_state[0])} or more"
     else:
         near = f"the model refused every mesh ({refused[0]})" if refused else "no layout could be planned"
-    counts = f"{over} exceed it by parameters, gradients and optimizer state alone, {estimated} estimated"
+    counts = f"{over} exceed it by their state and the activations they keep at least, {estimated} estimated"
     return f"{tried} ({counts}); {near}; raise --memory or --world, or shrink the batch"
