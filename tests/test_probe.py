@@ -148,3 +148,22 @@ def test_the_output_layer_stays_gathered_for_its_backward(last_kept):
     assert gathers["forward"].count == len(plan.fsdp.units)
     assert gathers["backward"].count == len(plan.fsdp.units) - last_kept
     assert gathers["forward"].bytes - gathers["backward"].bytes == (head if last_kept else 0)
+
+
+def test_waiting_for_a_collective_moves_no_bytes():
+    """A functional collective's wait returns its result: the probe counts it as an op (it is dispatched), not as
+    traffic, where it used to count the gathered tensor read and written once more."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_gather_single
+
+    from shardlab.estimate._fake import fake_tensors
+    from shardlab.estimate.recorder import Recorder
+
+    with fake_world(2), fake_tensors():
+        shard, recorder = torch.zeros(1024), Recorder({})
+        with recorder:
+            gathered = all_gather_single(shard, 0, dist.group.WORLD) + 1  # the add waits
+    assert gathered.shape == (2048,)
+    assert sum(recorder.collectives.values()) == 1
+    assert dict(recorder.ops) == {(0, 0, "memory"): 1, (0, 2 * 2048 * 4, "memory"): 1}  # the wait, the add

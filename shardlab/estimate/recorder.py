@@ -60,6 +60,8 @@ NO_TRAFFIC = {
     aten.resize_, aten.set_, aten.lift_fresh, aten._local_scalar_dense,
 }  # fmt: skip
 """Ops that allocate or relabel memory without reading or writing it (with views and prim/profiler ops)."""
+WAITS = {ns.wait_tensor for ns in funcol if hasattr(ns, "wait_tensor")}
+"""Ops that wait for a functional collective's result and return it: an op to dispatch, no bytes to move."""
 CPU_ATTENTION = {
     aten._scaled_dot_product_flash_attention_for_cpu: (sdpa_flop_count, 3, 4),
     aten._scaled_dot_product_flash_attention_for_cpu_backward: (sdpa_backward_flop_count, 4, 7),
@@ -165,6 +167,8 @@ class Recorder(CommDebugMode):
         if packet is aten._grouped_mm:
             flops = round(flops * self.grouped_rows)
         moved = sum(t.nbytes for t in _tensors((args, kwargs)) if t.numel()) + sum(t.nbytes for t in outputs)
+        if packet in WAITS:
+            moved = 0
         self.flops += flops
         op_kind: OpKind = "attention" if packet in ATTENTION else "matmul" if flops else "memory"
         self.ops[(flops, moved, op_kind)] += 1
