@@ -8,15 +8,17 @@ That holds only if each floor is at most what the estimate gives, term by term:
   device's best matmul rate. Plus the traffic of the blocks' ops without FLOPs (norms, activations, residual adds,
   rotary, copies), each its own kernel in eager PyTorch and priced by its bytes at the device's best bandwidth:
   counted per row of a micro batch (what grows with the rows; what does not is dropped) on fake CPU tensors as the
-  probe runs them, in fp32 on one rank, and taken at half (bf16) or the stored dtype's share and 1 / (tp x cp) on
-  the rank. Each such op of one rank has its counterpart on every layout's rank, on its share of the tokens, heads
-  or hidden units, in a dtype no narrower than bf16; a layout's own ops (casts, FSDP's copies, redistributions)
-  only add. For shardlab's Llama, attention too, at half of what the meta model's math kernel
-  computes (the probe counts SDPA's causal kernel as half the square, its backward as 2.5 forwards against the math
-  kernel's 2, and a masked one, as under cp, as the whole square); other models' attention kernels may be ones the
-  probe does not count. Selective checkpointing recomputes at least L // ac_every blocks without a pipeline (blocks
-  are picked by their index in the whole model; with a pipeline none are counted). The output layer and memory-bound
-  ops only add.
+  probe runs them (`step.forward_backward`), on one rank with the parameters in param_dtype (as FSDP's mixed
+  precision computes), and taken at 1 / (tp x cp) on the rank. Each such op of one rank has its counterpart on
+  every layout's rank, on its share of the tokens, heads or hidden units; a layout's own ops (casts,
+  redistributions) only add, except FSDP's copies of the blocks' weights out of the gathered buffer and of their
+  gradients into the reduce-scatter's, which count once per micro batch (per step with a pipeline). Without a pipeline the rank also runs what is outside the blocks (the output layer,
+  the final norm, the loss): their matmul FLOPs and per-row traffic count too. For shardlab's Llama, attention too:
+  the probe counts SDPA's causal kernel as half the square and its backward as 2.5 forwards, where the meta model's
+  math kernel computes the whole square and 2 (a masked one, as under cp, as the whole square), so the forward at
+  half of the math kernel's and forward and backward at 7/12 of it; other models' attention kernels may be ones
+  the probe does not count. Selective checkpointing recomputes at least L // ac_every blocks without a pipeline (blocks
+  are picked by their index in the whole model; with a pipeline none are counted).
 - TP, for shardlab's Llama laid out by its own rules: each block's attention and MLP end in a projection sharded
   over its input dim, whose partial outputs tp reduces in the forward, and begin with ones sharded over their
   output dim, whose input gradients it reduces in the backward: at least 4 collectives of the rank's tokens x dim
@@ -36,7 +38,7 @@ That holds only if each floor is at most what the estimate gives, term by term:
   pipeline with FSDP the held blocks' unsharded weights and gradients (`fsdp_buffer_bytes`). Plus the activations
   (`activations`): what a block's forward leaves alive for each row of a micro batch with the layout's checkpointing
   (none, op or full; selective checkpoints every ac_every-th block whole), counted on fake CPU tensors as the probe
-  counts them, in fp32 on one rank, and taken at param_dtype and 1 / (tp x cp) on the rank: each
+  counts them, in param_dtype on one rank, and taken at 1 / (tp x cp) on the rank: each
   tensor the forward keeps there is its counterpart's share of the tokens, heads or hidden units, or whole. The
   busiest pp rank holds at least ceil(L / pp) blocks, and at its peak the activations of the micro batches its
   schedule keeps in flight (`pipeline.in_flight`, one without a pipeline). Without this term most layouts of a large
@@ -66,6 +68,7 @@ from shardlab.models.provider import LlamaProvider, ModelProvider
 from shardlab.pipeline import bubble_fraction, in_flight
 from shardlab.plan import make_plan
 from shardlab.search import Layout, uses_fsdp
+from shardlab.step import forward_backward
 
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm)
 """The ops counted: every projection of a block runs as one of them (attention's and experts' batched ones don't)."""
@@ -87,11 +90,16 @@ class Block(Frozen):
     params: int
     """Its parameters (numel)."""
     memory_bytes: float = 0.0
-    """Bytes its ops without FLOPs read and write per token, forward and backward, in fp32 on one rank."""
+    """Bytes its ops without FLOPs read and write per token, forward and backward, in param_dtype on one rank."""
     memory_forward_bytes: float = 0.0
     kept: tuple[tuple[str, float], ...] = ()
-    """Bytes its forward leaves alive per token, in fp32 on one rank, per checkpointing mode counted ("none", and
-    "op" and "full" where the model's blocks are the ones checkpointed); a mode not counted keeps 0 at least."""
+    """Bytes its forward leaves alive per token, in param_dtype on one rank, per checkpointing mode counted ("none",
+    and "op" and "full" where the model's blocks are the ones checkpointed); a mode not counted keeps 0 at least."""
+    head_flops: float = 0.0
+    """Matmul FLOPs per token outside the blocks (the output layer), forward and backward."""
+    head_memory_bytes: float = 0.0
+    """Bytes the ops without FLOPs outside the blocks (final norm, output, loss) move per token, forward and
+    backward, in param_dtype on one rank."""
 
 
 class Floors(Frozen):
@@ -151,6 +159,8 @@ class Floors(Frozen):
         flops = blocks * (b.train_flops + b.attention_flops) + recomputed * (
             b.forward_flops + b.attention_forward_flops
         )
+        if m.pp == 1:  # the rank runs the output layer too
+            flops += b.head_flops
         tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
         compute = tokens * flops / m.tp / self.rate + self.memory_seconds(cfg, layout)
         fsdp, shards = 0.0, m.dp_shard * m.cp
@@ -186,15 +196,25 @@ class Floors(Frozen):
         return self.n_layers // cfg.plan.ac_every if ac == "selective" and pp == 1 else 0
 
     def memory_seconds(self, cfg: Config, layout: Layout) -> float:
-        """Seconds per step the blocks' ops without FLOPs take at least on the busiest rank (part of `time`)."""
+        """Seconds per step the ops without FLOPs take at least on the busiest rank (part of `time`): the blocks',
+        and without a pipeline those outside them."""
         m, b = layout.mesh, self.block
         if b is None or not self.bandwidth:
             return 0.0
         blocks, recomputed = self._held_blocks(m.pp), self._recomputed(cfg, layout)
         tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
         moved = blocks * b.memory_bytes + recomputed * b.memory_forward_bytes
-        share = min(DTYPE_BYTES[cfg.plan.param_dtype], 2) / 4  # counted in fp32; run in bf16 at the narrowest
-        return tokens * moved * share / m.tp / self.bandwidth
+        if m.pp == 1:
+            moved += b.head_memory_bytes
+        copies = 0.0
+        if m.dp_shard * m.cp > 1 and uses_fsdp(cfg, m):
+            # FSDP copies each gathered block out of its flat buffer (its weights read and written in param_dtype)
+            # and each block's gradients into the reduce-scatter's (read in param_dtype, written in reduce_dtype):
+            # once per micro batch without a pipeline, once per step at least with one
+            param, reduce = DTYPE_BYTES[cfg.plan.param_dtype], DTYPE_BYTES[cfg.plan.reduce_dtype]
+            times = 1 if m.pp > 1 else layout.micro_batches
+            copies = times * blocks * b.params / m.tp * (3 * param + reduce)
+        return (tokens * moved / m.tp + copies) / self.bandwidth
 
     def tp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
         """Seconds per step the blocks' TP reductions take at least (as all-reduces: an all-gather and a
@@ -243,8 +263,7 @@ class Floors(Frozen):
         held = 1.0  # micro batches in flight
         if m.pp > 1:
             held = in_flight(layout.pp_schedule, m.pp, layout.pp_stages_per_rank, layout.micro_batches)
-        share = DTYPE_BYTES[cfg.plan.param_dtype] / 4  # counted in fp32; kept in the compute dtype or wider
-        return int(held * rows * cfg.train.seq_len * per_token * share / (m.tp * m.cp))
+        return int(held * rows * cfg.train.seq_len * per_token / (m.tp * m.cp))
 
 
 def _block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_rules: bool) -> Block | None:
@@ -256,20 +275,22 @@ def _block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_rules
     except CANNOT_RUN:  # no compute floor
         return None
     per_token = [(b - a) / seq_len for a, b in zip(one, two, strict=True)]
-    attention = 0.5 if isinstance(provider, LlamaProvider) else 0.0  # see the module docstring
-    memory, kept = (0.0, 0.0), []
+    head_flops = one[0] / seq_len - per_token[0]
+    llama = isinstance(provider, LlamaProvider)  # attention as the probe counts it (see the module docstring)
+    attention, attention_forward = (7 / 12, 1 / 2) if llama else (0.0, 0.0)
+    memory, head, kept = (0.0, 0.0), 0.0, []
     try:
-        *memory, alive = _per_row(lambda p, rows: _memory_bytes(p, seq_len, rows), provider)
+        (*memory, alive), (head, _, _) = _per_row(lambda p, rows: _memory_bytes(p, seq_len, rows, options), provider)
         kept.append(("none", alive / seq_len))
         for ac in () if own_rules else ("op", "full"):
-            (alive,) = _per_row(lambda p, rows: _kept_bytes(p, seq_len, rows, options, ac), provider)  # noqa: B023
+            (alive,), _ = _per_row(lambda p, rows: _kept_bytes(p, seq_len, rows, options, ac), provider)  # noqa: B023
             kept.append((ac, alive / seq_len))
     except CANNOT_RUN:  # no memory floor, or none for the modes not counted
         pass
     return Block(train_flops=per_token[0], forward_flops=per_token[1], attention_flops=attention * per_token[2],
-                 attention_forward_flops=attention * per_token[3], params=round(per_token[4] * seq_len),
+                 attention_forward_flops=attention_forward * per_token[3], params=round(per_token[4] * seq_len),
                  memory_bytes=memory[0] / seq_len, memory_forward_bytes=memory[1] / seq_len,
-                 kept=tuple(kept))  # fmt: skip
+                 kept=tuple(kept), head_flops=max(head_flops, 0.0), head_memory_bytes=head / seq_len)  # fmt: skip
 
 
 def _count(provider: ModelProvider, seq_len: int) -> tuple[int, int, int, int, int]:
@@ -288,38 +309,42 @@ def _count(provider: ModelProvider, seq_len: int) -> tuple[int, int, int, int, i
     return matmuls[0], matmuls[1], batched[0], batched[1], sum(p.numel() for p in model.parameters())
 
 
-def _per_row(count: Callable[[ModelProvider, int], tuple[int, ...]], provider: ModelProvider) -> tuple[float, ...]:
-    """What one block adds to `count`'s numbers for each row of a micro batch: fake CPU models of 1 and 2 blocks on
-    1 and 2 rows, so what does not grow with the rows (rotary tables, masks) drops out; negative parts (none
-    expected) count as 0."""
+def _per_row(
+    count: Callable[[ModelProvider, int], tuple[int, ...]], provider: ModelProvider
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """What one block adds to `count`'s numbers for each row of a micro batch, and what the rest of the model adds:
+    fake CPU models of 1 and 2 blocks on 1 and 2 rows, so what does not grow with the rows (rotary tables, masks,
+    the embedding's gradient) drops out; negative parts (none expected) count as 0."""
     c = {(n, rows): count(provider.with_layers(n), rows) for n in (1, 2) for rows in (1, 2)}
-    return tuple(max(c[2, 2][i] - c[1, 2][i] - c[2, 1][i] + c[1, 1][i], 0.0) for i in range(len(c[1, 1])))
+    block = [c[2, 2][i] - c[1, 2][i] - c[2, 1][i] + c[1, 1][i] for i in range(len(c[1, 1]))]
+    rest = [c[1, 2][i] - c[1, 1][i] - block[i] for i in range(len(c[1, 1]))]
+    return tuple(max(x, 0.0) for x in block), tuple(max(x, 0.0) for x in rest)
 
 
-def _memory_bytes(provider: ModelProvider, seq_len: int, rows: int) -> tuple[int, int, int]:
-    """Bytes read and written by the ops without FLOPs of `provider`'s model on `rows` sequences, forward and
-    backward, and forward only, on fake CPU tensors (the kernels the probe sees: CPU's fused attention); and the
-    bytes its forward leaves alive."""
+def _memory_bytes(provider: ModelProvider, seq_len: int, rows: int, options: PlanConfig) -> tuple[int, int, int]:
+    """Bytes read and written by the ops without FLOPs of one training micro batch of `provider`'s model on `rows`
+    sequences (`step.forward_backward`), and by its forward, on fake CPU tensors (the kernels the probe sees: CPU's
+    fused attention) with the parameters in param_dtype; and the bytes its forward leaves alive."""
     with torch.device("meta"):
-        model = provider.build()
-    recorder = Recorder({})
+        model = provider.build().to(getattr(torch, options.param_dtype))
+    recorder, forward = Recorder({}), {}
+
+    def after_forward() -> None:
+        forward.update(moved=_moved(recorder), alive=recorder.live_bytes(param_storages(model)))
+
     with fake_tensors():
         model.to_empty(device="cpu")
         tokens = torch.zeros(rows, seq_len, dtype=torch.long)
         with recorder:
-            out = provider.forward(model, tokens)
-            alive = recorder.live_bytes(param_storages(model))
-        forward = _moved(recorder)
-        with recorder:
-            out.float().sum().backward()
-    return _moved(recorder), forward, alive
+            forward_backward(model, tokens, tokens, 1.0, False, after_forward, forward=provider.forward)
+    return _moved(recorder), forward["moved"], forward["alive"]
 
 
 def _kept_bytes(provider: ModelProvider, seq_len: int, rows: int, options: PlanConfig, ac: str) -> tuple[int]:
-    """Bytes the forward of `provider`'s model on `rows` sequences leaves alive on fake CPU tensors, its blocks
-    checkpointed as `ac` says (`apply` on one process in fp32: checkpointing alone)."""
+    """Bytes the forward of `provider`'s model on `rows` sequences leaves alive on fake CPU tensors with the
+    parameters in param_dtype, its blocks checkpointed as `ac` says (`apply` on one process: checkpointing alone)."""
     with torch.device("meta"):
-        model = provider.build()
+        model = provider.build().to(getattr(torch, options.param_dtype))
     one = msgspec.structs.replace(options, activation_checkpoint=ac, param_dtype="float32", reduce_dtype="float32",
                                   compile=False, cpu_offload=False)  # fmt: skip
     apply(model, make_plan(model, MeshSpec(dp_shard=1), provider.rules(one), one))
