@@ -255,16 +255,16 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
 
 
 def test_a_pipelines_last_rank_is_probed_only_for_layouts_that_may_enter_the_top():
-    """Without the probe of a pipeline's last pp rank a layout's peak is exact and its step time a lower bound (the
-    last rank, with the output layer over a large vocabulary, is the slower one here): the search probes that rank
-    only for the layouts that fit and may enter the top K, and ranks them as the exhaustive search does, exactly."""
+    """Without the probe of the pp rank holding a pipeline's last stage a layout's peak is exact and its step time a
+    lower bound (that rank, with the output layer, is the slower one here): the search probes it only for the
+    layouts that fit and may enter the top K, and ranks them as the exhaustive search does, exactly."""
     from shardlab.estimate.roofline import device
     from shardlab.estimate.search import search
     from shardlab.estimate.shared import estimate_shared
     from shardlab.loop import plan_model
     from shardlab.models.provider import LlamaProvider
 
-    model = msgspec.structs.replace(MODEL, vocab_size=32768)
+    model = msgspec.structs.replace(MODEL, dim=128, ffn_dim=256, vocab_size=4096)  # the blocks outweigh the output
     c = cfg(model, global_batch=4, param_dtype="bfloat16")
     provider, dev, fixed = LlamaProvider(model), device("h100"), {"pp": 2, "dp_shard": 2, "cp": 1, "tp": 1}
     probes = {}

@@ -136,7 +136,8 @@ def estimate(
     of that rank's stages. Per step: m micro batches; FSDP's collectives as often as torch's schedule order makes
     them happen (`_runs`); the activations of the micro batches the schedule keeps in flight
     (`pipeline.in_flight`); the sends between stages; the analytic bubble. Every stage waits for the slowest, so the
-    compute is the busiest rank's or the last pp rank's (the output layer and the loss), whichever takes longer.
+    compute is the busiest rank's or that of the rank holding the last stage (`head_rank`: the output layer and
+    the loss), whichever takes longer.
     """
     other = "full" if cfg.plan.activation_checkpoint == "none" else "none"
     if not compare_checkpointing:
@@ -151,10 +152,16 @@ def estimate(
         else p
     )
     last = None
-    if plan.pipeline is not None and rank != cfg.mesh.pp - 1:  # the last stages also run the norm, output and loss
-        held = sum(len(s.blocks) for s in plan.pipeline.stages_of(cfg.mesh.pp - 1))
-        last = cached_probe(probes, cfg, rules, pp_rank=cfg.mesh.pp - 1, blocks=held, provider=provider)
+    if plan.pipeline is not None and rank != head_rank(plan):  # the last stage also runs the norm, output and loss
+        held = sum(len(s.blocks) for s in plan.pipeline.stages_of(head_rank(plan)))
+        last = cached_probe(probes, cfg, rules, pp_rank=head_rank(plan), blocks=held, provider=provider)
     return estimate_from(cfg, plan, p, forward, other, dev, provider, last=last)
+
+
+def head_rank(plan: Plan) -> int:
+    """The pp rank holding the pipeline's last stage, which also runs the final norm, the output layer and the loss:
+    the last rank, or the first under a V-shaped schedule."""
+    return plan.pipeline.stages[-1].pp_rank
 
 
 def probed_rank(plan: Plan) -> tuple[int, int | None]:
@@ -180,7 +187,8 @@ def estimate_from(
     """The estimate of `cfg` laid out by `plan` from its probe `p` (and `forward`, the forward with the `other`
     checkpointing choice): everything the probe does not see (micro batches, the schedule's order, sends, bubble,
     memory) comes from the config and the plan. actions: a cache of the pipeline schedule's per-stage order. last:
-    the last pp rank's probe where `p` is another rank's; the compute is the slower one's."""
+    the probe of the rank holding the last stage (`head_rank`) where `p` is another rank's; the compute is the
+    slower one's."""
     pipe = plan.pipeline
     rank, blocks = probed_rank(plan)
     if pipe is None:

@@ -97,6 +97,8 @@ class Block(Frozen):
     and "op" and "full" where the model's blocks are the ones checkpointed); a mode not counted keeps 0 at least."""
     head_flops: float = 0.0
     """Matmul FLOPs per token outside the blocks (the output layer), forward and backward."""
+    op_recompute_flops: float = 0.0
+    """Matmul FLOPs per token op-level checkpointing recomputes in its backward (every other of its matmuls)."""
     head_memory_bytes: float = 0.0
     """Bytes the ops without FLOPs outside the blocks (final norm, output, loss) move per token, forward and
     backward, in param_dtype on one rank."""
@@ -159,8 +161,12 @@ class Floors(Frozen):
         flops = blocks * (b.train_flops + b.attention_flops) + recomputed * (
             b.forward_flops + b.attention_forward_flops
         )
+        if layout.activation_checkpoint == "op":
+            flops += blocks * b.op_recompute_flops
         if m.pp == 1:  # the rank runs the output layer too
             flops += b.head_flops
+        else:  # the estimate prices the busiest rank and the one running the output layer: neither computes less
+            flops = max(flops, (self.n_layers * (b.train_flops + b.attention_flops) + b.head_flops) / m.pp)
         tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
         compute = tokens * flops / m.tp / self.rate + self.memory_seconds(cfg, layout)
         fsdp, shards = 0.0, m.dp_shard * m.cp
@@ -180,20 +186,28 @@ class Floors(Frozen):
     @staticmethod
     def busy_shape(layout: Layout) -> tuple:
         """What `busy` depends on: the mesh, the checkpointing and, without a pipeline, the micro batches (each
-        gathers the weights again)."""
-        return layout.mesh, layout.activation_checkpoint, layout.micro_batches if layout.mesh.pp == 1 else 0
+        gathers the weights again); with one, the stages per rank."""
+        per_rank = layout.micro_batches if layout.mesh.pp == 1 else layout.pp_stages_per_rank
+        return layout.mesh, layout.activation_checkpoint, per_rank
 
     def _held_blocks(self, pp: int) -> int:
         """Blocks the busiest pp rank holds: at least ceil(L / pp)."""
         return -(-self.n_layers // pp)
 
     def _recomputed(self, cfg: Config, layout: Layout) -> int:
-        """Blocks whose forward runs again at least: every held one under full checkpointing, L // ac_every under
-        selective without a pipeline, none counted otherwise."""
-        ac, pp = layout.activation_checkpoint, layout.mesh.pp
+        """Blocks whose forward runs again at least: every held one under full checkpointing; under selective, those
+        whose index in the whole model is a multiple of ac_every, of which each of the busiest rank's stages (v
+        runs of consecutive blocks, ceil(L / pp) in all) holds at least (its blocks - ac_every + 1) / ac_every;
+        none counted otherwise (op-level checkpointing recomputes part of a block: `Block.op_recompute_flops`)."""
+        ac, pp, k = layout.activation_checkpoint, layout.mesh.pp, cfg.plan.ac_every
         if ac == "full":
             return self._held_blocks(pp)
-        return self.n_layers // cfg.plan.ac_every if ac == "selective" and pp == 1 else 0
+        if ac != "selective":
+            return 0
+        if pp == 1:
+            return -(-self.n_layers // k)
+        v = layout.pp_stages_per_rank
+        return max(0, -(-(self._held_blocks(pp) - v * (k - 1)) // k))
 
     def memory_seconds(self, cfg: Config, layout: Layout) -> float:
         """Seconds per step the ops without FLOPs take at least on the busiest rank (part of `time`): the blocks',
@@ -276,6 +290,14 @@ def _block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_rules
         return None
     per_token = [(b - a) / seq_len for a, b in zip(one, two, strict=True)]
     head_flops = one[0] / seq_len - per_token[0]
+    op_recompute = 0.0
+    if not own_rules:
+        try:
+            op = _single(options, "op")
+            one_op, two_op = (_count(provider.with_layers(n), seq_len, op) for n in (1, 2))
+            op_recompute = max((two_op[0] - one_op[0]) / seq_len - per_token[0], 0.0)
+        except CANNOT_RUN:  # no op recompute counted
+            pass
     llama = isinstance(provider, LlamaProvider)  # attention as the probe counts it (see the module docstring)
     attention, attention_forward = (7 / 12, 1 / 2) if llama else (0.0, 0.0)
     memory, head, kept = (0.0, 0.0), 0.0, []
@@ -290,13 +312,16 @@ def _block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_rules
     return Block(train_flops=per_token[0], forward_flops=per_token[1], attention_flops=attention * per_token[2],
                  attention_forward_flops=attention_forward * per_token[3], params=round(per_token[4] * seq_len),
                  memory_bytes=memory[0] / seq_len, memory_forward_bytes=memory[1] / seq_len,
-                 kept=tuple(kept), head_flops=max(head_flops, 0.0), head_memory_bytes=head / seq_len)  # fmt: skip
+                 kept=tuple(kept), head_flops=max(head_flops, 0.0), head_memory_bytes=head / seq_len,
+                 op_recompute_flops=op_recompute)  # fmt: skip
 
 
-def _count(provider: ModelProvider, seq_len: int) -> tuple[int, int, int, int, int]:
+def _count(provider: ModelProvider, seq_len: int, options: PlanConfig | None = None) -> tuple[int, int, int, int, int]:
     """Matmul FLOPs forward + backward and forward, batched (attention's) ones the same, and parameters of
-    `provider`'s model on one sequence."""
+    `provider`'s model on one sequence (options: its blocks checkpointed as they say)."""
     model = provider.meta_model()
+    if options is not None:
+        apply(model, make_plan(model, MeshSpec(dp_shard=1), provider.rules(options), options))
     sample = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     forward, train = FlopCounterMode(display=False), FlopCounterMode(display=False)
     with forward:
@@ -345,8 +370,7 @@ def _kept_bytes(provider: ModelProvider, seq_len: int, rows: int, options: PlanC
     parameters in param_dtype, its blocks checkpointed as `ac` says (`apply` on one process: checkpointing alone)."""
     with torch.device("meta"):
         model = provider.build().to(getattr(torch, options.param_dtype))
-    one = msgspec.structs.replace(options, activation_checkpoint=ac, param_dtype="float32", reduce_dtype="float32",
-                                  compile=False, cpu_offload=False)  # fmt: skip
+    one = _single(options, ac)
     apply(model, make_plan(model, MeshSpec(dp_shard=1), provider.rules(one), one))
     recorder = Recorder({})
     with fake_tensors():
@@ -360,3 +384,9 @@ def _kept_bytes(provider: ModelProvider, seq_len: int, rows: int, options: PlanC
 
 def _moved(recorder: Recorder) -> int:
     return sum(moved * count for (flops, moved, _), count in recorder.ops.items() if not flops)
+
+
+def _single(options: PlanConfig, ac: str) -> PlanConfig:
+    """`options` for one process in fp32 checkpointing as `ac` says: what `apply` then does is checkpointing alone."""
+    return msgspec.structs.replace(options, activation_checkpoint=ac, param_dtype="float32", reduce_dtype="float32",
+                                   compile=False, cpu_offload=False)  # fmt: skip

@@ -6,11 +6,11 @@ fastest layout that fits: every later one is at least that slow, so the top K ar
 (`prune=False` looks at them all; tests/test_search.py compares the two). What is cheap and exact comes next: each
 layout's parameters, gradients, AdamW state and FSDP buffers are read off its plan (one plan per mesh and pipeline
 shape, on one meta model), and a layout whose state and the activations it keeps at least (`Floors.activations`)
-exceed the memory is dropped before any probe. The rest
-are estimated (`shardlab.estimate.shared`) with probes shared through one cache (one per twin shape: every row
-count on the line through two, keeping FSDP's weights gathered from the probe that reshards them). A pipeline's
-last pp rank, whose probe only its compute needs, is probed only for a layout that fits and may enter the top K
-(without it the step time is a lower bound, the memory exact). A layout is dropped without a
+exceed the memory is dropped before any probe. The rest are estimated (`shardlab.estimate.shared`) with probes
+shared through one cache (one per twin shape: every row count on the line through two, keeping FSDP's weights
+gathered from the probe that reshards them). The pp rank holding a pipeline's last stage, whose probe only its
+compute needs, is probed only for a layout that fits and may enter the top K (without it the step time is a lower
+bound, the memory exact). A layout is dropped without a
 probe of its own where a sibling that needs no more memory did not fit: the same layout resharding FSDP's weights
 after forward, checkpointing every block, or running one sequence per micro batch. Within one mesh and schedule,
 fewer micro batches and less recomputation never make a step slower in the estimator's model (the same work in
@@ -75,8 +75,8 @@ class Search(Frozen):
     FSDP's weights after forward, checkpointing more, or with fewer rows per micro batch)."""
     estimated: int
     bounded: int
-    """Estimated without the probe of their pipeline's last pp rank (they did not fit, or could not enter the top
-    K even at the lower bound on their step time that leaves it out)."""
+    """Estimated without the probe of the pp rank holding their pipeline's last stage (they did not fit, or could not
+    enter the top K even at the lower bound on their step time that leaves it out)."""
     pruned: int
     """Not looked at: their floor (`shardlab.estimate.floors`) is above the `top`-th fastest layout that fits."""
     probes: int
@@ -172,7 +172,9 @@ def search(
     actions: dict[tuple, dict[int, str]] = {}  # pipeline schedule orders
     states: dict[Layout, int | None] = {}  # per state shape (`_state_shape`): bytes the plan fixes; None: refused
     estimates: dict[Layout, Candidate] = {}
-    bounds: set[Layout] = set()  # estimated without a pipeline's last pp rank: a lower bound on their step time
+    bounds: set[Layout] = (
+        set()
+    )  # estimated without the rank of a pipeline's last stage: a lower bound on their step time
     done: dict[tuple, list[Layout]] = {}  # per mesh and schedule: the layouts that fit
     unfit = 0  # layouts looked at that did not fit
     too_large: dict[tuple, list[Layout]] = {}  # per mesh and schedule: every estimated layout that did not fit
@@ -260,7 +262,7 @@ def search(
         candidate = estimated(layout)
         if candidate.peak <= memory:
             if layout in bounds and (len(kth) < top or candidate.step_s <= -kth[0]):
-                candidate = estimated(layout, exact=True)  # it may enter the top: its last pp rank's probe too
+                candidate = estimated(layout, exact=True)  # it may enter the top: its last stage's rank probed too
             fits.append((candidate.step_s, i, candidate))
             done.setdefault(frame, []).append(layout)
             heapq.heappush(kth, -candidate.step_s)

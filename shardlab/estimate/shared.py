@@ -12,8 +12,8 @@ in their rows per micro batch share two (`Shape`: every other row count is on th
 that differ only in FSDP's resharding after forward share one (the one that reshards, without the backward's
 gathers for the one that does not). A pipelined twin's rank is the sum of its stages, each its own module: every
 looped and V-shaped twin, and the first rank of a twin of one stage per rank, is put together from the stages of
-one base twin (`BASE`). A pipeline's last pp
-rank, whose compute (it also runs the norm, output and loss) may be the slower, is probed as the twin's last. The twin's probe is
+one base twin (`BASE`). The pp rank holding a pipeline's last stage, whose compute (it also runs the norm, output
+and loss) may be the slower, is probed as the twin's rank holding its last stage. The twin's probe is
 extrapolated to the layout's blocks as the exact one is, its collectives get the layout's group sizes and stages,
 and everything else (memory, micro batches, the schedule's order, sends, bubble) comes from the layout's own plan
 (`estimate_from`), as on the exact path (`shardlab.estimate.estimate`, which `python -m shardlab estimate` runs).
@@ -30,7 +30,7 @@ from collections.abc import Callable
 import msgspec
 
 from shardlab.config import Config, TrainConfig
-from shardlab.estimate import Estimate, estimate_from, probed_rank
+from shardlab.estimate import Estimate, estimate_from, head_rank, probed_rank
 from shardlab.estimate.probe import Measurement, Probe, measure, staged
 from shardlab.estimate.recorder import Collective
 from shardlab.estimate.roofline import Device
@@ -145,9 +145,9 @@ def estimate_shared(
 ) -> Estimate:
     """The estimate of `cfg` (resolved) laid out by `plan`, probed as its twin (measured: the cache of the twins'
     probes, by shape; actions: the cache of pipeline schedule orders).
-    Without the forward of the other checkpointing choice. last_rank=False: without the probe of a pipeline's last
-    pp rank where another is the probed one (`needs_last_rank`), whose compute only the step time takes (the
-    slower rank's): the step time is then at most the estimate's, the memory the same."""
+    Without the forward of the other checkpointing choice. last_rank=False: without the probe of the pp rank
+    holding a pipeline's last stage where another is the probed one (`needs_last_rank`), whose compute only the
+    step time takes (the slower rank's): the step time is then at most the estimate's, the memory the same."""
     twin_cfg, twin_rank = twin(cfg, plan, provider.n_layers)
     _, blocks = probed_rank(plan)
     p = _translated(
@@ -155,16 +155,18 @@ def estimate_shared(
     )
     last = None
     if last_rank and needs_last_rank(cfg, plan):
-        # the last stages also run the norm, output and loss (only their compute is used): the twin's last pp rank
-        # runs the same kinds of stages, extended to the blocks of the layout's last rank
-        held = sum(len(s.blocks) for s in plan.pipeline.stages_of(cfg.mesh.pp - 1))
-        last = _measured(twin_cfg, twin_cfg.mesh.pp - 1, rules, provider, measured, held, plan)
+        # the last stage also runs the norm, output and loss (only its rank's compute is used): the twin's rank
+        # holding its last stage runs the same kinds of stages, extended to the blocks of the layout's
+        pipe = plan.pipeline
+        held = sum(len(s.blocks) for s in pipe.stages_of(head_rank(plan)))
+        twin_head = stage_ranks(twin_cfg.mesh.pp, pipe.stages_per_rank, pipe.schedule)[-1]
+        last = _measured(twin_cfg, twin_head, rules, provider, measured, held, plan)
     return estimate_from(cfg, plan, p, p, cfg.plan.activation_checkpoint, dev, provider, actions, last=last)
 
 
 def needs_last_rank(cfg: Config, plan: Plan) -> bool:
-    """Whether `cfg`'s estimate probes a pipeline's last pp rank too (it is not the busiest)."""
-    return plan.pipeline is not None and probed_rank(plan)[0] != cfg.mesh.pp - 1
+    """Whether `cfg`'s estimate probes the pp rank holding a pipeline's last stage too (it is not the busiest)."""
+    return plan.pipeline is not None and probed_rank(plan)[0] != head_rank(plan)
 
 
 def _measured(
