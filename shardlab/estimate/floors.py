@@ -1,24 +1,24 @@
-"""Floors: what a layout's estimated step time and state memory are at least, from its shape alone (no plan, no probe).
+"""Floors: what a layout's estimated step time and peak memory are at least, from its shape alone (no plan, no probe).
 
 The search (`shardlab.estimate.search`) estimates layouts lowest floor first and stops where the next floor is above
 the K-th fastest layout that fits: no layout left can then enter the top K, so the ranking is the exhaustive one.
 That holds only if each floor is at most what the estimate gives, term by term:
-- compute: the blocks' matmul FLOPs (forward and backward; the forward again under full checkpointing) on the
-  busiest pp rank, which holds at least ceil(L / pp) blocks, each rank's share being 1 / (tp x cp) of them, at the
-  device's best matmul rate. Plus the traffic of the blocks' ops without FLOPs (norms, activations, residual adds,
-  rotary, copies), each its own kernel in eager PyTorch and priced by its bytes at the device's best bandwidth:
-  counted per row of a micro batch (what grows with the rows; what does not is dropped) on fake CPU tensors as the
-  probe runs them (`step.forward_backward`), on one rank with the parameters in param_dtype (as FSDP's mixed
-  precision computes), and taken at 1 / (tp x cp) on the rank. Each such op of one rank has its counterpart on
-  every layout's rank, on its share of the tokens, heads or hidden units; a layout's own ops (casts,
-  redistributions) only add, except FSDP's copies of the blocks' weights out of the gathered buffer and of their
-  gradients into the reduce-scatter's, which count once per micro batch (per step with a pipeline). Without a pipeline the rank also runs what is outside the blocks (the output layer,
-  the final norm, the loss): their matmul FLOPs and per-row traffic count too. For shardlab's Llama, attention too:
-  the probe counts SDPA's causal kernel as half the square and its backward as 2.5 forwards, where the meta model's
-  math kernel computes the whole square and 2 (a masked one, as under cp, as the whole square), so the forward at
-  half of the math kernel's and forward and backward at 7/12 of it; other models' attention kernels may be ones
-  the probe does not count. Selective checkpointing recomputes at least L // ac_every blocks without a pipeline (blocks
-  are picked by their index in the whole model; with a pipeline none are counted).
+- compute: the blocks' matmul FLOPs (forward and backward; the forward again under full checkpointing, in every
+  ac_every-th block under selective, every other matmul of a block under op-level checkpointing) on the busiest pp
+  rank, which holds at least ceil(L / pp) blocks, each rank's share being 1 / (tp x cp) of them, at the device's
+  best matmul rate; without a pipeline the output layer's too, and with one at least the average over the pp ranks
+  (the estimate prices the busiest and the one running the output layer). Plus the traffic of the ops without FLOPs
+  (norms, activations, residual adds, rotary, copies, the loss), each its own kernel in eager PyTorch and priced by
+  its bytes at the device's best bandwidth: counted per row of a micro batch (what grows with the rows; what does
+  not is dropped) on fake CPU tensors as the probe runs them (`step.forward_backward`), on one rank with the
+  parameters in param_dtype (as FSDP's mixed precision computes), and taken at 1 / (tp x cp) on the rank. Each such
+  op of one rank has its counterpart on every layout's rank, on its share of the tokens, heads or hidden units; a
+  layout's own ops (casts, redistributions) only add, except FSDP's copies of the blocks' weights out of the
+  gathered buffer and of their gradients into the reduce-scatter's, which count once per micro batch (per step
+  with a pipeline). For shardlab's Llama, attention too: the probe counts SDPA's causal kernel as half the square
+  and its backward as 2.5 forwards, where the meta model's math kernel computes the whole square and 2 (a masked
+  one, as under cp, as the whole square), so the forward at half of the math kernel's FLOPs and forward and
+  backward at 7/12; other models' attention kernels may be ones the probe does not count.
 - TP, for shardlab's Llama laid out by its own rules: each block's attention and MLP end in a projection sharded
   over its input dim, whose partial outputs tp reduces in the forward, and begin with ones sharded over their
   output dim, whose input gradients it reduces in the backward: at least 4 collectives of the rank's tokens x dim
@@ -38,15 +38,16 @@ That holds only if each floor is at most what the estimate gives, term by term:
   pipeline with FSDP the held blocks' unsharded weights and gradients (`fsdp_buffer_bytes`). Plus the activations
   (`activations`): what a block's forward leaves alive for each row of a micro batch with the layout's checkpointing
   (none, op or full; selective checkpoints every ac_every-th block whole), counted on fake CPU tensors as the probe
-  counts them, in param_dtype on one rank, and taken at 1 / (tp x cp) on the rank: each
-  tensor the forward keeps there is its counterpart's share of the tokens, heads or hidden units, or whole. The
-  busiest pp rank holds at least ceil(L / pp) blocks, and at its peak the activations of the micro batches its
-  schedule keeps in flight (`pipeline.in_flight`, one without a pipeline). Without this term most layouts of a large
-  model pass the memory floor (a 405B model's 512-rank layouts without checkpointing, at 111 s the lowest time
-  floors, need terabytes of activations) and are dropped only after a probe each.
+  counts them, in param_dtype on one rank, and taken at 1 / (tp x cp) on the rank: each tensor the forward keeps
+  there is its counterpart's share of the tokens, heads or hidden units, or whole. The busiest pp rank holds at
+  least ceil(L / pp) blocks, and at its peak the activations of the micro batches its schedule keeps in flight
+  (`pipeline.in_flight`, one without a pipeline). Without this term most layouts of a large model pass the memory
+  floor (a 405B model's 512-rank layouts without checkpointing, at 111 s the lowest time floors, need terabytes of
+  activations) and are dropped only after a probe each.
 A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Models with
 experts get no compute, FSDP or activation floor: routing meta tensors is not the probe's even routing. A recipe's
-own rules may checkpoint other modules than the model's blocks: only the activations without checkpointing count.
+own rules may checkpoint other modules than the model's blocks: what op-level and full checkpointing keep or
+recompute is then not counted.
 """
 
 from __future__ import annotations
