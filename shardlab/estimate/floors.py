@@ -130,7 +130,13 @@ class Floors(Frozen):
         if dev.kernels is not None:
             best = max(e for curve in (dev.kernels.matmul, dev.kernels.attention) for _, e in curve)
             best_memory = max(e for _, e in dev.kernels.memory)
-        block = None if provider.moe is not None else _block(provider, cfg.train.seq_len, cfg.plan, own_rules)
+        block = None
+        if provider.moe is None:  # counted once per provider and what the counts depend on (searches of many worlds)
+            counted = provider.__dict__.setdefault("_floor_blocks", {})
+            key = (cfg.train.seq_len, msgspec.json.encode(cfg.plan), own_rules)
+            if key not in counted:
+                counted[key] = _block(provider, cfg.train.seq_len, cfg.plan, own_rules)
+            block = counted[key]
         llama = isinstance(provider, LlamaProvider) and block is not None and not own_rules
         kv_dim = provider.cfg.n_kv_heads * provider.cfg.head_dim if llama else 0
         return cls(block=block, tp_dim=provider.dim if llama else 0, kv_dim=kv_dim, param_bytes=param_bytes,
