@@ -364,7 +364,9 @@ def test_search_ranks_the_layouts_that_fit_and_writes_the_winner(tmp_path, capsy
             "--mesh.dp-replicate", "1", "--top", "3"]  # fmt: skip
     assert main([*args, "--out", str(tmp_path / "best.py")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("Search on H100 SXM, 79.6 GiB per rank: 40 layouts, 0 dropped by their state and activations")
+    assert lines[0].startswith(
+        "Search on H100 SXM, 79.6 GiB per rank: 40 layouts, 0 dropped by their state and activations"
+    )
     assert lines[1].split() == ["#", "mesh", "AC", "micro", "schedule", "peak", "GiB", "comm", "s/step", "by", "axis",
                                 "tokens/s/dev", "MFU"]  # fmt: skip
     assert re.match(r"^dp_shard=2, AC none, 1 micro(, no reshard)? (wins|ties)", lines[-2])

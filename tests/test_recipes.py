@@ -68,3 +68,14 @@ def test_recipe_plans(name, request):
     _, plan = plan_model(cfg, recipe.rules(cfg), provider)
     assert plan.mesh.world_size == WORLD[name]
     assert (plan.pipeline is not None) == (cfg.mesh.pp > 1)
+
+
+def test_the_search_of_every_recipe_knows_its_world():
+    """scripts/search_recipes.py searches each recipe on the world it is written for: a new recipe needs one there."""
+    import importlib.util
+
+    path = RECIPES.parent / "scripts" / "search_recipes.py"
+    spec = importlib.util.spec_from_file_location("search_recipes", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert set(script.WORLDS) == {p.stem for p in RECIPES.glob("*.py")}

@@ -1,0 +1,94 @@
+"""The layout search for every recipe in recipes/, as a user runs it: one `python -m shardlab search` each.
+
+    python scripts/search_recipes.py [--recipes NAME ...] [--world NAME=N ...] [--out runs/search-recipes.md]
+
+Each recipe is searched on the world it is written for (WORLDS; --world NAME=N changes one) on H100s, the CLI's
+default device, and the script prints a markdown table: layouts enumerated, estimated, probes, the search's own
+seconds and the wall clock of the whole command, and the winner with its tokens/s per device and peak memory. The
+recipes that take a local transformers model (`model.hf_path`) get one made here by scripts/make_chat_model.py
+(nothing is downloaded). A search that fails is a row with its one-line error: the table says what did not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLDS = {
+    "llama3_1b": 8, "llama3_8b": 8, "llama3_70b": 256, "llama3_405b": 512, "llama3_405b_pp": 512,
+    "qwen2_5_72b": 512, "qwen3_32b": 256, "mixtral_8x7b": 64, "llama_debug": 4, "llama_fsdp": 4, "llama_fsdp_tp": 4,
+    "llama_hsdp_tp": 8, "llama_pp": 4, "llama_3d": 8, "llama_cp": 4, "moe_ep": 4, "moe_ep_tp": 4, "moe_fsdp": 4,
+    "custom_gpt": 4, "hf_causal_lm": 4, "sft_hf": 4,
+}  # fmt: skip
+"""The world each recipe is written for: its docstring's, or its mesh's without -1 axes (4 where it fills one)."""
+NEEDS_HF_DIR = ("hf_causal_lm", "sft_hf")
+
+
+def search(name: str, world: int, hf_dir: Path | None) -> dict:
+    """One search, through the CLI: its JSON, wall seconds, and the error line if it failed."""
+    args = [sys.executable, "-m", "shardlab", "search", f"recipes/{name}.py", "--world", str(world), "--json"]
+    if name in NEEDS_HF_DIR:
+        args += ["--model.hf-path", str(hf_dir / "model")]
+    start = time.perf_counter()
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        error = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"name": name, "world": world, "wall": wall, "error": error}
+    return {"name": name, "world": world, "wall": wall, "found": json.loads(done.stdout)}
+
+
+def row(r: dict) -> str:
+    head = f"| {r['name']} | {r['world']} |"
+    if "error" in r:
+        return f"{head} - | - | - | - | {r['wall']:.0f} | failed: {r['error']} | - | - |"
+    s, best = r["found"], r["found"]["best"][0]
+    lay = best["layout"]
+    mesh = " x ".join(f"{axis} {size}" for axis, size in lay["mesh"].items() if size > 1 and axis != "ep")
+    if lay["mesh"].get("ep", 1) > 1:
+        mesh += f" (ep {lay['mesh']['ep']})"
+    schedule = f", {lay['pp_schedule']} x{lay['pp_stages_per_rank']}" if lay["pp_schedule"] else ""
+    keep = "" if lay["reshard_after_forward"] else ", no reshard"
+    winner = f"{mesh or 'one rank'}, AC {lay['activation_checkpoint']}, {lay['micro_batches']} micro{schedule}{keep}"
+    return (
+        f"{head} {s['layouts']:,} | {s['estimated']:,} | {s['probes']:,} | {s['seconds']:.0f} | {r['wall']:.0f} | "
+        f"{winner} | {best['tokens_per_s_per_device']:,.0f} | {best['peak'] / 2**30:.1f} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipes", nargs="+", default=sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))
+    parser.add_argument("--world", nargs="+", default=[], metavar="NAME=N")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    worlds = WORLDS | {name: int(n) for name, n in (w.split("=", 1) for w in args.world)}
+    if unknown := [n for n in args.recipes if n not in worlds]:
+        parser.error(f"no world for {', '.join(unknown)}: give --world NAME=N")
+    lines = [
+        "| recipe | world | layouts | estimated | probes | search s | wall s | winner | tokens/s/dev | peak GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    print("\n".join(lines), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = None
+        if any(n in NEEDS_HF_DIR for n in args.recipes):
+            hf_dir = Path(tmp)
+            subprocess.run([sys.executable, "scripts/make_chat_model.py", tmp], cwd=ROOT, check=True,
+                           capture_output=True)  # fmt: skip
+        for name in args.recipes:
+            lines.append(row(search(name, worlds[name], hf_dir)))
+            print(lines[-1], flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
