@@ -172,9 +172,7 @@ def search(
     actions: dict[tuple, dict[int, str]] = {}  # pipeline schedule orders
     states: dict[Layout, int | None] = {}  # per state shape (`_state_shape`): bytes the plan fixes; None: refused
     estimates: dict[Layout, Candidate] = {}
-    bounds: set[Layout] = (
-        set()
-    )  # estimated without the rank of a pipeline's last stage: a lower bound on their step time
+    bounds: set[Layout] = set()  # estimated without their last stage's rank: a lower bound on their step time
     done: dict[tuple, list[Layout]] = {}  # per mesh and schedule: the layouts that fit
     unfit = 0  # layouts looked at that did not fit
     too_large: dict[tuple, list[Layout]] = {}  # per mesh and schedule: every estimated layout that did not fit
