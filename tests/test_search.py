@@ -200,6 +200,75 @@ def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_
     assert floors.memory(c, piped) > 4 * floors.param_bytes // 16  # the held stage's unsharded weights too
 
 
+def test_the_fsdp_floor_counts_the_gathers_each_schedule_runs():
+    """FSDP's floor is at most the data-parallel collectives of the layout's estimate and within a fifth of them.
+    Without a pipeline each micro batch gathers the weights, and again in its backward where they are resharded
+    after forward. With one, torch's schedule reduces once, and gathers resharded weights m + 1 times whatever its
+    order (GPipe, 1F1B, interleaved), once where they stay gathered: counting one gather per step, as the floor did,
+    put 1F1B's at a fifth of its estimate here."""
+    from shardlab.estimate.floors import Floors
+    from shardlab.estimate.roofline import DP_AXES, collective_seconds, device
+    from shardlab.estimate.shared import estimate_shared
+    from shardlab.loop import plan_model
+    from shardlab.models.provider import LlamaProvider
+
+    deep = msgspec.structs.replace(WIDE, n_layers=8)
+    c = cfg(deep, global_batch=32, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
+    dev, provider, probes = device("h100"), LlamaProvider(deep), {}
+    floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
+    flat, piped = MeshSpec(dp_shard=16), MeshSpec(pp=2, dp_shard=8)
+    layouts = [
+        Layout(mesh=flat, activation_checkpoint="full", micro_batches=2),
+        Layout(mesh=flat, activation_checkpoint="full", micro_batches=2, reshard_after_forward=False),
+        Layout(mesh=piped, activation_checkpoint="full", micro_batches=4, pp_schedule="1f1b"),
+        Layout(mesh=piped, activation_checkpoint="full", micro_batches=4, pp_schedule="gpipe"),
+        Layout(mesh=piped, activation_checkpoint="full", micro_batches=4, pp_schedule="interleaved_1f1b",
+               pp_stages_per_rank=2),
+        Layout(mesh=piped, activation_checkpoint="full", micro_batches=4, pp_schedule="interleaved_1f1b",
+               pp_stages_per_rank=2, reshard_after_forward=False),
+    ]  # fmt: skip
+    for layout in layouts:
+        run = layout.config(c).resolve(16)
+        e = estimate_shared(run, plan_model(run)[1], None, dev, provider, probes)
+        dp = sum(collective_seconds(x, run.mesh, dev) for x in e.collectives if x.axis in DP_AXES)
+        assert 0.8 * dp <= floors.fsdp_seconds(c, layout, dev) <= dp, layout.describe()
+
+
+def test_a_model_with_experts_gets_floors_below_its_estimates():
+    """Experts route every token evenly in the floors' counts as in the probe, so a model with experts gets every
+    floor: compute, FSDP (the weights it gathers whole: experts are sharded over ep too), TP, CP and activations,
+    each at most what its layout's estimate gives, under expert, tensor, context and pipeline parallelism."""
+    from shardlab.estimate.floors import Floors
+    from shardlab.estimate.roofline import DP_AXES, collective_seconds, device
+    from shardlab.estimate.shared import estimate_shared
+    from shardlab.loop import plan_model
+    from shardlab.models.provider import LlamaProvider
+
+    moe = msgspec.structs.replace(WIDE, n_layers=4, ffn_dim=4096, moe=MoEConfig(n_experts=8, expert_ffn_dim=4096))
+    c = cfg(moe, global_batch=16, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
+    dev, provider, probes = device("h100"), LlamaProvider(moe), {}
+    floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
+    block = provider.meta_model().model.layers[0]
+    assert floors.block is not None and 0 < floors.block.params < sum(p.numel() for p in block.parameters()) / 2
+    layouts = [
+        Layout(mesh=MeshSpec(dp_shard=16, ep=8), activation_checkpoint="none", micro_batches=1),
+        Layout(mesh=MeshSpec(dp_shard=8, tp=2, ep=4), activation_checkpoint="full", micro_batches=1),
+        Layout(mesh=MeshSpec(dp_shard=4, cp=2, tp=2, ep=8), activation_checkpoint="selective", micro_batches=2),
+        Layout(mesh=MeshSpec(pp=2, dp_shard=8, ep=8), activation_checkpoint="full", micro_batches=2, pp_schedule="1f1b"),
+    ]  # fmt: skip
+    for layout in layouts:
+        run = layout.config(c).resolve(16)
+        e = estimate_shared(run, plan_model(run)[1], None, dev, provider, probes)
+        seconds = {axis: 0.0 for axis in ("tp", *DP_AXES)}
+        for x in e.collectives:
+            seconds[x.axis] = seconds.get(x.axis, 0.0) + collective_seconds(x, run.mesh, dev)
+        assert 0 < floors.time(c, layout, dev) <= e.time.step_s, layout.describe()
+        assert floors.activations(c, layout) > 0 and floors.memory(c, layout) <= e.peak, layout.describe()
+        assert 0 < floors.fsdp_seconds(c, layout, dev) <= sum(seconds[a] for a in DP_AXES), layout.describe()
+        if layout.mesh.tp > 1:
+            assert 0 < floors.tp_seconds(c, layout, dev) <= seconds["tp"], layout.describe()
+
+
 def test_a_sibling_checkpointing_more_or_with_fewer_rows_never_needs_more_memory():
     """What lets the search drop a layout where a sibling checkpointing every block, or running one sequence per
     micro batch, did not fit."""

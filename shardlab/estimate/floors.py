@@ -18,7 +18,8 @@ That holds only if each floor is at most what the estimate gives, term by term:
   with a pipeline). For shardlab's Llama, attention too: the probe counts SDPA's causal kernel as half the square
   and its backward as 2.5 forwards, where the meta model's math kernel computes the whole square and 2 (a masked
   one, as under cp, as the whole square), so the forward at half of the math kernel's FLOPs and forward and
-  backward at 7/12; other models' attention kernels may be ones the probe does not count.
+  backward at 7/12 (twice that under CP, whose attention masks by position: the probe counts the whole square);
+  other models' attention kernels may be ones the probe does not count.
 - TP, for shardlab's Llama laid out by its own rules: each block's attention and MLP end in a projection sharded
   over its input dim, whose partial outputs tp reduces in the forward, and begin with ones sharded over their
   output dim, whose input gradients it reduces in the backward: at least 4 collectives of the rank's tokens x dim
@@ -29,8 +30,9 @@ That holds only if each floor is at most what the estimate gives, term by term:
   sequence of the rank's rows and kv heads, 1 / tp of them, in param_dtype) and reduce-scatters their gradients in
   the backward; a recomputed block gathers them again. On the critical path, as the roofline puts every collective
   but the data-parallel ones.
-- FSDP: every micro batch without a pipeline (once per step with one) gathers the rank's block weights in
-  param_dtype and reduce-scatters their gradients in reduce_dtype, over dp_shard x cp, at that group's bandwidth.
+- FSDP: the rank's block weights gathered in param_dtype and their gradients reduce-scattered in reduce_dtype, over
+  dp_shard x cp at that group's bandwidth, as often as the estimate runs them (`Floors.fsdp_runs`: with a pipeline
+  and resharding after forward, once per micro batch and once more, whatever the schedule).
   The step is at least the larger of compute and FSDP (the roofline overlaps them) plus TP, stretched by the
   pipeline's bubble as `roofline.step_time` stretches it; CP's and EP's collectives, pipeline sends and the
   optimizer only add.
@@ -44,10 +46,13 @@ That holds only if each floor is at most what the estimate gives, term by term:
   (`pipeline.in_flight`, one without a pipeline). Without this term most layouts of a large model pass the memory
   floor (a 405B model's 512-rank layouts without checkpointing, at 111 s the lowest time floors, need terabytes of
   activations) and are dropped only after a probe each.
-A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Models with
-experts get no compute, FSDP or activation floor: routing meta tensors is not the probe's even routing. A recipe's
-own rules may checkpoint other modules than the model's blocks: what op-level and full checkpointing keep or
-recompute is then not counted.
+A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Experts route
+every token evenly there, as in the probe (shardlab's MoE: `MoE.balanced`), so each rank computes its tokens' share
+of their work wherever ep puts them; FSDP's floor counts the weights it gathers whole, not the experts' (sharded
+over ep too), and expert parallelism's all-to-alls only add. A model whose experts route by data (transformers'
+MoE layers) cannot run on meta tensors and gets no compute, FSDP or activation floor. A recipe's own rules may
+checkpoint other modules than the model's blocks: what op-level and full checkpointing keep or recompute is then
+not counted.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ from shardlab.mesh import MeshSpec
 from shardlab.models.provider import LlamaProvider, ModelProvider
 from shardlab.pipeline import bubble_fraction, in_flight
 from shardlab.plan import make_plan
+from shardlab.routers import moe_layers
 from shardlab.search import Layout, uses_fsdp
 from shardlab.step import forward_backward
 
@@ -89,7 +95,7 @@ class Block(Frozen):
     """What the probe counts at least for its attention, forward and backward (0: not counted)."""
     attention_forward_flops: float
     params: int
-    """Its parameters (numel)."""
+    """Its parameters that FSDP gathers whole (numel): all but experts."""
     memory_bytes: float = 0.0
     """Bytes its ops without FLOPs read and write per token, forward and backward, in param_dtype on one rank."""
     memory_forward_bytes: float = 0.0
@@ -109,7 +115,7 @@ class Floors(Frozen):
     """What every layout of one model, batch and device needs at least (`time`, `memory`)."""
 
     block: Block | None
-    """None: no compute or FSDP floor (a model with experts, or one whose blocks could not be counted)."""
+    """None: no compute or FSDP floor (a model whose blocks could not be counted on meta tensors)."""
     tp_dim: int
     """The residual stream's width whose reductions tp pays per block and token (0: no TP floor)."""
     param_bytes: int
@@ -130,13 +136,11 @@ class Floors(Frozen):
         if dev.kernels is not None:
             best = max(e for curve in (dev.kernels.matmul, dev.kernels.attention) for _, e in curve)
             best_memory = max(e for _, e in dev.kernels.memory)
-        block = None
-        if provider.moe is None:  # counted once per provider and what the counts depend on (searches of many worlds)
-            counted = provider.__dict__.setdefault("_floor_blocks", {})
-            key = (cfg.train.seq_len, msgspec.json.encode(cfg.plan), own_rules)
-            if key not in counted:
-                counted[key] = _block(provider, cfg.train.seq_len, cfg.plan, own_rules)
-            block = counted[key]
+        counted = provider.__dict__.setdefault("_floor_blocks", {})  # once per provider (searches of many worlds)
+        key = (cfg.train.seq_len, msgspec.json.encode(cfg.plan), own_rules)
+        if key not in counted:
+            counted[key] = _block(provider, cfg.train.seq_len, cfg.plan, own_rules)
+        block = counted[key]
         llama = isinstance(provider, LlamaProvider) and block is not None and not own_rules
         kv_dim = provider.cfg.n_kv_heads * provider.cfg.head_dim if llama else 0
         return cls(block=block, tp_dim=provider.dim if llama else 0, kv_dim=kv_dim, param_bytes=param_bytes,
@@ -159,43 +163,61 @@ class Floors(Frozen):
 
     def busy(self, cfg: Config, layout: Layout, dev: Device) -> float:
         """Seconds per step the rank computes and communicates at least, without the pipeline's bubble: the same
-        for every schedule and, under a pipeline, every micro batch count (`busy_shape`)."""
+        for every schedule of one shape of stages (`busy_shape`)."""
         m = layout.mesh
         if self.block is None:
             return 0.0
         blocks = self._held_blocks(m.pp)
         b, recomputed = self.block, self._recomputed(cfg, layout)
-        flops = blocks * (b.train_flops + b.attention_flops) + recomputed * (
-            b.forward_flops + b.attention_forward_flops
+        masked = 2 if m.cp > 1 and self.kv_dim else 1  # CP's attention masks by position: the whole square
+        flops = blocks * (b.train_flops + masked * b.attention_flops) + recomputed * (
+            b.forward_flops + masked * b.attention_forward_flops
         )
         if layout.activation_checkpoint == "op":
             flops += blocks * b.op_recompute_flops
         if m.pp == 1:  # the rank runs the output layer too
             flops += b.head_flops
         else:  # the estimate prices the busiest rank and the one running the output layer: neither computes less
-            flops = max(flops, (self.n_layers * (b.train_flops + b.attention_flops) + b.head_flops) / m.pp)
+            flops = max(flops, (self.n_layers * (b.train_flops + masked * b.attention_flops) + b.head_flops) / m.pp)
         tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
         compute = tokens * flops / m.tp / self.rate + self.memory_seconds(cfg, layout)
-        fsdp, shards = 0.0, m.dp_shard * m.cp
-        if shards > 1:
-            weights = blocks * self.block.params / m.tp
-            both = weights * (DTYPE_BYTES[cfg.plan.param_dtype] + DTYPE_BYTES[cfg.plan.reduce_dtype])
-            span = shards * m.tp
-            bandwidth = (dev.nvlink_gb_s if span <= GPUS_PER_NODE else dev.network_gb_s) * 1e9
-            fsdp = (1 if m.pp > 1 else layout.micro_batches) * both * (shards - 1) / shards / bandwidth
-        busy = max(compute, fsdp)
+        busy = max(compute, self.fsdp_seconds(cfg, layout, dev))
         if m.tp > 1 and self.tp_dim:
             busy += self.tp_seconds(cfg, layout, dev)
         if m.cp > 1 and self.kv_dim:
             busy += self.cp_seconds(cfg, layout, dev)
         return busy
 
+    def fsdp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
+        """Seconds per step FSDP's gathers of the held blocks' weights and reductions of their gradients take at
+        least (part of `busy`, overlapped with compute as the roofline does)."""
+        m, shards = layout.mesh, layout.mesh.dp_shard * layout.mesh.cp
+        if self.block is None or shards == 1:
+            return 0.0
+        gathers, reductions = self.fsdp_runs(layout)
+        weights = self._held_blocks(m.pp) * self.block.params / m.tp
+        param, reduce = DTYPE_BYTES[cfg.plan.param_dtype], DTYPE_BYTES[cfg.plan.reduce_dtype]
+        bandwidth = (dev.nvlink_gb_s if shards * m.tp <= GPUS_PER_NODE else dev.network_gb_s) * 1e9
+        return weights * (gathers * param + reductions * reduce) * (shards - 1) / shards / bandwidth
+
     @staticmethod
     def busy_shape(layout: Layout) -> tuple:
-        """What `busy` depends on: the mesh, the checkpointing and, without a pipeline, the micro batches (each
-        gathers the weights again); with one, the stages per rank."""
-        per_rank = layout.micro_batches if layout.mesh.pp == 1 else layout.pp_stages_per_rank
-        return layout.mesh, layout.activation_checkpoint, per_rank
+        """What `busy` depends on: all but the pipeline's schedule (within its stages per rank)."""
+        return (layout.mesh, layout.activation_checkpoint, layout.micro_batches, layout.pp_stages_per_rank,
+                layout.reshard_after_forward)  # fmt: skip
+
+    @staticmethod
+    def fsdp_runs(layout: Layout) -> tuple[int, int]:
+        """How often per step FSDP all-gathers each block's weights and reduce-scatters its gradients, as the
+        estimate counts them. Without a pipeline: in each micro batch's forward, and again in its backward where the
+        weights are resharded after forward; its gradients in each. With one, torch's schedule reduces once, at the
+        last backward, and a stage's backward leaves its weights gathered; they are gathered before its first
+        action and, where resharded after forward, after each of its m forwards (the action after one, a forward or
+        a backward, finds them sharded), whatever the schedule: m + 1 times, else once."""
+        m, again = layout.micro_batches, layout.reshard_after_forward
+        if layout.mesh.pp == 1:
+            return m * (2 if again else 1), m
+        return m + 1 if again else 1, 1
 
     def _held_blocks(self, pp: int) -> int:
         """Blocks the busiest pp rank holds: at least ceil(L / pp)."""
@@ -292,7 +314,7 @@ def _block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_rules
     its memory-bound ops and what its forward keeps alive, per row (`_per_row`). own_rules: the recipe's rules may
     checkpoint other modules than the model's blocks (only what no checkpointing keeps is counted)."""
     try:
-        one, two = (_count(provider.with_layers(n), seq_len) for n in (1, 2))
+        one, two = (_count(provider.with_layers(n), seq_len, options) for n in (1, 2))
     except CANNOT_RUN:  # no compute floor
         return None
     per_token = [(b - a) / seq_len for a, b in zip(one, two, strict=True)]
@@ -300,8 +322,7 @@ def _block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_rules
     op_recompute = 0.0
     if not own_rules:
         try:
-            op = _single(options, "op")
-            one_op, two_op = (_count(provider.with_layers(n), seq_len, op) for n in (1, 2))
+            one_op, two_op = (_count(provider.with_layers(n), seq_len, options, "op") for n in (1, 2))
             op_recompute = max((two_op[0] - one_op[0]) / seq_len - per_token[0], 0.0)
         except CANNOT_RUN:  # no op recompute counted
             pass
@@ -323,12 +344,33 @@ def _block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_rules
                  op_recompute_flops=op_recompute)  # fmt: skip
 
 
-def _count(provider: ModelProvider, seq_len: int, options: PlanConfig | None = None) -> tuple[int, int, int, int, int]:
-    """Matmul FLOPs forward + backward and forward, batched (attention's) ones the same, and parameters of
-    `provider`'s model on one sequence (options: its blocks checkpointed as they say)."""
-    model = provider.meta_model()
-    if options is not None:
-        apply(model, make_plan(model, MeshSpec(dp_shard=1), provider.rules(options), options))
+def _model(provider: ModelProvider, options: PlanConfig, ac: str | None = None) -> torch.nn.Module:
+    """A new model of `provider` on meta in options.param_dtype (as FSDP's mixed precision computes), its experts
+    routing every token evenly as the probe's do (`MoE.balanced`: meta and fake tensors hold no scores to route
+    by), its blocks checkpointed as `ac` says (`apply` on one process: checkpointing alone; None: not)."""
+    with torch.device("meta"):
+        model = provider.build().to(getattr(torch, options.param_dtype))
+    for layer in moe_layers(model):
+        layer.balanced = True
+    if ac is not None:
+        one = _single(options, ac)
+        apply(model, make_plan(model, MeshSpec(dp_shard=1), provider.rules(one), one))
+    return model
+
+
+def _dense_params(model: torch.nn.Module) -> int:
+    """Parameters FSDP shards over dp_shard x cp and gathers whole: all but experts (sharded over ep too, and
+    gathered over dp_shard_mod_ep alone)."""
+    experts = {id(p) for layer in moe_layers(model) for p in layer.experts.parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in experts)
+
+
+def _count(
+    provider: ModelProvider, seq_len: int, options: PlanConfig, ac: str | None = None
+) -> tuple[int, int, int, int, int]:
+    """Matmul FLOPs forward + backward and forward, batched (attention's) ones the same, and the parameters FSDP
+    gathers whole (`_dense_params`) of `provider`'s model on one sequence (ac: its blocks checkpointed so)."""
+    model = _model(provider, options, ac)
     sample = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     forward, train = FlopCounterMode(display=False), FlopCounterMode(display=False)
     with forward:
@@ -338,7 +380,7 @@ def _count(provider: ModelProvider, seq_len: int, options: PlanConfig | None = N
     counts = [c.get_flop_counts()["Global"] for c in (train, forward)]
     matmuls = [sum(c.get(op, 0) for op in MATMULS) for c in counts]
     batched = [c.get(torch.ops.aten.bmm, 0) for c in counts]
-    return matmuls[0], matmuls[1], batched[0], batched[1], sum(p.numel() for p in model.parameters())
+    return matmuls[0], matmuls[1], batched[0], batched[1], _dense_params(model)
 
 
 def _per_row(
@@ -357,8 +399,7 @@ def _memory_bytes(provider: ModelProvider, seq_len: int, rows: int, options: Pla
     """Bytes read and written by the ops without FLOPs of one training micro batch of `provider`'s model on `rows`
     sequences (`step.forward_backward`), and by its forward, on fake CPU tensors (the kernels the probe sees: CPU's
     fused attention) with the parameters in param_dtype; and the bytes its forward leaves alive."""
-    with torch.device("meta"):
-        model = provider.build().to(getattr(torch, options.param_dtype))
+    model = _model(provider, options)
     recorder, forward = Recorder({}), {}
 
     def after_forward() -> None:
@@ -375,10 +416,7 @@ def _memory_bytes(provider: ModelProvider, seq_len: int, rows: int, options: Pla
 def _kept_bytes(provider: ModelProvider, seq_len: int, rows: int, options: PlanConfig, ac: str) -> tuple[int]:
     """Bytes the forward of `provider`'s model on `rows` sequences leaves alive on fake CPU tensors with the
     parameters in param_dtype, its blocks checkpointed as `ac` says (`apply` on one process: checkpointing alone)."""
-    with torch.device("meta"):
-        model = provider.build().to(getattr(torch, options.param_dtype))
-    one = _single(options, ac)
-    apply(model, make_plan(model, MeshSpec(dp_shard=1), provider.rules(one), one))
+    model = _model(provider, options, ac)
     recorder = Recorder({})
     with fake_tensors():
         model.to_empty(device="cpu")
