@@ -214,6 +214,7 @@ def _pinned_axes(overrides: list[str], cfg) -> dict[str, int]:
 def _search(cfg, recipe, world: int | None, device_name: str | None, flags: dict, pinned: dict[str, int]) -> int:
     from pathlib import Path
 
+    from shardlab.estimate.probe_store import ProbeStore
     from shardlab.estimate.roofline import device
     from shardlab.estimate.search import search
     from shardlab.estimate.search_report import layout_recipe, search_json, search_table
@@ -224,7 +225,8 @@ def _search(cfg, recipe, world: int | None, device_name: str | None, flags: dict
     dev = device(device_name or "h100", world)
     memory = round((flags["memory"] or dev.memory_gib) * 2**30)
     provider = provider_for(cfg, recipe.model(cfg))
-    found = search(cfg, world, provider, recipe.rules, dev, memory, fixed=pinned, top=flags["top"])
+    store = ProbeStore(provider)  # probes an earlier search of this model measured are read, not run again
+    found = search(cfg, world, provider, recipe.rules, dev, memory, fixed=pinned, top=flags["top"], store=store)
     print(search_json(found).decode() if flags["json"] else search_table(found, dev, memory))
     if flags["out"]:
         best = found.best[0]

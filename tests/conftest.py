@@ -1,16 +1,18 @@
 """One intra-op thread per test process, the checkout under test first on the import path, and tests marked `gpu`
-skipped without a CUDA device; nothing else is global.
+skipped without a CUDA device, a temporary cache; nothing else is global.
 
 The tests' tensors are tiny: a second OpenMP thread buys nothing on them, and on a machine whose cores are busy (2
 cores, gloo ranks or other jobs) it spins waiting for them and makes the run several times slower. Set before torch
 is imported, so subprocesses (the CLI's first process) get it too; gloo ranks set their own.
 
 The tests import shardlab from the checkout they belong to, in this process, in spawned ranks (they inherit
-sys.path) and in subprocesses (PYTHONPATH), even where another checkout is installed in editable mode.
+sys.path) and in subprocesses (PYTHONPATH), even where another checkout is installed in editable mode. What they
+measure and keep (the search's probes, the CPU device) goes to a temporary SHARDLAB_CACHE, not the user's.
 """
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = str(Path(__file__).resolve().parents[1])
 sys.path.insert(0, ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
+CACHE = tempfile.TemporaryDirectory(prefix="shardlab-tests-")
+os.environ["SHARDLAB_CACHE"] = CACHE.name  # what the tests measure (probes, the CPU device) is not the user's
 
 
 def pytest_collection_modifyitems(config, items):

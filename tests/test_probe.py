@@ -167,3 +167,15 @@ def test_waiting_for_a_collective_moves_no_bytes():
     assert gathered.shape == (2048,)
     assert sum(recorder.collectives.values()) == 1
     assert dict(recorder.ops) == {(0, 0, "memory"): 1, (0, 2 * 2048 * 4, "memory"): 1}  # the wait, the add
+
+
+def test_calls_run_side_by_side_in_forked_children_as_they_would_in_order():
+    """A probe's model sizes run in forked children (`run_forked`): the results come back in order, and an error in
+    a child is raised here with its type and message."""
+    from shardlab._forked import run_forked
+
+    assert run_forked([lambda i=i: [i] * i for i in range(4)]) == [[], [1], [2, 2], [3, 3, 3]]
+    with pytest.raises(ZeroDivisionError, match="division by zero"):
+        run_forked([lambda: 1, lambda: 1 / 0])
+    c = cfg(MeshSpec(dp_shard=2)).resolve(2)
+    assert probe(c) == probe(c)  # one size in this process, the other in a child, twice

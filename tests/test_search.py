@@ -364,3 +364,32 @@ def test_the_siblings_a_layout_is_dropped_for_are_layouts_of_the_search():
     for layout in found:
         one_row, others = _memory_siblings(layout, c)
         assert set(one_row + others) <= enumerated, layout.describe()
+
+
+def test_a_second_search_reads_its_probes_from_the_store(tmp_path):
+    """Probes kept on disk (`ProbeStore`) answer a later search of the same model: the same ranking, no probe of its
+    own. A damaged entry is measured again, and another model's probes are not read."""
+    from shardlab.estimate.probe_store import ProbeStore
+    from shardlab.estimate.roofline import device
+    from shardlab.estimate.search import search
+    from shardlab.models.provider import LlamaProvider
+
+    c = cfg(global_batch=8)
+    dev = device("h100")
+
+    def run(provider):
+        store = ProbeStore(provider, tmp_path)
+        return search(c, 4, provider, lambda _: None, dev, 2**30, fixed={"pp": 1, "cp": 1}, top=2, store=store)
+
+    provider = LlamaProvider(c.model)
+    first = run(provider)
+    again = run(provider)
+    assert first.probes > 0 and first.stored == 0
+    assert again.probes == 0 and again.stored == first.probes and again.best == first.best
+    entries = sorted(tmp_path.rglob("*.probe"))
+    assert len(entries) == first.probes
+    entries[0].write_bytes(entries[0].read_bytes()[:10])
+    mended = run(provider)
+    assert mended.probes == 1 and mended.stored == first.probes - 1 and mended.best == first.best
+    other = LlamaProvider(msgspec.structs.replace(c.model, ffn_dim=256))
+    assert ProbeStore(other, tmp_path).model != ProbeStore(provider, tmp_path).model

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardlab._cache_dir import cache_dir, write_whole
+from shardlab._forked import cores
 from shardlab.estimate.kernels import Rates, median_rates, table, timer
 from shardlab.estimate.kernels import measure as measure_kernels
 from shardlab.estimate.roofline import Device
@@ -52,16 +54,11 @@ CACHE_FORMAT = 4
 
 def _machine() -> str:
     cpu = platform.processor() or platform.machine()
-    return f"{_cores()} cores, {cpu}, torch {torch.__version__}, format {CACHE_FORMAT}"
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return f"{cores()} cores, {cpu}, torch {torch.__version__}, format {CACHE_FORMAT}"
 
 
 def cache_path(world: int) -> Path:
-    root = Path(os.environ.get("SHARDLAB_CACHE") or Path.home() / ".cache" / "shardlab")
-    return root / f"cpu-device-{world}-ranks.json"
+    return cache_dir() / f"cpu-device-{world}-ranks.json"
 
 
 def cpu_device(world: int) -> Device:
@@ -75,10 +72,7 @@ def cpu_device(world: int) -> Device:
         except msgspec.DecodeError:
             pass  # a damaged cache is measured again
     dev = measure(world)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(msgspec.json.encode(_Cached(machine=_machine(), device=dev)))
-    tmp.replace(path)
+    write_whole(path, msgspec.json.encode(_Cached(machine=_machine(), device=dev)))
     return dev
 
 
@@ -100,7 +94,7 @@ def measure(world: int) -> Device:
     peak = max(r for _, r in rates.matmul)
     command = f"shardlab.estimate.cpu.measure({world}) on {_machine()}"
     return Device(
-        name=f"CPU ({world} rank{'s' * (world > 1)} on {_cores()} cores, measured)", bf16_tflops=peak / 1e12,
+        name=f"CPU ({world} rank{'s' * (world > 1)} on {cores()} cores, measured)", bf16_tflops=peak / 1e12,
         hbm_tb_s=copy_bytes / 1e12, nvlink_gb_s=link / 1e9, network_gb_s=link / 1e9, memory_gib=memory,
         matmul_efficiency=1.0, hbm_efficiency=1.0, kernels=table(rates, peak, copy_bytes, command), busy_speed=speed,
         collective_speed=kinds,
@@ -151,13 +145,13 @@ def _busy_speed(rank: int, world: int, barrier, rounds: int = 3) -> list[float]:
     barrier()
     if rank:
         return []
-    threads, cores = torch.get_num_threads(), _cores()
+    threads, n = torch.get_num_threads(), cores()
     t = [statistics.median(s) for s in seconds]
-    return [min(t[-1] / t[k - 1], min(threads, cores / k) / min(threads, cores / world)) for k in range(1, world + 1)]
+    return [min(t[-1] / t[k - 1], min(threads, n / k) / min(threads, n / world)) for k in range(1, world + 1)]
 
 
 def _rank(rank: int, world: int, store: str, results) -> None:
-    torch.set_num_threads(max(1, _cores() // world))
+    torch.set_num_threads(max(1, cores() // world))
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     barrier = dist.barrier if world > 1 else (lambda: None)

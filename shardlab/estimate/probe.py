@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlab._base import Frozen
 from shardlab._device_mesh import make_mesh
+from shardlab._forked import run_forked
 from shardlab.apply import apply
 from shardlab.config import Config
 from shardlab.context_parallel import cp_positions
@@ -389,5 +390,7 @@ def measure(
         # One mesh for both probes: DTensor caches redistributions by mesh equality, so a second equal mesh
         # would run on the first one's groups.
         mesh = make_mesh(cfg.mesh, "cpu")
-        records = [_probe_layers(cfg, rules, provider, mesh, size, forward_only) for size in sizes]
-    return Measurement([Run.of(r) for r in records], n, k, v, stages)
+        runs = run_forked(
+            [lambda size=size: Run.of(_probe_layers(cfg, rules, provider, mesh, size, forward_only)) for size in sizes]
+        )
+    return Measurement(runs, n, k, v, stages)

@@ -33,6 +33,7 @@ from shardlab._base import Frozen
 from shardlab.config import Config
 from shardlab.estimate import Estimate, estimate_memory, fsdp_buffer_bytes
 from shardlab.estimate.floors import Floors
+from shardlab.estimate.probe_store import ProbeStore
 from shardlab.estimate.roofline import Device, collective_seconds
 from shardlab.estimate.shared import Shape, estimate_shared, needs_last_rank
 from shardlab.metrics import module_flops
@@ -80,6 +81,8 @@ class Search(Frozen):
     pruned: int
     """Not looked at: their floor (`shardlab.estimate.floors`) is above the `top`-th fastest layout that fits."""
     probes: int
+    stored: int
+    """Probes read from the store (`ProbeStore`: an earlier search's), not run."""
     seconds: float
 
 
@@ -114,12 +117,13 @@ def search(
     top: int = 5,
     prune: bool = True,
     probes: dict[bytes, Shape] | None = None,
+    store: ProbeStore | None = None,
 ) -> Search:
     """The `top` fastest layouts of `cfg`'s model and batch on `world` ranks of `dev` within `memory` bytes per rank.
 
     fixed: mesh axes the user pinned (axis -> size); rules_of: the recipe's rules for a config (None: the model's);
     prune=False looks at every layout its floor would skip (the ranking is the same); probes: a cache of the twins'
-    probes that searches of one model and rules share.
+    probes that searches of one model and rules share; store: where probes are kept between searches (`ProbeStore`).
     A request nothing satisfies is a ValueError of one line saying what was tried and what came closest.
     """
     start = time.perf_counter()
@@ -169,6 +173,7 @@ def search(
     order = sorted(range(len(layouts)), key=lambda i: (time_floor[i], _cheapest_first(layouts[i]), i))
     measured = {} if probes is None else probes  # probes of twins, shared by every layout with the same twin
     known = _probed(measured)
+    read = store.read if store is not None else 0  # probes read from the store before this search
     actions: dict[tuple, dict[int, str]] = {}  # pipeline schedule orders
     states: dict[Layout, int | None] = {}  # per state shape (`_state_shape`): bytes the plan fixes; None: refused
     estimates: dict[Layout, Candidate] = {}
@@ -198,7 +203,8 @@ def search(
         if first or (exact and layout in bounds):
             run = layout.config(cfg).resolve(world)
             plan = plan_of(run)
-            e = estimate_shared(run, plan, rules_of(run), dev, provider, measured, actions, last_rank=exact)
+            e = estimate_shared(run, plan, rules_of(run), dev, provider, measured, actions, last_rank=exact,
+                                store=store)  # fmt: skip
             estimates[layout] = _candidate(layout, e, run, dev)
             if not exact and needs_last_rank(run, plan):
                 bounds.add(layout)
@@ -275,9 +281,11 @@ def search(
             _nothing_fits(world, memory, len(layouts), over, len(estimates), closest, closest_state, refused)
         )
     fits.sort(key=lambda f: f[:2])
+    stored = (store.read if store is not None else 0) - read
     return Search(
         best=tuple(c for _, _, c in fits[:top]), layouts=len(layouts), over_memory=over, too_big=too_big,
-        estimated=len(estimates), bounded=len(bounds), pruned=pruned, probes=_probed(measured) - known, seconds=time.perf_counter() - start,
+        estimated=len(estimates), bounded=len(bounds), pruned=pruned, probes=_probed(measured) - known - stored,
+        stored=stored, seconds=time.perf_counter() - start,
     )  # fmt: skip
 
 

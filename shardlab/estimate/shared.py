@@ -32,6 +32,7 @@ import msgspec
 from shardlab.config import Config, TrainConfig
 from shardlab.estimate import Estimate, estimate_from, head_rank, probed_rank
 from shardlab.estimate.probe import Measurement, Probe, measure, staged
+from shardlab.estimate.probe_store import ProbeStore
 from shardlab.estimate.recorder import Collective
 from shardlab.estimate.roofline import Device
 from shardlab.mesh import MeshSpec
@@ -142,16 +143,18 @@ def estimate_shared(
     actions: dict[tuple, dict[int, str]] | None = None,
     *,
     last_rank: bool = True,
+    store: ProbeStore | None = None,
 ) -> Estimate:
     """The estimate of `cfg` (resolved) laid out by `plan`, probed as its twin (measured: the cache of the twins'
     probes, by shape; actions: the cache of pipeline schedule orders).
     Without the forward of the other checkpointing choice. last_rank=False: without the probe of the pp rank
     holding a pipeline's last stage where another is the probed one (`needs_last_rank`), whose compute only the
-    step time takes (the slower rank's): the step time is then at most the estimate's, the memory the same."""
+    step time takes (the slower rank's): the step time is then at most the estimate's, the memory the same. store:
+    where probes are kept between searches (`ProbeStore`; None: only in `measured`)."""
     twin_cfg, twin_rank = twin(cfg, plan, provider.n_layers)
     _, blocks = probed_rank(plan)
     p = _translated(
-        _measured(twin_cfg, twin_rank, rules, provider, measured, blocks, plan), twin_cfg, twin_rank, cfg, plan
+        _measured(twin_cfg, twin_rank, rules, provider, measured, blocks, plan, store), twin_cfg, twin_rank, cfg, plan
     )
     last = None
     if last_rank and needs_last_rank(cfg, plan):
@@ -160,7 +163,7 @@ def estimate_shared(
         pipe = plan.pipeline
         held = sum(len(s.blocks) for s in pipe.stages_of(head_rank(plan)))
         twin_head = stage_ranks(twin_cfg.mesh.pp, pipe.stages_per_rank, pipe.schedule)[-1]
-        last = _measured(twin_cfg, twin_head, rules, provider, measured, held, plan)
+        last = _measured(twin_cfg, twin_head, rules, provider, measured, held, plan, store)
     return estimate_from(cfg, plan, p, p, cfg.plan.activation_checkpoint, dev, provider, actions, last=last)
 
 
@@ -177,10 +180,11 @@ def _measured(
     measured: dict[bytes, Shape],
     blocks: int | None,
     plan: Plan,
+    store: ProbeStore | None,
 ) -> Probe:
     """`cfg`'s probe as pp rank `rank` holding `blocks` blocks, from `measured` or measured now (`_measurement`).
     plan: the layout's."""
-    found = _measurement(cfg, rank, rules, provider, measured, plan)
+    found = _measurement(cfg, rank, rules, provider, measured, plan, store)
     return found.at(blocks, regather=cfg.plan.reshard_after_forward or not _reshards(cfg, provider.n_layers, plan))
 
 
@@ -192,7 +196,13 @@ def _reshards(cfg: Config, n_layers: int, plan: Plan) -> bool:
 
 
 def _measurement(
-    cfg: Config, rank: int, rules: Rules | None, provider: ModelProvider, measured: dict[bytes, Shape], plan: Plan
+    cfg: Config,
+    rank: int,
+    rules: Rules | None,
+    provider: ModelProvider,
+    measured: dict[bytes, Shape],
+    plan: Plan,
+    store: ProbeStore | None,
 ) -> Measurement:
     """Kept under what it depends on: not the schedule within its shape of stages (the probe runs stages, not
     schedules), nor the rows per micro batch (`Shape`), nor FSDP's resharding after forward (measured resharding
@@ -213,14 +223,17 @@ def _measurement(
             options = msgspec.structs.replace(canonical, pp_schedule=BASE[0], pp_stages_per_rank=v,
                                               pp_microbatches=micro)  # fmt: skip
             base = msgspec.structs.replace(cfg, plan=options, train=_train(cfg, rows * cfg.mesh.size("dp") * micro))
-            ranks = {r: _measurement(base, r, rules, provider, measured, plan) for r, _, _ in pieces}
+            ranks = {r: _measurement(base, r, rules, provider, measured, plan, store) for r, _, _ in pieces}
             stages = TWIN_PP * cfg.plan.pp_stages_per_rank
             found.derived[rows] = staged([(ranks[r], s, to) for r, s, to in pieces], stages)
         return found.derived[rows]
 
     def probe(rows: int) -> Measurement:
         run = msgspec.structs.replace(cfg, plan=canonical, train=_train(cfg, rows * per_row))
-        return measure(run.resolve(cfg.mesh.world_size), rules, pp_rank=rank, provider=provider)
+        run = run.resolve(cfg.mesh.world_size)
+        if store is None:
+            return measure(run, rules, pp_rank=rank, provider=provider)
+        return store.measured(run, rank, rules, lambda: measure(run, rules, pp_rank=rank, provider=provider))
 
     return found.at(rows, probe)
 

@@ -1,0 +1,86 @@
+"""Probes kept on disk between searches: a search of the same model on another world, device, memory or top K, or
+the same search again, reads what an earlier one measured instead of probing again.
+
+A measurement (`probe.Measurement`) depends on the probed config and pp rank, the rules, the model, and the code
+that ran it, so the key hashes them all: the config, the rank and the rules as data; the model's identity; the
+source of shardlab, of every module the model's classes and its provider come from (a user's model files), and
+the versions of Python, torch and transformers. Entries are written whole (`write_whole`), and one that cannot be
+read is measured again. They live in SHARDLAB_CACHE/probes (else ~/.cache/shardlab/probes); delete it at will.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import pickle
+import platform
+import sys
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import torch
+
+import shardlab
+from shardlab._cache_dir import cache_dir, write_whole
+from shardlab.config import Config
+from shardlab.estimate.probe import Measurement
+from shardlab.models.provider import ModelProvider
+from shardlab.rules import Rules
+
+FORMAT = 1
+"""Bumped when what an entry holds changes shape."""
+UNREADABLE = (OSError, EOFError, zlib.error, pickle.UnpicklingError, ValueError, TypeError, AttributeError)
+"""What reading a missing, damaged or foreign entry raises: it is measured again."""
+
+
+class ProbeStore:
+    """The measurements of one model's probes on disk (`measured`), and how many were read and written."""
+
+    def __init__(self, provider: ModelProvider, root: Path | None = None) -> None:
+        self.root = root if root is not None else cache_dir() / "probes"
+        self.model = _fingerprint(provider)
+        self.read = self.written = 0
+
+    def measured(self, cfg: Config, rank: int, rules: Rules | None, measure: Callable[[], Measurement]) -> Measurement:
+        """The measurement of `cfg` (resolved) as pp rank `rank` under `rules`: read, else `measure()` and kept."""
+        key = hashlib.sha256(self.model + msgspec.json.encode((cfg, rank, rules))).hexdigest()
+        path = self.root / key[:2] / f"{key}.probe"
+        try:
+            runs, n, k, v, stages = pickle.loads(zlib.decompress(path.read_bytes()))
+            found = Measurement(runs, n, k, v, stages)
+        except UNREADABLE:
+            found = measure()
+            write_whole(path, zlib.compress(pickle.dumps((found.runs, found.n, found.k, found.v, found.stages))))
+            self.written += 1
+        else:
+            self.read += 1
+        return found
+
+
+def _fingerprint(provider: ModelProvider) -> bytes:
+    """What every probe of `provider`'s model depends on beside its config, rank and rules."""
+    model = provider.meta_model()
+    modules = {type(m).__module__ for m in model.modules()} | {type(provider).__module__}
+    modules |= {getattr(value, "__module__", None) for value in vars(provider).values() if callable(value)}
+    root = Path(shardlab.__file__).parent
+    files = sorted(root.rglob("*.py"))
+    for name in sorted(m for m in modules if m and m in sys.modules and m.split(".")[0] not in ("torch", "shardlab")):
+        file = getattr(sys.modules[name], "__file__", None)
+        if file and file.endswith(".py"):
+            files.append(Path(file))
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(str(file.name).encode() + file.read_bytes())
+    versions = [FORMAT, platform.python_version(), torch.__version__, _version("transformers")]
+    identity = json.dumps([type(provider).__qualname__, provider.identity(), versions], sort_keys=True, default=str)
+    return digest.digest() + identity.encode()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
