@@ -236,8 +236,8 @@ def test_the_fsdp_floor_counts_the_gathers_each_schedule_runs():
 
 def test_a_model_with_experts_gets_floors_below_its_estimates():
     """Experts route every token evenly in the floors' counts as in the probe, so a model with experts gets every
-    floor: compute, FSDP (the weights it gathers whole: experts are sharded over ep too), TP, CP and activations,
-    each at most what its layout's estimate gives, under expert, tensor, context and pipeline parallelism."""
+    floor: compute, FSDP (the weights it gathers whole: experts are sharded over ep too), TP, CP, EP's all-to-alls
+    and activations, each at most what its layout's estimate gives, under expert, tensor, context and pipeline parallelism."""
     from shardlab.estimate.floors import Floors
     from shardlab.estimate.roofline import DP_AXES, collective_seconds, device
     from shardlab.estimate.shared import estimate_shared
@@ -259,7 +259,7 @@ def test_a_model_with_experts_gets_floors_below_its_estimates():
     for layout in layouts:
         run = layout.config(c).resolve(16)
         e = estimate_shared(run, plan_model(run)[1], None, dev, provider, probes)
-        seconds = {axis: 0.0 for axis in ("tp", *DP_AXES)}
+        seconds = {axis: 0.0 for axis in ("tp", "ep", *DP_AXES)}
         for x in e.collectives:
             seconds[x.axis] = seconds.get(x.axis, 0.0) + collective_seconds(x, run.mesh, dev)
         assert 0 < floors.time(c, layout, dev) <= e.time.step_s, layout.describe()
@@ -267,6 +267,7 @@ def test_a_model_with_experts_gets_floors_below_its_estimates():
         assert 0 < floors.fsdp_seconds(c, layout, dev) <= sum(seconds[a] for a in DP_AXES), layout.describe()
         if layout.mesh.tp > 1:
             assert 0 < floors.tp_seconds(c, layout, dev) <= seconds["tp"], layout.describe()
+        assert 0 < floors.ep_seconds(c, layout, dev) <= seconds["ep"], layout.describe()
 
 
 def test_a_sibling_checkpointing_more_or_with_fewer_rows_never_needs_more_memory():

@@ -30,11 +30,14 @@ That holds only if each floor is at most what the estimate gives, term by term:
   sequence of the rank's rows and kv heads, 1 / tp of them, in param_dtype) and reduce-scatters their gradients in
   the backward; a recomputed block gathers them again. On the critical path, as the roofline puts every collective
   but the data-parallel ones.
+- EP, for shardlab's MoE laid out by its own rules: each block's experts get their tokens' rows (top_k of each, fewer
+  under a capacity) by an all-to-all over ep and send them back by another, in the forward, again in a recomputed
+  block, and in the backward; every tp rank routes all of its group's tokens. On the critical path, as CP's.
 - FSDP: the rank's block weights gathered in param_dtype and their gradients reduce-scattered in reduce_dtype, over
   dp_shard x cp at that group's bandwidth, as often as the estimate runs them (`Floors.fsdp_runs`: with a pipeline
   and resharding after forward, once per micro batch and once more, whatever the schedule).
-  The step is at least the larger of compute and FSDP (the roofline overlaps them) plus TP, stretched by the
-  pipeline's bubble as `roofline.step_time` stretches it; CP's and EP's collectives, pipeline sends and the
+  The step is at least the larger of compute and FSDP (the roofline overlaps them) plus TP's, CP's and EP's
+  collectives, stretched by the pipeline's bubble as `roofline.step_time` stretches it; pipeline sends and the
   optimizer only add.
 - memory: parameters, gradients and two AdamW moments, split at most dp_shard x cp x tp x pp ways, and under a
   pipeline with FSDP the held blocks' unsharded weights and gradients (`fsdp_buffer_bytes`). Plus the activations
@@ -49,7 +52,7 @@ That holds only if each floor is at most what the estimate gives, term by term:
 A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Experts route
 every token evenly there, as in the probe (shardlab's MoE: `MoE.balanced`), so each rank computes its tokens' share
 of their work wherever ep puts them; FSDP's floor counts the weights it gathers whole, not the experts' (sharded
-over ep too), and expert parallelism's all-to-alls only add. A model whose experts route by data (transformers'
+over ep too). A model whose experts route by data (transformers'
 MoE layers) cannot run on meta tensors and gets no compute, FSDP or activation floor. A recipe's own rules may
 checkpoint other modules than the model's blocks: what op-level and full checkpointing keep or recompute is then
 not counted.
@@ -127,6 +130,9 @@ class Floors(Frozen):
     """The device's best memory bandwidth (bytes/s) for ops without FLOPs (0: no such floor)."""
     kv_dim: int = 0
     """The width of K (and of V) that cp gathers per block and token (0: no CP floor)."""
+    expert_rows: float = 0.0
+    """Rows of the residual stream each token sends to its experts and back per block (top_k, fewer under a
+    capacity; 0: no EP floor)."""
 
     @classmethod
     def of(cls, cfg: Config, provider: ModelProvider, model: torch.nn.Module, dev: Device, own_rules: bool) -> Floors:
@@ -143,7 +149,10 @@ class Floors(Frozen):
         block = counted[key]
         llama = isinstance(provider, LlamaProvider) and block is not None and not own_rules
         kv_dim = provider.cfg.n_kv_heads * provider.cfg.head_dim if llama else 0
-        return cls(block=block, tp_dim=provider.dim if llama else 0, kv_dim=kv_dim, param_bytes=param_bytes,
+        moe = provider.moe if llama else None
+        expert_rows = moe.top_k * min(1.0, moe.capacity_factor or 1.0) if moe is not None else 0.0
+        return cls(block=block, tp_dim=provider.dim if llama else 0, kv_dim=kv_dim, expert_rows=expert_rows,
+                   param_bytes=param_bytes,
                    n_layers=provider.n_layers, rate=dev.bf16_tflops * 1e12 * best,
                    bandwidth=dev.hbm_tb_s * 1e12 * best_memory)  # fmt: skip
 
@@ -186,6 +195,8 @@ class Floors(Frozen):
             busy += self.tp_seconds(cfg, layout, dev)
         if m.cp > 1 and self.kv_dim:
             busy += self.cp_seconds(cfg, layout, dev)
+        if m.ep > 1 and self.expert_rows:
+            busy += self.ep_seconds(cfg, layout, dev)
         return busy
 
     def fsdp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
@@ -278,6 +289,17 @@ class Floors(Frozen):
         per_byte = (m.cp - 1) / m.cp / axis_bandwidth(m, "cp", dev)  # a ring moves (n - 1) / n of the buffer
         gathers = 2 * (blocks + recomputed) * kv * per_byte / speed.get("all_gather", 1.0)
         return gathers + 2 * blocks * kv * per_byte / speed.get("reduce_scatter", 1.0)
+
+    def ep_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
+        """Seconds per step expert parallelism's all-to-alls take at least: each MoE block sends its tokens' rows
+        to their experts and back, in the forward (again where recomputed) and the backward; every tp rank routes
+        all of its group's tokens (the MoE layer takes whole tensors)."""
+        m = layout.mesh
+        blocks, recomputed = self._held_blocks(m.pp), self._recomputed(cfg, layout)
+        tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
+        rows = tokens * self.expert_rows * self.tp_dim * DTYPE_BYTES[cfg.plan.param_dtype]
+        per_byte = (m.ep - 1) / m.ep / axis_bandwidth(m, "ep", dev) / dict(dev.collective_speed).get("all_to_all", 1.0)
+        return (4 * blocks + 2 * recomputed) * rows * per_byte
 
     def memory(self, cfg: Config, layout: Layout) -> int:
         """Bytes at the peak of `layout` (the estimate's) at least: what its plan fixes (state and FSDP buffers,
