@@ -60,6 +60,8 @@ NO_TRAFFIC = {
     aten.resize_, aten.set_, aten.lift_fresh, aten._local_scalar_dense,
 }  # fmt: skip
 """Ops that allocate or relabel memory without reading or writing it (with views and prim/profiler ops)."""
+DEVICE = torch.ops.prim.device.default
+"""A tensor's `.device` under a mode that fakes it: asked at every turn by models, FSDP and DTensor."""
 WAITS = {ns.wait_tensor for ns in funcol if hasattr(ns, "wait_tensor")}
 """Ops that wait for a functional collective's result and return it: an op to dispatch, no bytes to move."""
 CPU_ATTENTION = {
@@ -132,6 +134,11 @@ class Recorder(CommDebugMode):
         TorchDispatchMode.__exit__(self, *args)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if DTensor in types:  # DTensor desugars it into local ops and collectives, which come back here
+            forget_dtensor_dispatch()
+            return NotImplemented
+        if func is DEVICE:  # half of what a probe dispatches; nothing to count
+            return func(*args, **(kwargs or {}))
         if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
             # torch's shape function for grouped matmuls (transformers' stacked experts) accepts bf16 only, though
             # the CPU kernel runs any float: the shapes are the same, so infer them in bf16
