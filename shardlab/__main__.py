@@ -26,7 +26,8 @@ USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world
   search      every layout of the recipe's model and batch on N ranks (mesh, checkpointing, micro batches, pipeline
               schedule, resharding; a --mesh.AXIS override pins that axis), those that fit --memory (default: the
               device's) ranked by estimated step time; --top K rows (5), --json for scripts, --out FILE writes the
-              winner as a recipe
+              winner as a recipe; probes are kept in SHARDLAB_CACHE/probes (~/.cache/shardlab/probes) for later
+              searches of the model
   export      write the newest checkpoint of RUN_DIR (or a step directory) as Hugging Face safetensors; a
               recipe's own model needs its recipe (--recipe), which names the transformers class (HFExport)
   --world N   world size for the mesh's -1 axis (default: the launcher's WORLD_SIZE, else the fixed axes' product)

@@ -30,7 +30,12 @@ def run_forked(calls: Sequence[Callable[[], T]]) -> list[T]:
     try:
         first = calls[0]()
     finally:
-        done = [_result(*child) for child in children]
+        answers = [_answer(*child) for child in children]  # every child waited for, whatever happened here
+    done = []
+    for ok, value in answers:
+        if not ok:
+            raise value
+        done.append(value)
     return [first, *done, *(call() for call in calls[1 + spare :])]
 
 
@@ -52,16 +57,14 @@ def _fork(call: Callable[[], T]) -> tuple[int, int]:
     return pid, read
 
 
-def _result(pid: int, read: int) -> T:
+def _answer(pid: int, read: int) -> tuple[bool, object]:
+    """(True, what the child's call returned) or (False, the error it raised), once the child has exited."""
     with os.fdopen(read, "rb") as pipe:
         sent = pipe.read()
     _, status = os.waitpid(pid, 0)
     if not sent:
-        raise RuntimeError(f"a forked probe died before it answered (wait status {status})")
-    ok, value = pickle.loads(sent)
-    if not ok:
-        raise value
-    return value
+        return False, RuntimeError(f"a forked child died before it answered (wait status {status})")
+    return pickle.loads(sent)
 
 
 def _sendable(err: BaseException) -> BaseException:

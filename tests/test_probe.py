@@ -2,6 +2,7 @@
 estimate and roofline that hang together. Real ranks check it in tests/worlds/test_probe.py."""
 
 import math
+import os
 
 import msgspec
 import pytest
@@ -172,10 +173,13 @@ def test_waiting_for_a_collective_moves_no_bytes():
 def test_calls_run_side_by_side_in_forked_children_as_they_would_in_order():
     """A probe's model sizes run in forked children (`run_forked`): the results come back in order, and an error in
     a child is raised here with its type and message."""
-    from shardlab._forked import run_forked
+    from shardlab._forked import cores, run_forked
 
     assert run_forked([lambda i=i: [i] * i for i in range(4)]) == [[], [1], [2, 2], [3, 3, 3]]
     with pytest.raises(ZeroDivisionError, match="division by zero"):
         run_forked([lambda: 1, lambda: 1 / 0])
+    if cores() > 1:  # a child that dies without answering (in order, os._exit would end the test process)
+        with pytest.raises(RuntimeError, match="died before it answered"):
+            run_forked([lambda: 1, lambda: os._exit(3)])
     c = cfg(MeshSpec(dp_shard=2)).resolve(2)
     assert probe(c) == probe(c)  # one size in this process, the other in a child, twice
