@@ -244,17 +244,17 @@ def test_a_model_with_experts_gets_floors_below_its_estimates():
     from shardlab.loop import plan_model
     from shardlab.models.provider import LlamaProvider
 
-    moe = msgspec.structs.replace(WIDE, n_layers=4, ffn_dim=4096, moe=MoEConfig(n_experts=8, expert_ffn_dim=4096))
+    moe = msgspec.structs.replace(WIDE, n_layers=4, ffn_dim=4096, moe=MoEConfig(n_experts=4, expert_ffn_dim=4096))
     c = cfg(moe, global_batch=16, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
     dev, provider, probes = device("h100"), LlamaProvider(moe), {}
     floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
     block = provider.meta_model().model.layers[0]
     assert floors.block is not None and 0 < floors.block.params < sum(p.numel() for p in block.parameters()) / 2
     layouts = [
-        Layout(mesh=MeshSpec(dp_shard=16, ep=8), activation_checkpoint="none", micro_batches=1),
+        Layout(mesh=MeshSpec(dp_shard=16, ep=4), activation_checkpoint="none", micro_batches=1),
         Layout(mesh=MeshSpec(dp_shard=8, tp=2, ep=4), activation_checkpoint="full", micro_batches=1),
-        Layout(mesh=MeshSpec(dp_shard=4, cp=2, tp=2, ep=8), activation_checkpoint="selective", micro_batches=2),
-        Layout(mesh=MeshSpec(pp=2, dp_shard=8, ep=8), activation_checkpoint="full", micro_batches=2, pp_schedule="1f1b"),
+        Layout(mesh=MeshSpec(dp_shard=4, cp=2, tp=2, ep=4), activation_checkpoint="selective", micro_batches=2),
+        Layout(mesh=MeshSpec(pp=2, dp_shard=8, ep=4), activation_checkpoint="full", micro_batches=2, pp_schedule="1f1b"),
     ]  # fmt: skip
     for layout in layouts:
         run = layout.config(c).resolve(16)
