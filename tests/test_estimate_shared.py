@@ -134,6 +134,6 @@ def test_a_rank_of_several_stages_is_the_sum_of_stages_probed_elsewhere():
     cfg = layout.config(base).resolve(4)
     provider, measured = provider_for(cfg), {}
     for rank in (0, 1):  # the first and the last stage on rank 0, two middle ones on rank 1
-        put_together = _measurement(cfg, rank, None, provider, measured, plan_model(cfg)[1]).at(regather=False)
+        put_together = _measurement(cfg, rank, None, provider, measured, plan_model(cfg)[1], None).at(regather=False)
         assert put_together == measure(cfg, pp_rank=rank, provider=provider).at(), rank
     assert sum(len(shape.probed) for shape in measured.values()) == 2  # the two ranks of the base

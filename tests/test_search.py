@@ -369,7 +369,8 @@ def test_the_siblings_a_layout_is_dropped_for_are_layouts_of_the_search():
 
 def test_a_second_search_reads_its_probes_from_the_store(tmp_path):
     """Probes kept on disk (`ProbeStore`) answer a later search of the same model: the same ranking, no probe of its
-    own. A damaged entry is measured again, and another model's probes are not read."""
+    own. A damaged entry is measured again, another model's probes are not read, and a store that cannot be written
+    keeps nothing."""
     from shardlab.estimate.probe_store import ProbeStore
     from shardlab.estimate.roofline import device
     from shardlab.estimate.search import search
@@ -394,3 +395,8 @@ def test_a_second_search_reads_its_probes_from_the_store(tmp_path):
     assert mended.probes == 1 and mended.stored == first.probes - 1 and mended.best == first.best
     other = LlamaProvider(msgspec.structs.replace(c.model, ffn_dim=256))
     assert ProbeStore(other, tmp_path).model != ProbeStore(provider, tmp_path).model
+    blocked = tmp_path / "file"  # a store under a file cannot be written: the search goes on without it
+    blocked.write_text("")
+    store = ProbeStore(provider, blocked / "probes")
+    alone = search(c, 4, provider, lambda _: None, dev, 2**30, fixed={"pp": 1, "cp": 1}, top=2, store=store)
+    assert alone.best == first.best and store.written == 0

@@ -5,7 +5,8 @@ A measurement (`probe.Measurement`) depends on the probed config and pp rank, th
 that ran it, so the key hashes them all: the config, the rank and the rules as data; the model's identity; the
 source of shardlab, of every module the model's classes and its provider come from (a user's model files), and
 the versions of Python, torch and transformers. Entries are written whole (`write_whole`), and one that cannot be
-read is measured again. They live in SHARDLAB_CACHE/probes (else ~/.cache/shardlab/probes); delete it at will.
+read is measured again; where the directory cannot be written, nothing is kept. They live in SHARDLAB_CACHE/probes
+(else ~/.cache/shardlab/probes); delete it at will.
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ class ProbeStore:
             found = Measurement(runs, n, k, v, stages)
         except UNREADABLE:
             found = measure()
-            write_whole(path, zlib.compress(pickle.dumps((found.runs, found.n, found.k, found.v, found.stages))))
-            self.written += 1
+            try:
+                write_whole(path, zlib.compress(pickle.dumps((found.runs, found.n, found.k, found.v, found.stages))))
+                self.written += 1
+            except OSError:  # a store that cannot be written (read-only, full) keeps nothing; the search goes on
+                pass
         else:
             self.read += 1
         return found
