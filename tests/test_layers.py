@@ -52,7 +52,7 @@ LAYERS = [
     {"evaluate"},
     {"estimate.recorder"},
     {"estimate.probe"},
-    {"estimate.kernels", "estimate.roofline", "estimate.cpu", "estimate.floors", "estimate.probe_store"},
+    {"estimate.kernels", "estimate.roofline", "estimate.cpu", "estimate.floors", "estimate.probe_store", "estimate.block_counts"},
     {"estimate", "estimate.shared", "estimate.search", "checkpoint"},
     {"loop", "recipe", "estimate.search_report"},
     {"__main__", "__init__"},

@@ -1,0 +1,187 @@
+"""A model's block counted on meta and fake tensors, per token: its matmul FLOPs, the bytes its ops without FLOPs move,
+what its forward leaves alive under each checkpointing mode, and the parameters FSDP gathers whole (`Block`).
+
+The floors (`shardlab.estimate.floors`) are arithmetic on these numbers. Each is the difference of models of 2 and
+1 blocks (and of 2 and 1 rows where it grows with the rows), so what the rest of the model holds drops out. A model
+that cannot run on meta or fake tensors (`CANNOT_RUN`) leaves that number 0: a floor stays a lower bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from shardlab._base import Frozen
+from shardlab.apply import apply
+from shardlab.config import PlanConfig
+from shardlab.estimate._fake import fake_tensors
+from shardlab.estimate.recorder import Recorder, param_storages
+from shardlab.mesh import MeshSpec
+from shardlab.models.provider import LlamaProvider, ModelProvider
+from shardlab.plan import make_plan
+from shardlab.routers import moe_layers
+from shardlab.step import forward_backward
+
+MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm)
+"""The ops counted: every projection of a block runs as one of them (attention's and experts' batched ones don't)."""
+CANNOT_RUN = (RuntimeError, NotImplementedError)
+"""What a model raises where it cannot run on meta or fake tensors (an op without a meta kernel, data-dependent
+control flow; fake tensors' own errors are RuntimeErrors): that floor term is then 0, still a lower bound. Any other
+error is a bug in the model or here, and is raised."""
+
+
+class Block(Frozen):
+    """One block of the model, per token of one sequence."""
+
+    train_flops: float
+    """Matmul FLOPs of its forward and backward (attention's batched matmuls not included)."""
+    forward_flops: float
+    attention_flops: float
+    """What the probe counts at least for its attention, forward and backward (0: not counted)."""
+    attention_forward_flops: float
+    params: int
+    """Its parameters that FSDP gathers whole (numel): all but experts."""
+    memory_bytes: float = 0.0
+    """Bytes its ops without FLOPs read and write per token, forward and backward, in param_dtype on one rank."""
+    memory_forward_bytes: float = 0.0
+    kept: tuple[tuple[str, float], ...] = ()
+    """Bytes its forward leaves alive per token, in param_dtype on one rank, per checkpointing mode counted ("none",
+    and "op" and "full" where the model's blocks are the ones checkpointed); a mode not counted keeps 0 at least."""
+    head_flops: float = 0.0
+    """Matmul FLOPs per token outside the blocks (the output layer), forward and backward."""
+    op_recompute_flops: float = 0.0
+    """Matmul FLOPs per token op-level checkpointing recomputes in its backward (every other of its matmuls)."""
+    head_memory_bytes: float = 0.0
+    """Bytes the ops without FLOPs outside the blocks (final norm, output, loss) move per token, forward and
+    backward, in param_dtype on one rank."""
+
+
+def count_block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_rules: bool) -> Block | None:
+    """One block's numbers: meta models of 2 and 1 blocks, one sequence each, counted by torch's FlopCounterMode;
+    its memory-bound ops and what its forward keeps alive, per row (`_per_row`). own_rules: the recipe's rules may
+    checkpoint other modules than the model's blocks (only what no checkpointing keeps is counted)."""
+    try:
+        one, two = (_count(provider.with_layers(n), seq_len, options) for n in (1, 2))
+    except CANNOT_RUN:  # no compute floor
+        return None
+    per_token = [(b - a) / seq_len for a, b in zip(one, two, strict=True)]
+    head_flops = one[0] / seq_len - per_token[0]
+    op_recompute = 0.0
+    if not own_rules:
+        try:
+            one_op, two_op = (_count(provider.with_layers(n), seq_len, options, "op") for n in (1, 2))
+            op_recompute = max((two_op[0] - one_op[0]) / seq_len - per_token[0], 0.0)
+        except CANNOT_RUN:  # no op recompute counted
+            pass
+    llama = isinstance(provider, LlamaProvider)  # attention as the probe counts it (see the module docstring)
+    attention, attention_forward = (7 / 12, 1 / 2) if llama else (0.0, 0.0)
+    memory, head, kept = (0.0, 0.0), 0.0, []
+    try:
+        (*memory, alive), (head, _, _) = _per_row(lambda p, rows: _memory_bytes(p, seq_len, rows, options), provider)
+        kept.append(("none", alive / seq_len))
+        for ac in () if own_rules else ("op", "full"):
+            (alive,), _ = _per_row(lambda p, rows: _kept_bytes(p, seq_len, rows, options, ac), provider)  # noqa: B023
+            kept.append((ac, alive / seq_len))
+    except CANNOT_RUN:  # no memory floor, or none for the modes not counted
+        pass
+    return Block(train_flops=per_token[0], forward_flops=per_token[1], attention_flops=attention * per_token[2],
+                 attention_forward_flops=attention_forward * per_token[3], params=round(per_token[4] * seq_len),
+                 memory_bytes=memory[0] / seq_len, memory_forward_bytes=memory[1] / seq_len,
+                 kept=tuple(kept), head_flops=max(head_flops, 0.0), head_memory_bytes=head / seq_len,
+                 op_recompute_flops=op_recompute)  # fmt: skip
+
+
+def _model(provider: ModelProvider, options: PlanConfig, ac: str | None = None) -> torch.nn.Module:
+    """A new model of `provider` on meta in options.param_dtype (as FSDP's mixed precision computes), its experts
+    routing every token evenly as the probe's do (`MoE.balanced`: meta and fake tensors hold no scores to route
+    by), its blocks checkpointed as `ac` says (`apply` on one process: checkpointing alone; None: not)."""
+    with torch.device("meta"):
+        model = provider.build().to(getattr(torch, options.param_dtype))
+    for layer in moe_layers(model):
+        layer.balanced = True
+    if ac is not None:
+        one = _single(options, ac)
+        apply(model, make_plan(model, MeshSpec(dp_shard=1), provider.rules(one), one))
+    return model
+
+
+def _dense_params(model: torch.nn.Module) -> int:
+    """Parameters FSDP shards over dp_shard x cp and gathers whole: all but experts (sharded over ep too, and
+    gathered over dp_shard_mod_ep alone)."""
+    experts = {id(p) for layer in moe_layers(model) for p in layer.experts.parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in experts)
+
+
+def _count(
+    provider: ModelProvider, seq_len: int, options: PlanConfig, ac: str | None = None
+) -> tuple[int, int, int, int, int]:
+    """Matmul FLOPs forward + backward and forward, batched (attention's) ones the same, and the parameters FSDP
+    gathers whole (`_dense_params`) of `provider`'s model on one sequence (ac: its blocks checkpointed so)."""
+    model = _model(provider, options, ac)
+    sample = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    forward, train = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    with forward:
+        provider.forward(model, sample)
+    with train:
+        provider.forward(model, sample).float().sum().backward()
+    counts = [c.get_flop_counts()["Global"] for c in (train, forward)]
+    matmuls = [sum(c.get(op, 0) for op in MATMULS) for c in counts]
+    batched = [c.get(torch.ops.aten.bmm, 0) for c in counts]
+    return matmuls[0], matmuls[1], batched[0], batched[1], _dense_params(model)
+
+
+def _per_row(
+    count: Callable[[ModelProvider, int], tuple[int, ...]], provider: ModelProvider
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """What one block adds to `count`'s numbers for each row of a micro batch, and what the rest of the model adds:
+    fake CPU models of 1 and 2 blocks on 1 and 2 rows, so what does not grow with the rows (rotary tables, masks,
+    the embedding's gradient) drops out; negative parts (none expected) count as 0."""
+    c = {(n, rows): count(provider.with_layers(n), rows) for n in (1, 2) for rows in (1, 2)}
+    block = [c[2, 2][i] - c[1, 2][i] - c[2, 1][i] + c[1, 1][i] for i in range(len(c[1, 1]))]
+    rest = [c[1, 2][i] - c[1, 1][i] - block[i] for i in range(len(c[1, 1]))]
+    return tuple(max(x, 0.0) for x in block), tuple(max(x, 0.0) for x in rest)
+
+
+def _memory_bytes(provider: ModelProvider, seq_len: int, rows: int, options: PlanConfig) -> tuple[int, int, int]:
+    """Bytes read and written by the ops without FLOPs of one training micro batch of `provider`'s model on `rows`
+    sequences (`step.forward_backward`), and by its forward, on fake CPU tensors (the kernels the probe sees: CPU's
+    fused attention) with the parameters in param_dtype; and the bytes its forward leaves alive."""
+    model = _model(provider, options)
+    recorder, forward = Recorder({}), {}
+
+    def after_forward() -> None:
+        forward.update(moved=_moved(recorder), alive=recorder.live_bytes(param_storages(model)))
+
+    with fake_tensors():
+        model.to_empty(device="cpu")
+        tokens = torch.zeros(rows, seq_len, dtype=torch.long)
+        with recorder:
+            forward_backward(model, tokens, tokens, 1.0, False, after_forward, forward=provider.forward)
+    return _moved(recorder), forward["moved"], forward["alive"]
+
+
+def _kept_bytes(provider: ModelProvider, seq_len: int, rows: int, options: PlanConfig, ac: str) -> tuple[int]:
+    """Bytes the forward of `provider`'s model on `rows` sequences leaves alive on fake CPU tensors with the
+    parameters in param_dtype, its blocks checkpointed as `ac` says (`apply` on one process: checkpointing alone)."""
+    model = _model(provider, options, ac)
+    recorder = Recorder({})
+    with fake_tensors():
+        model.to_empty(device="cpu")
+        with recorder:
+            out = provider.forward(model, torch.zeros(rows, seq_len, dtype=torch.long))  # holds what backward needs
+            alive = recorder.live_bytes(param_storages(model))
+    del out
+    return (alive,)
+
+
+def _moved(recorder: Recorder) -> int:
+    return sum(moved * count for (flops, moved, _), count in recorder.ops.items() if not flops)
+
+
+def _single(options: PlanConfig, ac: str) -> PlanConfig:
+    """`options` for one process in fp32 checkpointing as `ac` says: what `apply` then does is checkpointing alone."""
+    return msgspec.structs.replace(options, activation_checkpoint=ac, param_dtype="float32", reduce_dtype="float32",
+                                   compile=False, cpu_offload=False)  # fmt: skip
