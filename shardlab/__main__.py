@@ -16,7 +16,7 @@ USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world
        python -m shardlab plan RECIPE [--section.field VALUE ...] [--world N]
        python -m shardlab estimate RECIPE [--section.field VALUE ...] [--world N] [--device h100|h200|a100|b200]
        python -m shardlab search RECIPE --world N [--device D] [--memory GiB] [--top K] [--out FILE] [--json]
-                                [--section.field VALUE ...]
+                                [--budget SECONDS] [--section.field VALUE ...]
        python -m shardlab export RUN_DIR --to-hf OUT [--recipe RECIPE]
 
   RECIPE      a Python file defining `config = shardlab.Config(...)` (see recipes/)
@@ -27,7 +27,8 @@ USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world
               schedule, resharding; a --mesh.AXIS override pins that axis), those that fit --memory (default: the
               device's) ranked by estimated step time; --top K rows (5), --json for scripts, --out FILE writes the
               winner as a recipe; probes are kept in SHARDLAB_CACHE/probes (~/.cache/shardlab/probes) for later
-              searches of the model
+              searches of the model; --budget S stops it after S seconds once a layout fits (600; 0: no limit)
+              and says how far from the fastest the pick may be
   export      write the newest checkpoint of RUN_DIR (or a step directory) as Hugging Face safetensors; a
               recipe's own model needs its recipe (--recipe), which names the transformers class (HFExport)
   --world N   world size for the mesh's -1 axis (default: the launcher's WORLD_SIZE, else the fixed axes' product)
@@ -182,9 +183,13 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
     return code
 
 
+SEARCH_BUDGET = 600.0
+"""Seconds a search takes at most by default, once a layout fits (`--budget`)."""
+
+
 def _pop_search_flags(args: list[str]) -> dict:
-    """search's own flags: --memory GiB, --top K, --out FILE, --json."""
-    memory, top, out = (_pop_flag(args, f) for f in ("--memory", "--top", "--out"))
+    """search's own flags: --memory GiB, --top K, --out FILE, --json, --budget SECONDS."""
+    memory, top, out, budget = (_pop_flag(args, f) for f in ("--memory", "--top", "--out", "--budget"))
     as_json = "--json" in args
     if as_json:
         args.remove("--json")
@@ -198,7 +203,14 @@ def _pop_search_flags(args: list[str]) -> dict:
         raise ValueError(f"--top {top!r}: expected how many layouts to show, an integer >= 1")
     if out == "":
         raise ValueError("--out: expected the path of the recipe file to write")
-    return {"memory": gib, "top": 5 if top is None else int(top), "out": out, "json": as_json}
+    try:
+        seconds = SEARCH_BUDGET if budget is None else float(budget)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or math.isinf(seconds):
+        raise ValueError(f"--budget {budget!r}: expected seconds the search may take, a number >= 0 (0: no limit)")
+    return {"memory": gib, "top": 5 if top is None else int(top), "out": out, "json": as_json,
+            "budget": seconds or None}  # fmt: skip
 
 
 def _pinned_axes(overrides: list[str], cfg) -> dict[str, int]:
@@ -227,7 +239,8 @@ def _search(cfg, recipe, world: int | None, device_name: str | None, flags: dict
     memory = round((flags["memory"] or dev.memory_gib) * 2**30)
     provider = provider_for(cfg, recipe.model(cfg))
     store = ProbeStore(provider)  # probes an earlier search of this model measured are read, not run again
-    found = search(cfg, world, provider, recipe.rules, dev, memory, fixed=pinned, top=flags["top"], store=store)
+    found = search(cfg, world, provider, recipe.rules, dev, memory, fixed=pinned, top=flags["top"], store=store,
+                   budget=flags["budget"])  # fmt: skip
     print(search_json(found).decode() if flags["json"] else search_table(found, dev, memory))
     if flags["out"]:
         best = found.best[0]

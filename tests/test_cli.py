@@ -68,6 +68,7 @@ def error_of(args, capsys) -> str:
         ),
         (["search", "recipes/llama_debug.py", "--world", "4", "--top", "0"], r"--top '0': expected how many"),
         (["search", "recipes/llama_debug.py", "--world", "4", "--memory", "x"], r"--memory 'x': expected GiB per rank"),
+        (["search", "recipes/llama_debug.py", "--world", "4", "--budget", "-1"], r"--budget '-1': expected seconds"),
     ],
 )
 def test_bad_input_is_one_line_before_launch(args, message, capsys, monkeypatch):
@@ -381,3 +382,6 @@ def test_search_ranks_the_layouts_that_fit_and_writes_the_winner(tmp_path, capsy
     assert written.mesh.dp_shard == best["mesh"]["dp_shard"] and written.mesh.tp == best["mesh"]["tp"]
     assert written.plan.activation_checkpoint == best["activation_checkpoint"]
     assert (written.model.dim, written.train.global_batch) == (64, 8)
+    assert main([*args, "--budget", "1e-9"]) == 0  # stopped once a layout fits: the table says how far that leaves
+    stopped = capsys.readouterr().out.splitlines()[-1]
+    assert re.match(r"Stopped at the budget after \d+ s: \d+ layouts not looked at, each at least .* s per step", stopped)

@@ -172,7 +172,8 @@ WIDE = ModelConfig(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_dim=14336
 def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_estimates():
     """FSDP over 16 ranks spans two nodes: a layout's floor grows with its micro batches' gathers, so once the top 2
     fit, the rest are not looked at. At 4.5 GiB per rank memory decides too, and layouts are dropped where a sibling
-    needing less did not fit. Every floor is at most its layout's estimate, which is what makes the ranking exact."""
+    needing less did not fit. Every floor is at most its layout's estimate, which is what makes the ranking exact, and
+what bounds how far from the fastest a search stopped by its budget leaves its pick."""
     from shardlab.estimate.floors import Floors
     from shardlab.estimate.roofline import device
     from shardlab.estimate.search import search
@@ -187,6 +188,11 @@ def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_
                                     prune=prune, probes=probes)  # fmt: skip
     pruned, every = run(True, 2), run(False, 100)
     assert pruned.pruned > 0 and pruned.estimated < every.estimated and every.pruned == 0 and every.too_big > 0
+    assert pruned.unsearched == 0 and pruned.floor_left is None and pruned.pick_within == 1.0
+    early = search(c, 16, provider, lambda _: None, dev, 9 * 2**29, fixed=fixed, top=2, probes=probes, budget=0.0)
+    assert len(early.best) == 1 and early.unsearched > 0 and early.estimated < pruned.estimated  # one fit, then stop
+    assert early.best[0].step_s <= early.pick_within * every.best[0].step_s  # how far the pick may be, truly
+    assert early.floor_left <= every.best[0].step_s or early.best[0] == every.best[0]
     assert [(b.layout, b.step_s, b.peak) for b in pruned.best] == [(b.layout, b.step_s, b.peak) for b in every.best[:2]]
     floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
     for b in every.best:
@@ -378,10 +384,11 @@ def test_a_second_search_reads_its_probes_from_the_store(tmp_path):
 
     c = cfg(global_batch=8)
     dev = device("h100")
+    flat = {"pp": 1, "cp": 1, "dp_replicate": 1}  # FSDP or TP on 2 ranks: a few probes
 
     def run(provider):
         store = ProbeStore(provider, tmp_path)
-        return search(c, 4, provider, lambda _: None, dev, 2**30, fixed={"pp": 1, "cp": 1}, top=2, store=store)
+        return search(c, 2, provider, lambda _: None, dev, 2**30, fixed=flat, top=2, store=store)
 
     provider = LlamaProvider(c.model)
     first = run(provider)
@@ -398,5 +405,5 @@ def test_a_second_search_reads_its_probes_from_the_store(tmp_path):
     blocked = tmp_path / "file"  # a store under a file cannot be written: the search goes on without it
     blocked.write_text("")
     store = ProbeStore(provider, blocked / "probes")
-    alone = search(c, 4, provider, lambda _: None, dev, 2**30, fixed={"pp": 1, "cp": 1}, top=2, store=store)
+    alone = search(c, 2, provider, lambda _: None, dev, 2**30, fixed=flat, top=2, store=store)
     assert alone.best == first.best and store.written == 0

@@ -17,6 +17,10 @@ fewer micro batches and less recomputation never make a step slower in the estim
 larger kernels, fewer FSDP gathers; recomputation only adds work), nor does keeping the weights gathered between
 forward and backward (reshard_after_forward=False: fewer gathers), so once a layout fits, the ones it beats that way
 are not estimated: they cannot win, and they are not shown.
+
+A budget of seconds stops the search early, once a layout fits: the layouts not looked at are then each at least
+as slow as the lowest floor among them (`Search.floor_left`), which bounds how far the pick can be from the
+fastest (`Search.pick_within`). A search run again reads its probes from the store and goes further in the same time.
 """
 
 from __future__ import annotations
@@ -80,10 +84,20 @@ class Search(Frozen):
     enter the top K even at the lower bound on their step time that leaves it out)."""
     pruned: int
     """Not looked at: their floor (`shardlab.estimate.floors`) is above the `top`-th fastest layout that fits."""
+    unsearched: int
+    """Not looked at because the budget ran out (0: the ranking is the exhaustive search's)."""
+    floor_left: float | None
+    """The lowest floor among the `unsearched` layouts (seconds per step; None where none): none is faster."""
     probes: int
     stored: int
     """Probes read from the store (`ProbeStore`: an earlier search's), not run."""
     seconds: float
+
+    @property
+    def pick_within(self) -> float:
+        """How many times slower than the fastest layout the pick may be: 1.0 where the search was exhaustive or
+        the pick is faster than every floor it left."""
+        return 1.0 if self.floor_left is None else max(1.0, self.best[0].step_s / self.floor_left)
 
 
 def _candidate(layout: Layout, e: Estimate, cfg: Config, dev: Device) -> Candidate:
@@ -118,12 +132,14 @@ def search(
     prune: bool = True,
     probes: dict[bytes, Shape] | None = None,
     store: ProbeStore | None = None,
+    budget: float | None = None,
 ) -> Search:
     """The `top` fastest layouts of `cfg`'s model and batch on `world` ranks of `dev` within `memory` bytes per rank.
 
     fixed: mesh axes the user pinned (axis -> size); rules_of: the recipe's rules for a config (None: the model's);
     prune=False looks at every layout its floor would skip (the ranking is the same); probes: a cache of the twins'
-    probes that searches of one model and rules share; store: where probes are kept between searches (`ProbeStore`).
+    probes that searches of one model and rules share; store: where probes are kept between searches (`ProbeStore`);
+    budget: seconds after which the search stops, once a layout fits (None: it looks at every layout it must).
     A request nothing satisfies is a ValueError of one line saying what was tried and what came closest.
     """
     start = time.perf_counter()
@@ -179,7 +195,8 @@ def search(
     too_large: dict[tuple, list[Layout]] = {}  # per mesh and schedule: every estimated layout that did not fit
     fits: list[tuple[float, int, Candidate]] = []
     kth: list[float] = []  # the `top` fastest step times so far, negated (a heap: the K-th fastest first)
-    over = too_big = pruned = 0
+    over = too_big = pruned = unsearched = 0
+    floor_left = None
     closest: Candidate | None = None
     closest_state: tuple[int, Layout] | None = None
 
@@ -239,6 +256,9 @@ def search(
         if prune and len(kth) == top and time_floor[i] > -kth[0]:
             pruned = len(order) - n  # the rest are at least as slow as their floors: none enters the top
             break
+        if budget is not None and fits and time.perf_counter() - start > budget:
+            unsearched, floor_left = len(order) - n, time_floor[i]  # the lowest floor left: `order` ascends
+            break
         frame = _frame(layout)
         need = floors.memory(cfg, layout)
         if need <= memory:
@@ -280,8 +300,8 @@ def search(
     stored = (store.read if store is not None else 0) - read
     return Search(
         best=tuple(c for _, _, c in fits[:top]), layouts=len(layouts), over_memory=over, too_big=too_big,
-        estimated=len(estimates), bounded=len(bounds), pruned=pruned, probes=_probed(measured) - known - stored,
-        stored=stored, seconds=time.perf_counter() - start,
+        estimated=len(estimates), bounded=len(bounds), pruned=pruned, unsearched=unsearched, floor_left=floor_left,
+        probes=_probed(measured) - known - stored, stored=stored, seconds=time.perf_counter() - start,
     )  # fmt: skip
 
 

@@ -52,7 +52,22 @@ def search_table(s: Search, dev: Device, memory: int) -> str:
         *("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows),
         why(s.best[0], s.best[1] if len(s.best) > 1 else None),
     ]
+    if s.unsearched:
+        lines.append(stopped(s))
     return "\n".join(lines)
+
+
+def stopped(s: Search) -> str:
+    """Where the budget stopped the search, and how far from the fastest that leaves the pick."""
+    left = f"{s.unsearched} layouts not looked at, each at least {s.floor_left:.3g} s per step (their floors)"
+    if s.pick_within == 1.0:
+        verdict = "the pick is faster than any of them"
+    else:
+        verdict = f"the fastest may be up to {s.pick_within:.2f}x faster than the pick"
+    return (
+        f"Stopped at the budget after {s.seconds:.0f} s: {left}; {verdict}. The same command again reads this "
+        "search's probes and goes further (--budget 0: no limit)"
+    )
 
 
 def search_json(s: Search) -> bytes:
