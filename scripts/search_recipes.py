@@ -1,11 +1,12 @@
 """The layout search for every recipe in recipes/, as a user runs it: one `python -m shardlab search` each.
 
-    python scripts/search_recipes.py [--recipes NAME ...] [--world NAME=N ...] [--cache DIR] [--out FILE]
+    python scripts/search_recipes.py [--recipes NAME ...] [--world NAME=N ...] [--cache DIR] [--budget S] [--out FILE]
 
 Each recipe is searched on the world it is written for (WORLDS; --world NAME=N changes one) on H100s, the CLI's
 default device, and the script prints a markdown table: layouts enumerated, estimated, probes run and read from
-the probe store, the search's own seconds and the wall clock of the whole command, and the winner with its tokens/s
-per device and peak memory. Each search starts from an empty probe store (a first search's time) unless --cache
+the probe store, the search's own seconds and the wall clock of the whole command, the winner with its tokens/s
+per device and peak memory, and how far from the fastest the budget (--budget, the CLI's) left it: 1.00 where the
+search was exhaustive or the pick beats every floor it left. Each search starts from an empty probe store (a first search's time) unless --cache
 names one to read and keep (SHARDLAB_CACHE: an earlier search's probes are read, not run). The
 recipes that take a local transformers model (`model.hf_path`) get one made here by scripts/make_chat_model.py
 (nothing is downloaded). A search that fails is a row with its one-line error: the table says what did not run.
@@ -33,12 +34,14 @@ WORLDS = {
 NEEDS_HF_DIR = ("hf_causal_lm", "sft_hf")
 
 
-def search(name: str, world: int, hf_dir: Path | None, cache: Path) -> dict:
+def search(name: str, world: int, hf_dir: Path | None, cache: Path, budget: float | None) -> dict:
     """One search, through the CLI with `cache` as SHARDLAB_CACHE: its JSON, wall seconds, and the error line if it
     failed."""
     args = [sys.executable, "-m", "shardlab", "search", f"recipes/{name}.py", "--world", str(world), "--json"]
     if name in NEEDS_HF_DIR:
         args += ["--model.hf-path", str(hf_dir / "model")]
+    if budget is not None:
+        args += ["--budget", str(budget)]
     start = time.perf_counter()
     env = os.environ | {"SHARDLAB_CACHE": str(cache)}
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env)
@@ -52,7 +55,7 @@ def search(name: str, world: int, hf_dir: Path | None, cache: Path) -> dict:
 def row(r: dict) -> str:
     head = f"| {r['name']} | {r['world']} |"
     if "error" in r:
-        return f"{head} - | - | - | - | - | {r['wall']:.0f} | failed: {r['error']} | - | - |"
+        return f"{head} - | - | - | - | - | {r['wall']:.0f} | failed: {r['error']} | - | - | - |"
     s, best = r["found"], r["found"]["best"][0]
     lay = best["layout"]
     mesh = " x ".join(f"{axis} {size}" for axis, size in lay["mesh"].items() if size > 1 and axis != "ep")
@@ -64,8 +67,13 @@ def row(r: dict) -> str:
     return (
         f"{head} {s['layouts']:,} | {s['estimated']:,} | {s['probes']:,} | {s['stored']:,} | {s['seconds']:.0f} | "
         f"{r['wall']:.0f} | "
-        f"{winner} | {best['tokens_per_s_per_device']:,.0f} | {best['peak'] / 2**30:.1f} |"
+        f"{winner} | {best['tokens_per_s_per_device']:,.0f} | {best['peak'] / 2**30:.1f} | {within(s):.2f} |"
     )
+
+
+def within(s: dict) -> float:
+    """How many times slower than the fastest layout the pick may be (`Search.pick_within`)."""
+    return 1.0 if s["floor_left"] is None else max(1.0, s["best"][0]["step_s"] / s["floor_left"])
 
 
 def main() -> None:
@@ -73,14 +81,16 @@ def main() -> None:
     parser.add_argument("--recipes", nargs="+", default=sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))
     parser.add_argument("--world", nargs="+", default=[], metavar="NAME=N")
     parser.add_argument("--cache", type=Path, help="the probe store's SHARDLAB_CACHE (default: empty per search)")
+    parser.add_argument("--budget", type=float, help="seconds per search (default: the CLI's; 0: no limit)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     worlds = WORLDS | {name: int(n) for name, n in (w.split("=", 1) for w in args.world)}
     if unknown := [n for n in args.recipes if n not in worlds]:
         parser.error(f"no world for {', '.join(unknown)}: give --world NAME=N")
     lines = [
-        "| recipe | world | layouts | estimated | probes | read | search s | wall s | winner | tokens/s/dev | peak GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| recipe | world | layouts | estimated | probes | read | search s | wall s | winner | tokens/s/dev | peak GiB "
+        "| pick within |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,7 +100,8 @@ def main() -> None:
             subprocess.run([sys.executable, "scripts/make_chat_model.py", tmp], cwd=ROOT, check=True,
                            capture_output=True)  # fmt: skip
         for name in args.recipes:
-            lines.append(row(search(name, worlds[name], hf_dir, args.cache or Path(tmp) / "cache" / name)))
+            cache = args.cache or Path(tmp) / "cache" / name
+            lines.append(row(search(name, worlds[name], hf_dir, cache, args.budget)))
             print(lines[-1], flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
