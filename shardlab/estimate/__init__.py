@@ -19,7 +19,7 @@ from shardlab._base import Frozen
 from shardlab.config import Config
 from shardlab.estimate._fake import fake_world
 from shardlab.estimate.probe import Probe, probe, stage_boundary
-from shardlab.estimate.recorder import Collective
+from shardlab.estimate.recorder import Collective, OpKind
 from shardlab.estimate.roofline import (
     DP_AXES,
     DTYPE_BYTES,
@@ -72,23 +72,27 @@ def fsdp_buffer_bytes(plan: Plan) -> int:
     f = plan.fsdp
     if f is None:
         return 0
-    shards = plan.mesh.size("dp_shard_cp")
-
-    def unsharded(p: ParamPlan) -> int:  # FSDP shards over dp_shard x cp, expert weights over dp_shard_mod_ep
-        return math.prod(p.local_shape) * (plan.mesh.experts.dp_shard_mod_ep if p.expert else shards)
-
-    numel: Counter[str | None] = Counter()
     if plan.pipeline is not None:
-        held = {s.index for s in plan.pipeline.stages_of(busiest_pp_rank(plan))}
-        return sum(unsharded(p) for p in plan.params if p.stage in held) * (
-            DTYPE_BYTES[f.param_dtype] + DTYPE_BYTES[f.reduce_dtype]
-        )
+        held = _rank_params(plan, busiest_pp_rank(plan))
+        return sum(_unsharded(plan, p) for p in held) * (DTYPE_BYTES[f.param_dtype] + DTYPE_BYTES[f.reduce_dtype])
+    numel: Counter[str | None] = Counter()
     for p in plan.params:
-        numel[p.fsdp_unit] += unsharded(p)
+        numel[p.fsdp_unit] += _unsharded(plan, p)
     largest = sorted(numel.values(), reverse=True)
     held = largest[:2] if f.reshard_after_forward else largest  # ZeRO-2: each unit stays gathered until its backward
     gathered = sum(held) * DTYPE_BYTES[f.param_dtype]
     return gathered + largest[0] * DTYPE_BYTES[f.reduce_dtype]
+
+
+def _unsharded(plan: Plan, p: ParamPlan) -> int:
+    """Elements of `p` FSDP gathers: its local shard times dp_shard x cp (expert weights: dp_shard_mod_ep)."""
+    return math.prod(p.local_shape) * (plan.mesh.experts.dp_shard_mod_ep if p.expert else plan.mesh.size("dp_shard_cp"))
+
+
+def _rank_params(plan: Plan, rank: int) -> list[ParamPlan]:
+    """The parameters of pp rank `rank`'s stages."""
+    held = {s.index for s in plan.pipeline.stages_of(rank)}
+    return [p for p in plan.params if p.stage in held]
 
 
 class Estimate(Frozen):
@@ -212,9 +216,11 @@ def estimate_from(
     fpt = provider.flops_per_token(cfg.train.seq_len)
     time = None
     if dev is not None:
-        slowest = p if last is None else max(p, last, key=lambda x: compute_seconds(x, dev))
+        ranks = [per_step(p, micro, plan, rank)]
+        if last is not None:  # the rank holding the last stage: whichever computes longer sets the pace
+            ranks.append(per_step(last, micro, plan, head_rank(plan)))
         time = step_time(
-            slowest, collectives, plan.mesh, dev, micro_batches=micro,
+            max(compute_seconds(x, dev) for x in ranks), collectives, plan.mesh, dev,
             params_per_rank=sum(math.prod(q.local_shape) for q in plan.worst_rank_params),
             global_tokens=cfg.train.global_batch * cfg.train.seq_len, model_flops_per_token=fpt, bubble=bubble,
         )  # fmt: skip
@@ -232,6 +238,43 @@ def estimate_from(
         executed_flops=micro * p.flops,
         time=time,
     )
+
+
+def per_step(p: Probe, micro: int, plan: Plan, rank: int) -> Probe:
+    """`p` (one micro batch of pp rank `rank`) over a step of `micro` micro batches: each op once per micro batch,
+    except FSDP's under a pipeline, where torch's schedule gathers the weights in the forward once per step (the
+    backward's gathers after a resharding forward stay once per micro batch: m + 1 in all) and reduces gradients
+    once, at the last backward; and the adds that accumulate the gradients of the micro batches
+    (`_accumulation`), which a probe of one micro batch does not run."""
+    counts: Counter[tuple[int, int, OpKind]] = Counter()
+    for f, b, n, kind in p.ops:
+        counts[f, b, kind] += n * micro
+    if plan.pipeline is not None:
+        for f, b, n, kind in (*p.gather_ops, *p.reduce_ops):
+            counts[f, b, kind] -= n * (micro - 1)
+    for f, b, n, kind in _accumulation(plan, rank, micro):
+        counts[f, b, kind] += n
+    ops = tuple(sorted((f, b, n, kind) for (f, b, kind), n in counts.items() if n))
+    return msgspec.structs.replace(p, ops=ops, gather_ops=(), reduce_ops=())
+
+
+def _accumulation(plan: Plan, rank: int, micro: int) -> tuple[tuple[int, int, int, OpKind], ...]:
+    """The ops that accumulate `micro` micro batches' gradients on pp rank `rank`, each an add of two gradients into
+    one. Under a pipeline FSDP keeps a stage's gradients unsharded until the last backward reduces them: in
+    reduce_dtype where that is not param_dtype (the first micro batch's cast to it, then each later one's added, cast
+    on the way), else in the gradient itself (autograd adds each later micro batch's). Elsewhere each micro batch's
+    gradients (FSDP's reduced shards, or the parameters' own) are added to the last ones: once per later micro batch."""
+    if micro == 1:
+        return ()
+    f, pipe = plan.fsdp, plan.pipeline
+    if pipe is not None and f is not None:
+        numel = sum(_unsharded(plan, q) for q in _rank_params(plan, rank))
+        param, reduce = DTYPE_BYTES[f.param_dtype], DTYPE_BYTES[f.reduce_dtype]
+        if param != reduce:
+            return ((0, numel * (param + reduce), 1, "memory"), (0, numel * (2 * reduce + param), micro - 1, "memory"))
+        return ((0, 3 * numel * param, micro - 1, "memory"),)
+    grads = plan.bytes_per_rank if pipe is None else sum(q.bytes_per_rank for q in _rank_params(plan, rank))
+    return ((0, 3 * grads, micro - 1, "memory"),)
 
 
 def cached_probe(

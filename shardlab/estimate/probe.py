@@ -36,7 +36,7 @@ from shardlab.apply import apply
 from shardlab.config import Config
 from shardlab.context_parallel import cp_positions
 from shardlab.estimate._fake import cached_sharding_propagation, fake_tensors, fake_world
-from shardlab.estimate.recorder import Collective, OpKind, Recorder, axis_names, param_storages
+from shardlab.estimate.recorder import Collective, OpKind, Recorder, Role, axis_names, param_storages
 from shardlab.loss import summed_loss
 from shardlab.metrics import module_flops
 from shardlab.models.provider import ModelProvider, provider_for
@@ -60,6 +60,10 @@ class Probe(Frozen):
     """Bytes the forward leaves alive for the backward (saved tensors, checkpoint inputs, logits, loss)."""
     block_activation_bytes: int
     """What one more block adds to activation_bytes (a model of at most 3 periods: the mean over its blocks)."""
+    gather_ops: tuple[tuple[int, int, int, OpKind], ...] = ()
+    """The part of `ops` FSDP ran to gather weights in the forward (copying shards in, gathered weights out)."""
+    reduce_ops: tuple[tuple[int, int, int, OpKind], ...] = ()
+    """The part of `ops` FSDP ran to reduce gradients (copying them into the reduce-scatter's buffer)."""
 
 
 def _probe_layers(
@@ -196,8 +200,9 @@ class Run(NamedTuple):
     regathers: dict[CollectiveKey, int]
     """The collectives FSDP ran to gather weights again in the backward (none with reshard_after_forward=False)."""
     regather_bytes: dict[CollectiveKey, int]
-    sequence: tuple[tuple[int, int, OpKind, bool, int | None], ...]
-    """Every op as it ran: FLOPs, bytes, kind, whether it was such a gather's, its pipeline stage."""
+    sequence: tuple[tuple[int, int, OpKind, Role, int | None], ...]
+    """Every op as it ran: FLOPs, bytes, kind, whose it is (FSDP's gather, such a gather again, its reduction, or
+    the step's own), its pipeline stage."""
     activation_bytes: int
     stage_activations: dict[int | None, int]
     """Each pipeline stage's share of activation_bytes (empty without a pipeline)."""
@@ -231,16 +236,18 @@ class Run(NamedTuple):
             {s: n for r in runs for s, n in r.stage_activations.items()},
         )  # fmt: skip
 
-    def counted(self, regather: bool) -> tuple[dict, dict, Counter, int, int]:
-        """(collective counts, their bytes, ops, FLOPs, activations), without the backward's gathers if not
-        `regather`."""
+    def counted(self, regather: bool) -> tuple[dict, dict, Counter, int, int, Counter, Counter]:
+        """(collective counts, their bytes, ops, FLOPs, activations, FSDP's forward gathers' ops, its reductions'
+        ops), without the backward's gathers if not `regather`."""
         counts, nbytes = Counter(self.collectives), Counter(self.collective_bytes)
         if not regather:
             counts.subtract(self.regathers)
             nbytes.subtract(self.regather_bytes)
-        ops = Counter((f, b, kind) for f, b, kind, again, _ in self.sequence if regather or not again)
+        ops = Counter((f, b, kind) for f, b, kind, role, _ in self.sequence if regather or role != "regather")
         flops = sum(f * n for (f, _, _), n in ops.items())
-        return dict(counts), dict(nbytes), ops, flops, self.activation_bytes
+        gathers, reductions = (Counter((f, b, kind) for f, b, kind, r, _ in self.sequence if r == role)
+                               for role in ("gather", "reduce"))  # fmt: skip
+        return dict(counts), dict(nbytes), ops, flops, self.activation_bytes, gathers, reductions
 
     def at_rows(self, other: Run, t: tuple[int, int]) -> Run | None:
         """The run on the line through this one (at 0) and `other` (at 1) at t = t[0] / t[1], where both ran the same ops and
@@ -327,11 +334,17 @@ class Measurement:
             for key in sorted(keys, key=str)
             for axis, kind, phase, size, stage in [key]
         )  # fmt: skip
-        ops = tuple(sorted((*key[:2], extend(a[2][key], b[2][key]), key[2]) for key in a[2].keys() | b[2].keys()))
+
+        def extended(i: int) -> tuple[tuple[int, int, int, OpKind], ...]:
+            ops = sorted((*key[:2], extend(a[i][key], b[i][key]), key[2]) for key in a[i].keys() | b[i].keys())
+            return tuple(op for op in ops if op[2])
+
         return Probe(
             collectives=tuple(c for c in collectives if c.count),
             flops=extend(a[3], b[3]),
-            ops=tuple(op for op in ops if op[2]),
+            ops=extended(2),
+            gather_ops=extended(5),
+            reduce_ops=extended(6),
             activation_bytes=extend(a[4], b[4]),
             block_activation_bytes=round(per_block),
         )

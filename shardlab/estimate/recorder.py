@@ -58,8 +58,10 @@ KINDS: dict[Any, Kind] = {
 NO_TRAFFIC = {
     aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.empty_like, aten._unsafe_view,
     aten.resize_, aten.set_, aten.lift_fresh, aten._local_scalar_dense,
+    *(ns._wrap_tensor_autograd for ns in funcol if hasattr(ns, "_wrap_tensor_autograd")),
 }  # fmt: skip
-"""Ops that allocate or relabel memory without reading or writing it (with views and prim/profiler ops)."""
+"""Ops that allocate or relabel memory without reading or writing it (with views and prim/profiler ops; a functional
+collective's output wrapped for autograd, which real tensors dispatch and fake ones do not)."""
 DEVICE = torch.ops.prim.device.default
 """A tensor's `.device` under a mode that fakes it: asked at every turn by models, FSDP and DTensor."""
 WAITS = {ns.wait_tensor for ns in funcol if hasattr(ns, "wait_tensor")}
@@ -74,6 +76,13 @@ OpKind = Literal["matmul", "attention", "memory"]
 ATTENTION = {*CPU_ATTENTION, *(p for p in flop_registry if "attention" in str(p))}
 REGATHER = ("FSDP::pre_backward", "FSDP::backward_prefetch")
 """torch's record_function names of FSDP's backward unshard (its own, and a prefetch of the next unit's)."""
+GATHER, REDUCE = "FSDP::all_gather", "FSDP::post_backward_reduce"
+"""torch's record_function names around FSDP's gathers (copying the shards in and the gathered weights out) and its
+reduction of gradients (copying them into the reduce-scatter's buffer)."""
+Role = Literal["", "gather", "regather", "reduce"]
+"""Whose op it is: the step's own (""), FSDP's in the forward's gathers, in the backward's gathers again (what
+reshard_after_forward=False skips), or in the gradients' reduction. A pipeline runs the last two kinds per step or
+per gather, not per micro batch (shardlab.estimate's `per_step`)."""
 
 
 class Collective(Frozen):
@@ -104,9 +113,8 @@ class Recorder(CommDebugMode):
         self.collectives: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
         self.collective_bytes: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
         self.ops: Counter[tuple[int, int, OpKind]] = Counter()
-        self.sequence: list[tuple[int, int, OpKind, bool, int | None]] = []
-        """Every op as it ran: (FLOPs, bytes, kind, whether FSDP ran it to gather weights again in the backward, the
-        pipeline stage that ran it)."""
+        self.sequence: list[tuple[int, int, OpKind, Role, int | None]] = []
+        """Every op as it ran: (FLOPs, bytes, kind, whose it is, the pipeline stage that ran it)."""
         self.stage_activations: dict[int | None, int] = {}
         """What each pipeline stage's forward left alive (they add up to activation_bytes)."""
         self.regathers: Counter[tuple[str, Kind, Phase, int, int | None]] = Counter()
@@ -179,8 +187,15 @@ class Recorder(CommDebugMode):
         self.flops += flops
         op_kind: OpKind = "attention" if packet in ATTENTION else "matmul" if flops else "memory"
         self.ops[(flops, moved, op_kind)] += 1
-        self.sequence.append((flops, moved, op_kind, self._regathering(), self.stage))
+        self.sequence.append((flops, moved, op_kind, self._role(), self.stage))
         return out
+
+    def _role(self) -> Role:
+        if self._regathering():
+            return "regather"
+        if any(scope.startswith(GATHER) for scope in self.scopes):
+            return "gather"
+        return "reduce" if any(scope.startswith(REDUCE) for scope in self.scopes) else ""
 
     def _regathering(self) -> bool:
         """Whether FSDP is gathering weights again in the backward (what reshard_after_forward=False skips)."""

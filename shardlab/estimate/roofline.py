@@ -150,23 +150,22 @@ def compute_seconds(p: Probe, dev: Device) -> float:
 
 
 def step_time(
-    p: Probe,
+    compute: float,
     collectives: Sequence[Collective],
     mesh: MeshSpec,
     dev: Device,
     *,
-    micro_batches: int,
     params_per_rank: int,
     global_tokens: int,
     model_flops_per_token: float,
     bubble: float = 0.0,
 ) -> StepTime:
-    """One optimizer step of `micro_batches` micro batches like the probed one, with `collectives` (per step),
-    `global_tokens` in all, on `dev`. A pipeline idles `bubble` of the step; the rest is this rank's work.
+    """One optimizer step on `dev` of a rank computing `compute` seconds (`compute_seconds` of its ops per step) with
+    `collectives` (per step), `global_tokens` in all. A pipeline idles `bubble` of the step; the rest is this rank's
+    work.
 
     MFU counts `model_flops_per_token` (the trainer's own convention, shardlab.metrics.flops_per_token).
     """
-    compute = micro_batches * compute_seconds(p, dev)
 
     def seconds(axes: Callable[[str], bool]) -> float:
         return sum(collective_seconds(c, mesh, dev) for c in collectives if axes(c.axis))

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from shardlab.config import Config, MeshSpec, MoEConfig
 from shardlab.context_parallel import cp_positions
-from shardlab.estimate import DTYPE_BYTES, estimate
+from shardlab.estimate import DTYPE_BYTES, estimate, per_step, probed_rank
 from shardlab.estimate.probe import probe
 from shardlab.estimate.recorder import Recorder, axis_names, param_storages
 from shardlab.estimate.roofline import DP_AXES
@@ -184,6 +184,7 @@ def real_pipeline(name: str) -> dict:
         return real_reduce(stage, *args)
 
     schedules._batch_p2p, PipelineStage.perform_reduce_grad = batch_p2p, reduce
+    model.zero_grad(set_to_none=True)  # as after an optimizer step: the first micro batch's gradients add to none
     try:
         with recorder:
             run(model, tokens, tokens, 1.0, positions)
@@ -192,6 +193,7 @@ def real_pipeline(name: str) -> dict:
     match_param_layouts(model)  # as the step does before the optimizer
     state = init_state(model, cfg.optim)
     state.optim.step()
+    moved = Counter((f, b, kind, role) for f, b, kind, role, _ in recorder.sequence)
     counts, volume = Counter(), Counter()
     for key, n in recorder.collectives.items():
         axis, kind, phase, size, _ = key
@@ -203,6 +205,10 @@ def real_pipeline(name: str) -> dict:
         "collectives": {k: (n, volume[k]) for k, n in counts.items() if k[0] != "pp"},
         "sends": (len(sends), sum(sends)),
         "unsharded": max(unsharded),
+        "moved": {
+            role: sum(b * n for (_, b, kind, r), n in moved.items() if kind == "memory" and r == role)
+            for role in ("", "gather", "regather", "reduce")
+        },
         "memory": {
             "params": nbytes(model.parameters()),
             "grads": nbytes(p.grad for p in model.parameters()),
@@ -276,5 +282,13 @@ def test_estimate_of_a_pipeline_is_the_busiest_ranks_step(world4, check):
     held = [world4.value(check, rank=r)["memory"] for r in range(4)]
     worst = {key: max(h[key] for h in held) for key in held[0]}
     assert worst == {"params": e.memory.params, "grads": e.memory.grads, "optim": e.memory.optim}
+    # Its memory-bound traffic per step as the estimate prices it: each micro batch's ops, FSDP's gathers and its
+    # reduction as torch's schedule runs them, the adds accumulating the micro batches' gradients. FSDP's reduction
+    # is compared apart: gloo, which has no reduce-scatter of its own, copies the reduced shard out once more.
+    p = probe(cfg, pp_rank=0, blocks=probed_rank(plan)[1])
+    reduce = sum(b * n for _, b, n, kind in p.reduce_ops if kind == "memory")
+    moved = sum(b * n for _, b, n, kind in per_step(p, e.micro_batches, plan, 0).ops if kind == "memory") - reduce
+    real = sum(got["moved"][role] for role in ("", "gather", "regather"))
+    assert abs(moved - real) <= 0.03 * real and reduce <= got["moved"]["reduce"], (moved, reduce, got["moved"])
     if check is pp_fsdp_1f1b:  # one stage per rank: when it reduces, the step holds FSDP's buffers and nothing else
         assert abs(got["unsharded"] - e.fsdp_buffers) <= 0.10 * e.fsdp_buffers, (got["unsharded"], e.fsdp_buffers)
