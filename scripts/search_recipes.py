@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -73,7 +74,9 @@ def row(r: dict) -> str:
 
 def within(s: dict) -> float:
     """How many times slower than the fastest layout the pick may be (`Search.pick_within`)."""
-    return 1.0 if s["floor_left"] is None else max(1.0, s["best"][0]["step_s"] / s["floor_left"])
+    if s["floor_left"] is None:
+        return 1.0
+    return max(1.0, s["best"][0]["step_s"] / s["floor_left"]) if s["floor_left"] > 0 else math.inf
 
 
 def main() -> None:

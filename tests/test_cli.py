@@ -384,4 +384,6 @@ def test_search_ranks_the_layouts_that_fit_and_writes_the_winner(tmp_path, capsy
     assert (written.model.dim, written.train.global_batch) == (64, 8)
     assert main([*args, "--budget", "1e-9"]) == 0  # stopped once a layout fits: the table says how far that leaves
     stopped = capsys.readouterr().out.splitlines()[-1]
-    assert re.match(r"Stopped at the budget after \d+ s: \d+ layouts not looked at, each at least .* s per step", stopped)
+    assert re.match(
+        r"Stopped at the budget after \d+ s: \d+ layouts not looked at, each at least .* s per step", stopped
+    )

@@ -171,9 +171,9 @@ WIDE = ModelConfig(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_dim=14336
 
 def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_estimates():
     """FSDP over 16 ranks spans two nodes: a layout's floor grows with its micro batches' gathers, so once the top 2
-    fit, the rest are not looked at. At 4.5 GiB per rank memory decides too, and layouts are dropped where a sibling
-    needing less did not fit. Every floor is at most its layout's estimate, which is what makes the ranking exact, and
-what bounds how far from the fastest a search stopped by its budget leaves its pick."""
+        fit, the rest are not looked at. At 4.5 GiB per rank memory decides too, and layouts are dropped where a sibling
+        needing less did not fit. Every floor is at most its layout's estimate, which is what makes the ranking exact, and
+    what bounds how far from the fastest a search stopped by its budget leaves its pick."""
     from shardlab.estimate.floors import Floors
     from shardlab.estimate.roofline import device
     from shardlab.estimate.search import search
@@ -274,6 +274,41 @@ def test_a_model_with_experts_gets_floors_below_its_estimates():
         if layout.mesh.tp > 1:
             assert 0 < floors.tp_seconds(c, layout, dev) <= seconds["tp"], layout.describe()
         assert 0 < floors.ep_seconds(c, layout, dev) <= seconds["ep"], layout.describe()
+
+
+def test_a_transformers_model_gets_floors_below_its_estimates():
+    """transformers' masks read a value, which meta tensors cannot give: its blocks are counted on fake tensors
+    instead, so the search gets its compute, FSDP and activation floors (none before: every layout was estimated),
+    each at most what its layout's estimate gives, with FSDP, tensor parallelism and a pipeline."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from shardlab.estimate.floors import Floors
+    from shardlab.estimate.roofline import device
+    from shardlab.estimate.shared import estimate_shared
+    from shardlab.models.hf_causal_lm import HFCausalLM
+    from shardlab.models.provider import check_layout
+    from shardlab.plan import make_plan
+
+    shape = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+    provider = HFCausalLM.from_dict({"model_type": "qwen2", **shape}, "qwen2")
+    c = cfg(global_batch=16, seq_len=1024, param_dtype="bfloat16", reduce_dtype="float32")
+    dev, probes = device("h100"), {}
+    floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
+    assert floors.block is not None and floors.block.train_flops > 0 and floors.block.params > 0
+    layouts = [
+        Layout(mesh=MeshSpec(dp_shard=8), activation_checkpoint="none", micro_batches=1),
+        Layout(mesh=MeshSpec(dp_shard=4, tp=2), activation_checkpoint="full", micro_batches=2),
+        Layout(mesh=MeshSpec(pp=2, dp_shard=4), activation_checkpoint="full", micro_batches=2, pp_schedule="1f1b"),
+    ]
+    for layout in layouts:
+        run = layout.config(c).resolve(8)
+        check_layout(run, provider)
+        plan = make_plan(provider.meta_model(), run.mesh, provider.rules(run.plan), run.plan)
+        e = estimate_shared(run, plan, None, dev, provider, probes)
+        assert 0 < floors.time(c, layout, dev) <= e.time.step_s, layout.describe()
+        assert floors.activations(c, layout) > 0 and floors.memory(c, layout) <= e.peak, layout.describe()
 
 
 def test_a_sibling_checkpointing_more_or_with_fewer_rows_never_needs_more_memory():

@@ -8,6 +8,7 @@ that cannot run on meta or fake tensors (`CANNOT_RUN`) leaves that number 0: a f
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import msgspec
@@ -60,7 +61,7 @@ class Block(Frozen):
 
 
 def count_block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_rules: bool) -> Block | None:
-    """One block's numbers: meta models of 2 and 1 blocks, one sequence each, counted by torch's FlopCounterMode;
+    """One block's numbers: models of 2 and 1 blocks, one sequence each, counted by torch's FlopCounterMode;
     its memory-bound ops and what its forward keeps alive, per row (`_per_row`). own_rules: the recipe's rules may
     checkpoint other modules than the model's blocks (only what no checkpointing keeps is counted)."""
     try:
@@ -119,14 +120,28 @@ def _count(
     provider: ModelProvider, seq_len: int, options: PlanConfig, ac: str | None = None
 ) -> tuple[int, int, int, int, int]:
     """Matmul FLOPs forward + backward and forward, batched (attention's) ones the same, and the parameters FSDP
-    gathers whole (`_dense_params`) of `provider`'s model on one sequence (ac: its blocks checkpointed so)."""
+    gathers whole (`_dense_params`) of `provider`'s model on one sequence (ac: its blocks checkpointed so): on meta
+    tensors, or where the model cannot run there (transformers' masks read a value), on fake CPU tensors, whose
+    matmuls are the same (CPU's fused attention is not a batched matmul: none counted there)."""
+    try:
+        return _flops(provider, seq_len, options, ac, fake=False)
+    except CANNOT_RUN:
+        return _flops(provider, seq_len, options, ac, fake=True)
+
+
+def _flops(
+    provider: ModelProvider, seq_len: int, options: PlanConfig, ac: str | None, fake: bool
+) -> tuple[int, int, int, int, int]:
     model = _model(provider, options, ac)
-    sample = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     forward, train = FlopCounterMode(display=False), FlopCounterMode(display=False)
-    with forward:
-        provider.forward(model, sample)
-    with train:
-        provider.forward(model, sample).float().sum().backward()
+    with fake_tensors() if fake else contextlib.nullcontext():
+        if fake:
+            model.to_empty(device="cpu")
+        sample = torch.zeros(1, seq_len, dtype=torch.long, device="cpu" if fake else "meta")
+        with forward:
+            provider.forward(model, sample)
+        with train:
+            provider.forward(model, sample).float().sum().backward()
     counts = [c.get_flop_counts()["Global"] for c in (train, forward)]
     matmuls = [sum(c.get(op, 0) for op in MATMULS) for c in counts]
     batched = [c.get(torch.ops.aten.bmm, 0) for c in counts]

@@ -96,8 +96,11 @@ class Search(Frozen):
     @property
     def pick_within(self) -> float:
         """How many times slower than the fastest layout the pick may be: 1.0 where the search was exhaustive or
-        the pick is faster than every floor it left."""
-        return 1.0 if self.floor_left is None else max(1.0, self.best[0].step_s / self.floor_left)
+        the pick is faster than every floor it left; inf where the layouts left have no floor (a model whose
+        blocks could not be counted, `shardlab.estimate.floors`)."""
+        if self.floor_left is None:
+            return 1.0
+        return max(1.0, self.best[0].step_s / self.floor_left) if self.floor_left > 0 else math.inf
 
 
 def _candidate(layout: Layout, e: Estimate, cfg: Config, dev: Device) -> Candidate:

@@ -3,6 +3,7 @@ winner wins, the JSON of `--json`, and the recipe file `--out` writes for the wi
 
 from __future__ import annotations
 
+import math
 import pprint
 
 import msgspec
@@ -62,6 +63,8 @@ def stopped(s: Search) -> str:
     left = f"{s.unsearched} layouts not looked at, each at least {s.floor_left:.3g} s per step (their floors)"
     if s.pick_within == 1.0:
         verdict = "the pick is faster than any of them"
+    elif math.isinf(s.pick_within):
+        verdict = "how much faster the fastest may be is not known (the model's blocks could not be counted)"
     else:
         verdict = f"the fastest may be up to {s.pick_within:.2f}x faster than the pick"
     return (
