@@ -21,8 +21,9 @@ faults()
 default = faults()
 kept = keep_freed_memory()
 faults()  # the last block was returned before the setting: this one is the first kept
-faults()  # glibc sometimes serves the one after from fresh pages too (7 of 20 runs); from then on it reuses
-print(default, kept, faults())
+# glibc sometimes serves the next one or two from fresh pages too (7 of 20 runs one, and two in a fresh-clone CI);
+# then it reuses: the fewest faults of the next four
+print(default, kept, min(faults() for _ in range(4)))
 """
 
 
