@@ -15,14 +15,16 @@ recipes that take a local transformers model (`model.hf_path`) get one made here
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import msgspec
+
+from shardlab.estimate.search import Search
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLDS = {
@@ -50,33 +52,20 @@ def search(name: str, world: int, hf_dir: Path | None, cache: Path, budget: floa
     if done.returncode != 0:
         error = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         return {"name": name, "world": world, "wall": wall, "error": error}
-    return {"name": name, "world": world, "wall": wall, "found": json.loads(done.stdout)}
+    return {"name": name, "world": world, "wall": wall, "found": msgspec.json.decode(done.stdout, type=Search)}
 
 
 def row(r: dict) -> str:
     head = f"| {r['name']} | {r['world']} |"
     if "error" in r:
         return f"{head} - | - | - | - | - | {r['wall']:.0f} | failed: {r['error']} | - | - | - |"
-    s, best = r["found"], r["found"]["best"][0]
-    lay = best["layout"]
-    mesh = " x ".join(f"{axis} {size}" for axis, size in lay["mesh"].items() if size > 1 and axis != "ep")
-    if lay["mesh"].get("ep", 1) > 1:
-        mesh += f" (ep {lay['mesh']['ep']})"
-    schedule = f", {lay['pp_schedule']} x{lay['pp_stages_per_rank']}" if lay["pp_schedule"] else ""
-    keep = "" if lay["reshard_after_forward"] else ", no reshard"
-    winner = f"{mesh or 'one rank'}, AC {lay['activation_checkpoint']}, {lay['micro_batches']} micro{schedule}{keep}"
+    s: Search = r["found"]
+    best = s.best[0]
     return (
-        f"{head} {s['layouts']:,} | {s['estimated']:,} | {s['probes']:,} | {s['stored']:,} | {s['seconds']:.0f} | "
-        f"{r['wall']:.0f} | "
-        f"{winner} | {best['tokens_per_s_per_device']:,.0f} | {best['peak'] / 2**30:.1f} | {within(s):.2f} |"
+        f"{head} {s.layouts:,} | {s.estimated:,} | {s.probes:,} | {s.stored:,} | {s.seconds:.0f} | {r['wall']:.0f} | "
+        f"{best.layout.describe()} | {best.tokens_per_s_per_device:,.0f} | {best.peak / 2**30:.1f} | "
+        f"{s.pick_within:.2f} |"
     )
-
-
-def within(s: dict) -> float:
-    """How many times slower than the fastest layout the pick may be (`Search.pick_within`)."""
-    if s["floor_left"] is None:
-        return 1.0
-    return max(1.0, s["best"][0]["step_s"] / s["floor_left"]) if s["floor_left"] > 0 else math.inf
 
 
 def main() -> None:

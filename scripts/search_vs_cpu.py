@@ -175,7 +175,8 @@ def main() -> int:
         f"device: {dev.name}: {dev.bf16_tflops * 1e3:.1f} GFLOP/s, {dev.hbm_tb_s * 1e3:.1f} GB/s, "
         f"all-reduce {dev.nvlink_gb_s:.2f} GB/s per rank, speed with 1..{WORLD} ranks busy "
         + ", ".join(f"{x:.2f}" for x in dev.busy_speed)
-        + "".join(f", {kind} {speed:.2f} of the all-reduce's speed" for kind, speed in dev.collective_speed),
+        + "".join(f", {kind} {speed:.2f} of the all-reduce's speed" for kind, speed in dev.collective_speed)
+        + "".join(f", {s * 1e3:.1f} ms per collective of {n}" for n, s in dev.collective_latency),
     ]
     text = "\n".join(lines)
     print(text)

@@ -108,6 +108,24 @@ def test_a_measured_device_prices_each_collective_kind_at_its_own_speed():
     assert all(not device(name).collective_speed for name in DEVICES)
 
 
+def test_a_measured_device_adds_its_latency_per_collective_by_group_size():
+    """gloo on shared cores: milliseconds per collective whatever its bytes; a group size not measured takes the
+    largest measured size below it; named devices have none."""
+    mesh, h100 = MeshSpec(dp_shard=8), device("h100")
+    gloo = msgspec.structs.replace(h100, collective_latency=((2, 1e-3), (4, 5e-3)))
+
+    def seconds(group_size, dev, count=3):
+        c = Collective(axis="dp_shard", kind="all_gather", phase="forward", count=count, bytes=2**20,
+                       group_size=group_size)  # fmt: skip
+        return collective_seconds(c, mesh, dev)
+
+    assert seconds(4, gloo) == pytest.approx(seconds(4, h100) + 3 * 5e-3)
+    assert seconds(2, gloo) == pytest.approx(seconds(2, h100) + 3 * 1e-3)
+    assert seconds(3, gloo) == pytest.approx(seconds(3, h100) + 3 * 1e-3)
+    assert seconds(8, gloo, count=1) == pytest.approx(seconds(8, h100, count=1) + 5e-3)
+    assert all(not device(name).collective_latency for name in DEVICES)
+
+
 def test_measuring_a_table_runs_end_to_end(monkeypatch):
     """The microbenchmarks at tiny sizes, for a moment each: a valid table, every class measured at each size."""
     monkeypatch.setattr(kernels, "MATMULS", (8, 16))

@@ -140,9 +140,8 @@ def estimate(
     of that rank's stages. Per step: m micro batches; FSDP's collectives, and its ops copying weights in and out of
     their buffers, as often as torch's schedule order makes them happen (`_runs`, `per_step`); the activations of
     the micro batches the schedule keeps in flight (`pipeline.in_flight`); the sends between stages; the analytic
-    bubble. Every stage waits for the slowest, so the
-    compute is the busiest rank's or that of the rank holding the last stage (`head_rank`: the output layer and
-    the loss), whichever takes longer.
+    bubble. Every stage waits for the slowest, so the compute is the busiest rank's or that of the rank holding the
+    last stage (`head_rank`: the output layer and the loss), whichever takes longer.
     """
     other = "full" if cfg.plan.activation_checkpoint == "none" else "none"
     if not compare_checkpointing:

@@ -2,7 +2,8 @@
 
 CPU ranks share the machine's cores (each gets cores // world threads, as `shardlab.launch` sets), so a rank's
 FLOP/s and memory bandwidth are measured with `world` processes running at once, and the collective bandwidth is a
-gloo all-reduce among them (its all-gather and reduce-scatter, slower per byte, relative to it). The peak is the
+gloo all-reduce among them (its all-gather and reduce-scatter, slower per byte, relative to it; and the latency of a
+tiny collective for every group size, which on shared cores is milliseconds). The peak is the
 fastest matmul measured and the bandwidth a large copy's; the kernel table (shardlab.estimate.kernels: matmuls,
 attention and adds of several sizes, and the cost of a tiny op) says how far below them each op runs, and
 `busy_speed` how much faster a rank runs while others idle. Other jobs on the
@@ -37,6 +38,10 @@ BUSY_MATMUL = 512
 COPY_BYTES = 64 * 2**20
 COLLECTIVE_BYTES = 16 * 2**20
 COLLECTIVE_CALLS = 8
+LATENCY_BYTES = 4096
+LATENCY_CALLS = 20
+"""A collective this small is all latency: its bytes take microseconds, gloo's hops among processes that share
+cores milliseconds."""
 GATHER_KINDS = ("all_gather", "reduce_scatter")
 """Collective kinds measured beside the all-reduce: FSDP's, TP's and CP's (a pipeline's sends: the link's speed)."""
 SECONDS = 0.1
@@ -48,7 +53,7 @@ class _Cached(msgspec.Struct):
     device: Device
 
 
-CACHE_FORMAT = 4
+CACHE_FORMAT = 5
 """Bumped whenever Device changes, so an older cache is measured again."""
 
 
@@ -90,6 +95,9 @@ def measure(world: int) -> Device:
         kinds = tuple(
             (kind, statistics.median(r[4][i][1] for r in results)) for i, (kind, _) in enumerate(results[0][4])
         )
+        latency = tuple(
+            (size, statistics.median(r[5][i][1] for r in results)) for i, (size, _) in enumerate(results[0][5])
+        )
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world / 2**30
     peak = max(r for _, r in rates.matmul)
     command = f"shardlab.estimate.cpu.measure({world}) on {_machine()}"
@@ -97,7 +105,7 @@ def measure(world: int) -> Device:
         name=f"CPU ({world} rank{'s' * (world > 1)} on {cores()} cores, measured)", bf16_tflops=peak / 1e12,
         hbm_tb_s=copy_bytes / 1e12, nvlink_gb_s=link / 1e9, network_gb_s=link / 1e9, memory_gib=memory,
         matmul_efficiency=1.0, hbm_efficiency=1.0, kernels=table(rates, peak, copy_bytes, command), busy_speed=speed,
-        collective_speed=kinds,
+        collective_speed=kinds, collective_latency=latency,
     )  # fmt: skip
 
 
@@ -113,20 +121,44 @@ def _timed(fn, barrier, calls: int | None = None) -> float:
     return (time.perf_counter() - start) / done
 
 
-def _collectives(world: int, barrier) -> tuple[float, list[tuple[str, float]]]:
+def _collectives(world: int, barrier, latency: float) -> tuple[float, list[tuple[str, float]]]:
     """The all-reduce's bytes/s per rank, and the all-gather's and reduce-scatter's relative to it, each counted as
-    roofline.collective_seconds counts it (all-reduce 2 (n - 1) / n of the buffer, the others (n - 1) / n)."""
+    roofline.collective_seconds counts it (all-reduce 2 (n - 1) / n of the buffer, the others (n - 1) / n; the
+    world's `latency` per call is priced apart)."""
     buffer, shard = torch.ones(COLLECTIVE_BYTES // 4), torch.ones(COLLECTIVE_BYTES // 4 // world)
     runs = {
         "all_reduce": lambda: dist.all_reduce(buffer),
-        "all_gather": lambda: dist.all_gather_into_tensor(buffer, shard),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, buffer),
+        "all_gather": lambda: dist.all_gather_single(buffer, shard),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(shard, buffer),
     }
     rate = {}
     for kind, fn in runs.items():
         moved = COLLECTIVE_BYTES * (world - 1) / world * (2 if kind == "all_reduce" else 1)
-        rate[kind] = moved / _timed(fn, barrier, calls=COLLECTIVE_CALLS)
+        seconds = _timed(fn, barrier, calls=COLLECTIVE_CALLS)
+        rate[kind] = moved / max(seconds - latency, seconds / 2)  # a load spike in the latency's timing: half
     return rate["all_reduce"], [(kind, rate[kind] / rate["all_reduce"]) for kind in GATHER_KINDS]
+
+
+def _latencies(rank: int, world: int, barrier) -> list[tuple[int, float]]:
+    """(group size, seconds) of a tiny collective for every group size dividing the world, every rank in a group of
+    consecutive ranks at once (as a layout's groups run side by side): the median of an all-reduce's, an
+    all-gather's and a reduce-scatter's."""
+    out = []
+    for size in (s for s in range(2, world + 1) if world % s == 0):
+        groups = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)]
+        out.append((size, statistics.median(_timed(fn, barrier, LATENCY_CALLS) for fn in _tiny(groups[rank // size]))))
+    return out
+
+
+def _tiny(group) -> list:
+    """An all-reduce, an all-gather and a reduce-scatter of LATENCY_BYTES over `group`."""
+    size = dist.get_world_size(group)
+    piece, whole = torch.ones(LATENCY_BYTES // 4 // size), torch.ones(LATENCY_BYTES // 4 // size * size)
+    return [
+        lambda: dist.all_reduce(whole, group=group),
+        lambda: dist.all_gather_single(whole, piece, group=group),
+        lambda: dist.reduce_scatter_single(piece, whole, group=group),
+    ]
 
 
 def _busy_speed(rank: int, world: int, barrier, rounds: int = 3) -> list[float]:
@@ -159,11 +191,19 @@ def _rank(rank: int, world: int, store: str, results) -> None:
         src, dst = torch.empty(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
         copy_bytes = 2 * COPY_BYTES / _timed(lambda: dst.copy_(src), barrier)
         if world > 1:
-            link, speed = _collectives(world, barrier)
+            latency = _latencies(rank, world, barrier)
+            link, speed = _collectives(world, barrier, latency[-1][1])
         else:
-            link, speed = copy_bytes, []  # one rank has no collectives; any finite number serves
+            link, speed, latency = copy_bytes, [], []  # one rank has no collectives; any finite number serves
         rates = measure_kernels(timer(torch.device("cpu"), SECONDS, barrier), torch.device("cpu"), torch.float32)
-        results[rank] = (copy_bytes, link, msgspec.to_builtins(rates), _busy_speed(rank, world, barrier), speed)
+        results[rank] = (
+            copy_bytes,
+            link,
+            msgspec.to_builtins(rates),
+            _busy_speed(rank, world, barrier),
+            speed,
+            latency,
+        )
     finally:
         if world > 1:
             dist.destroy_process_group()

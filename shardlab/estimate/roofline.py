@@ -7,7 +7,8 @@ The model, stated so it can be argued with:
   op by its class and size instead, plus a fixed cost per op.
 - A collective over n ranks moves (n - 1) / n of its buffer per rank (ring; all-reduce twice that; a pipeline
   send all of it) at the group's link bandwidth: NVLink when the group's ranks share a node, else the node's network per GPU.
-  A measured device may run some kinds slower per byte (`Device.collective_speed`: gloo's gathers and reduce-scatters).
+  A measured device may run some kinds slower per byte (`Device.collective_speed`: gloo's gathers and reduce-scatters),
+  and take a fixed time per collective (`Device.collective_latency`: gloo's milliseconds on ranks sharing cores).
   Mesh axes are laid out as `MeshSpec` orders them (tp innermost), GPUS_PER_NODE to a node.
 - FSDP's collectives (dp axes) overlap with compute (prefetch): they cost only what exceeds it. TP's and CP's
   (K/V all-gathers) are on the critical path (eager TP, no async TP, no overlap of the gathers). Scalar all-reduces of the loss and norm are left out.
@@ -73,6 +74,11 @@ class Device(Frozen):
     `collective_seconds` counts them: gloo on CPU ranks gathers and reduce-scatters through slower paths than its
     all-reduce, so it is measured (shardlab.estimate.cpu). Kinds not listed, and every kind when empty, run at the
     link bandwidth."""
+    collective_latency: tuple[tuple[int, float], ...] = ()
+    """(group size, seconds) every collective over a group of that size takes beyond its bytes, measured with all
+    ranks in such groups at once: gloo on ranks that share cores takes milliseconds, each hop waiting for its peer's
+    process to get a core (shardlab.estimate.cpu). A size not listed takes the latency of the largest listed size
+    below it. Empty: none (the named GPUs: NCCL's microseconds per collective are not modelled)."""
 
 
 DEVICES: dict[str, Device] = {
@@ -135,7 +141,14 @@ def _span(mesh: MeshSpec, axis: str) -> int:
 def collective_seconds(c: Collective, mesh: MeshSpec, dev: Device) -> float:
     n = c.group_size
     factor = {"all_reduce": 2 * (n - 1) / n, "send": 1.0}.get(c.kind, (n - 1) / n)
-    return c.bytes * factor / (axis_bandwidth(mesh, c.axis, dev) * dict(dev.collective_speed).get(c.kind, 1.0))
+    moving = c.bytes * factor / (axis_bandwidth(mesh, c.axis, dev) * dict(dev.collective_speed).get(c.kind, 1.0))
+    return moving + c.count * collective_latency(dev, n)
+
+
+def collective_latency(dev: Device, group_size: int) -> float:
+    """Seconds one collective over `group_size` ranks takes beyond its bytes (`Device.collective_latency`)."""
+    listed = [(size, seconds) for size, seconds in dev.collective_latency if size <= group_size]
+    return max(listed)[1] if listed else 0.0
 
 
 def compute_seconds(p: Probe, dev: Device) -> float:

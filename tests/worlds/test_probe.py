@@ -26,11 +26,12 @@ from torch.distributed.tensor import DTensor
 
 from shardlab.config import Config, MeshSpec, MoEConfig
 from shardlab.context_parallel import cp_positions
-from shardlab.estimate import DTYPE_BYTES, estimate, per_step, probed_rank
-from shardlab.estimate.probe import probe
+from shardlab.estimate import DTYPE_BYTES, cached_probe, estimate, per_step, probed_rank
+from shardlab.estimate.probe import Probe, probe
 from shardlab.estimate.recorder import Recorder, axis_names, param_storages
 from shardlab.estimate.roofline import DP_AXES
 from shardlab.loop import build_model, plan_model
+from shardlab.models.provider import provider_for
 from shardlab.routers import moe_layers
 from shardlab.schedule import PipelineRun
 from shardlab.step import forward_backward, init_state, match_param_layouts
@@ -274,7 +275,8 @@ def test_estimate_of_a_pipeline_is_the_busiest_ranks_step(world4, check):
     got = world4.value(check, rank=0)
     cfg = pipeline_config(check.__name__).resolve(4)
     _, plan = plan_model(cfg)
-    e = estimate(cfg, plan)
+    probes: dict[bytes, Probe] = {}
+    e = estimate(cfg, plan, probes=probes)
     want = {(c.axis, c.kind, c.phase, c.group_size): (c.count, c.bytes) for c in e.collectives if c.axis != "pp"}
     assert got["collectives"] == want
     sends = [c for c in e.collectives if c.axis == "pp"]
@@ -285,7 +287,8 @@ def test_estimate_of_a_pipeline_is_the_busiest_ranks_step(world4, check):
     # Its memory-bound traffic per step as the estimate prices it: each micro batch's ops, FSDP's gathers and its
     # reduction as torch's schedule runs them, the adds accumulating the micro batches' gradients. FSDP's reduction
     # is compared apart: gloo, which has no reduce-scatter of its own, copies the reduced shard out once more.
-    p = probe(cfg, pp_rank=0, blocks=probed_rank(plan)[1])
+    assert probed_rank(plan)[0] == 0
+    p = cached_probe(probes, cfg, None, pp_rank=0, blocks=probed_rank(plan)[1], provider=provider_for(cfg))
     reduce = sum(b * n for _, b, n, kind in p.reduce_ops if kind == "memory")
     moved = sum(b * n for _, b, n, kind in per_step(p, e.micro_batches, plan, 0).ops if kind == "memory") - reduce
     real = sum(got["moved"][role] for role in ("", "gather", "regather"))
