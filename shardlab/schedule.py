@@ -154,7 +154,7 @@ def stage_actions(pipeline: PipelinePlan, pp_rank: int, group: dist.ProcessGroup
         return {s.index: "F" * m + "B" * m for s in own}
     if pipeline.schedule == "1f1b":
         return {s.index: "F" * (w := min(m, n - s.index)) + "BF" * (m - w) + "B" * w for s in own}
-    cls = get_schedule_class(SCHEDULE_NAMES[pipeline.schedule])
+    cls = _compute_order_only(get_schedule_class(SCHEDULE_NAMES[pipeline.schedule]))
     placeholders = [PipelineStage(nn.Linear(1, 1), s.index, n, torch.device("cpu"), group=group) for s in own]
     order = cls(placeholders, n_microbatches=m).pipeline_order[pp_rank]
     actions: dict[int, str] = {s.index: "" for s in own}
@@ -164,3 +164,9 @@ def stage_actions(pipeline: PipelinePlan, pp_rank: int, group: dist.ProcessGroup
             if kind in "FBIW":
                 actions[a.stage_index] += kind
     return actions
+
+
+def _compute_order_only(cls: type) -> type:
+    """`cls` without the lowering of its order to communication actions, which torch's multi-stage schedules run
+    for every rank when built (7 s at 32 ranks x 256 micro batches) and which `stage_actions` never reads."""
+    return type(cls.__name__, (cls,), {"_prepare_schedule_with_comms": lambda self, actions, format=None: None})

@@ -192,3 +192,35 @@ def test_zero_bubble_schedules_with_fsdp_need_the_weights_kept_after_forward():
         with pytest.raises(ValueError, match=rf"^plan\.pp_schedule='{schedule}' computes weight gradients after FSDP"):
             plan_for(mesh, pp_schedule=schedule, pp_stages_per_rank=2)
         plan_for(mesh, pp_schedule=schedule, pp_stages_per_rank=2, reshard_after_forward=False)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",
+                                      "dualpipev"])  # fmt: skip
+def test_stage_actions_are_the_order_torchs_schedule_builds(schedule):
+    """The estimate reads each rank's compute order from torch's schedule built without its lowering to
+    communication actions (seconds at scale); the order is the one the whole construction gives, on every rank."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from shardlab.estimate._fake import fake_world
+    from shardlab.pipeline import PipelinePlan, StagePlan
+    from shardlab.schedule import SCHEDULE_NAMES, stage_actions
+
+    pp, m = 4, 8
+    stages = tuple(StagePlan(index=i, pp_rank=r, blocks=(), others=(), params=0)
+                   for i, r in enumerate(stage_ranks(pp, 2, schedule)))  # fmt: skip
+    pipeline = PipelinePlan(schedule=schedule, stages_per_rank=2, microbatches=m, stages=stages, bubble=0.0)
+    for rank in range(pp):
+        with fake_world(pp, rank):
+            group = dist.new_group(list(range(pp)))
+            own = [PipelineStage(nn.Linear(1, 1), s.index, len(stages), torch.device("cpu"), group=group)
+                   for s in pipeline.stages_of(rank)]  # fmt: skip
+            whole = get_schedule_class(SCHEDULE_NAMES[schedule])(own, n_microbatches=m).pipeline_order[rank]
+            got = stage_actions(pipeline, rank, group)
+        want = {s.index: "" for s in pipeline.stages_of(rank)}
+        for action in (a for step in whole if step is not None for a in (step.sub_actions or (step,))):
+            if action.computation_type.value in "FBIW":
+                want[action.stage_index] += action.computation_type.value
+        assert got == want and all(len(a) >= 2 * m for a in got.values()), (rank, got)
