@@ -135,7 +135,7 @@ def _collectives(world: int, barrier, latency: float) -> tuple[float, list[tuple
     for kind, fn in runs.items():
         moved = COLLECTIVE_BYTES * (world - 1) / world * (2 if kind == "all_reduce" else 1)
         seconds = _timed(fn, barrier, calls=COLLECTIVE_CALLS)
-        rate[kind] = moved / max(seconds - latency, seconds / 2)  # a load spike in the latency's timing: half
+        rate[kind] = moved / max(seconds - latency, seconds / 2)  # a 16 MiB call is at least half bytes
     return rate["all_reduce"], [(kind, rate[kind] / rate["all_reduce"]) for kind in GATHER_KINDS]
 
 
