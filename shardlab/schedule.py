@@ -156,8 +156,12 @@ def stage_actions(pipeline: PipelinePlan, pp_rank: int, group: dist.ProcessGroup
         return {s.index: "F" * (w := min(m, n - s.index)) + "BF" * (m - w) + "B" * w for s in own}
     cls = _compute_order_only(get_schedule_class(SCHEDULE_NAMES[pipeline.schedule]))
     placeholders = [PipelineStage(nn.Linear(1, 1), s.index, n, torch.device("cpu"), group=group) for s in own]
-    order = cls(placeholders, n_microbatches=m).pipeline_order[pp_rank]
-    actions: dict[int, str] = {s.index: "" for s in own}
+    return compute_actions(cls(placeholders, n_microbatches=m).pipeline_order[pp_rank], [s.index for s in own])
+
+
+def compute_actions(order: list, stages: list[int]) -> dict[int, str]:
+    """A torch schedule's order for one rank (its `pipeline_order[rank]`) -> each of `stages`' compute actions."""
+    actions = {index: "" for index in stages}
     for action in order:
         for a in (action.sub_actions or (action,)) if action is not None else ():
             kind = a.computation_type.value  # F, B, I, W

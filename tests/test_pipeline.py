@@ -206,7 +206,7 @@ def test_stage_actions_are_the_order_torchs_schedule_builds(schedule):
 
     from shardlab.estimate._fake import fake_world
     from shardlab.pipeline import PipelinePlan, StagePlan
-    from shardlab.schedule import SCHEDULE_NAMES, stage_actions
+    from shardlab.schedule import SCHEDULE_NAMES, compute_actions, stage_actions
 
     pp, m = 4, 8
     stages = tuple(StagePlan(index=i, pp_rank=r, blocks=(), others=(), params=0)
@@ -219,8 +219,5 @@ def test_stage_actions_are_the_order_torchs_schedule_builds(schedule):
                    for s in pipeline.stages_of(rank)]  # fmt: skip
             whole = get_schedule_class(SCHEDULE_NAMES[schedule])(own, n_microbatches=m).pipeline_order[rank]
             got = stage_actions(pipeline, rank, group)
-        want = {s.index: "" for s in pipeline.stages_of(rank)}
-        for action in (a for step in whole if step is not None for a in (step.sub_actions or (step,))):
-            if action.computation_type.value in "FBIW":
-                want[action.stage_index] += action.computation_type.value
+        want = compute_actions(whole, [s.index for s in pipeline.stages_of(rank)])
         assert got == want and all(len(a) >= 2 * m for a in got.values()), (rank, got)

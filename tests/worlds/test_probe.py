@@ -287,8 +287,9 @@ def test_estimate_of_a_pipeline_is_the_busiest_ranks_step(world4, check):
     # Its memory-bound traffic per step as the estimate prices it: each micro batch's ops, FSDP's gathers and its
     # reduction as torch's schedule runs them, the adds accumulating the micro batches' gradients. FSDP's reduction
     # is compared apart: gloo, which has no reduce-scatter of its own, copies the reduced shard out once more.
-    assert probed_rank(plan)[0] == 0
-    p = cached_probe(probes, cfg, None, pp_rank=0, blocks=probed_rank(plan)[1], provider=provider_for(cfg))
+    rank, blocks = probed_rank(plan)
+    assert rank == 0
+    p = cached_probe(probes, cfg, None, pp_rank=0, blocks=blocks, provider=provider_for(cfg))
     reduce = sum(b * n for _, b, n, kind in p.reduce_ops if kind == "memory")
     moved = sum(b * n for _, b, n, kind in per_step(p, e.micro_batches, plan, 0).ops if kind == "memory") - reduce
     real = sum(got["moved"][role] for role in ("", "gather", "regather"))
