@@ -9,6 +9,7 @@ traceback (torch's mp.spawn can blame a bystander: the first rank to exit, not t
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import socket
@@ -71,6 +72,8 @@ def _rank_main(rank: int, world_size: int, port: int, checks: list[Check], kwarg
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size}
     os.environ.update({k: str(v) for k, v in env.items()})  # for code under test that reads the launcher's env
     torch.set_num_threads(1)
+    fault = open(out / f".fault.{rank}", "w")  # noqa: SIM115 (open for the process's life: a crash writes here)
+    faulthandler.enable(fault)  # a rank killed by a signal leaves its Python stack for the parent to report
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
     except BaseException:
@@ -103,6 +106,8 @@ class WorldResult:
     """Keyed "<check index>.<rank>" (and "setup.<rank>" if joining the process group failed)."""
     died: dict[int, int]
     """Exit codes of the ranks that died on their own, before the parent killed the rest."""
+    faults: dict[int, str]
+    """The Python stacks faulthandler wrote for ranks killed by a signal (a segfault, an abort)."""
     cut: str
     """Why the parent killed the world ("" if it did not)."""
 
@@ -126,10 +131,9 @@ class WorldResult:
         crashed = [r for r in ranks if r not in got and r in self.died]
         if crashed:  # it died inside the check: its peers' errors ("Connection reset by peer") are only echoes
             rank, others = crashed[0], crashed[1:] + failed
-            head = (
-                f"{name} failed on rank {rank}: the process exited with code {self.died[rank]} inside the check "
-                "(no Python traceback; its stderr is in the test output)"
-            )
+            head = f"{name} failed on rank {rank}: the process exited with code {self.died[rank]} inside the check"
+            stack = self.faults.get(rank)
+            head += f"; faulthandler's stack:\n{stack}" if stack else " (no Python traceback; see its stderr)"
         elif failed:
             rank, others = failed[0], failed[1:]
             head = f"{name} failed on rank {rank}:\n{got[rank].error}"
@@ -226,9 +230,10 @@ def run_world(world_size: int, checks: list[Check], timeout_s: float = 300, **kw
                     p.kill()
                     p.join()
         outcomes = {f.name.rsplit(".", 1)[0]: pickle.loads(f.read_bytes()) for f in out.glob("[!.]*")}
+        faults = {r: text for r in died if (f := out / f".fault.{r}").exists() and (text := f.read_text().strip())}
     if times := os.environ.get(TIMES_ENV):
         with open(times, "a") as f:  # rank 0's seconds per check: where a world's time goes
             for i, check in enumerate(checks):
                 if (o := outcomes.get(f"{i}.0")) is not None:
                     f.write(f"{world_size} {_name(check)} {o.seconds:.1f}\n")
-    return WorldResult(checks, world_size, outcomes, died, cut)
+    return WorldResult(checks, world_size, outcomes, died, faults, cut)

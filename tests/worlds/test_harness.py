@@ -4,7 +4,8 @@ Three small worlds of 2 ranks (~3 s to start each) plus one that hangs until HAN
 Run: pytest tests/worlds/test_harness.py
 """
 
-import os
+import faulthandler
+import re
 import time
 
 import pytest
@@ -43,7 +44,7 @@ def check_hangs(rank, world_size):
 
 def check_crashes(rank, world_size):
     if rank == 1:
-        os._exit(3)
+        faulthandler._sigsegv()  # a crash below Python, as a broken extension would make one
     dist.barrier()
 
 
@@ -98,14 +99,13 @@ def test_hang_is_killed_after_timeout():
 
 
 @pytest.mark.world
-def test_crash_names_the_rank_and_exit_code():
+def test_crash_names_the_rank_exit_code_and_python_stack():
     world = run_world(2, [check_crashes, check_never_runs], timeout_s=120)
-    message = (
-        r"^check_crashes failed on rank 1: the process exited with code 3 inside the check .*"
-        r"\nalso failed on rank 0: RuntimeError: .*Connection"
-    )
-    with pytest.raises(AssertionError, match=message):
+    message = r"^check_crashes failed on rank 1: the process exited with code -11 inside the check; faulthandler's"
+    with pytest.raises(AssertionError, match=message) as err:
         world.raise_for(check_crashes)
+    assert re.search(r'File ".*test_harness.py", line \d+ in check_crashes', str(err.value))
+    assert re.search(r"\nalso failed on rank 0: RuntimeError: .*Connection", str(err.value))
     with pytest.raises(AssertionError, match="check_never_runs was not run"):
         world.raise_for(check_never_runs)
 
@@ -118,6 +118,7 @@ def test_checks_must_be_importable_by_the_spawned_ranks():
         run_world(2, [nested])
 
 
+@pytest.mark.world
 def test_unknown_check_is_a_key_error(main_world):
     with pytest.raises(KeyError, match="check_hangs is not one of this world's checks: check_all_reduce, "):
         main_world.raise_for(check_hangs)
