@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ._gloo import share_one_device
+
 Check = Callable[..., Any] | tuple[Callable[..., Any], dict[str, Any]]
 """A check, or (check, keyword arguments of its own) when checks of several modules share one world."""
 PG_TIMEOUT_S = 120
@@ -74,6 +76,7 @@ def _rank_main(rank: int, world_size: int, port: int, checks: list[Check], kwarg
     torch.set_num_threads(1)
     fault = open(out / f".fault.{rank}", "w")  # noqa: SIM115 (open for the process's life: a crash writes here)
     faulthandler.enable(fault)  # a rank killed by a signal leaves its Python stack for the parent to report
+    share_one_device()  # the world's many meshes would otherwise each start gloo threads that wake every 10 ms
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
     except BaseException:
