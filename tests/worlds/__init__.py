@@ -1,1 +1,1 @@
-"""Multi-process checks on real gloo ranks: one spawned world per test module (see _harness.run_world)."""
+"""Multi-process checks on real gloo ranks: a world per test module or shared by several (see _harness.run_world)."""

@@ -1,8 +1,8 @@
 """Shared by the gloo worlds: the one-process reference run every layout is compared with, and the worlds that
 several modules' checks share.
 
-Starting ranks (spawn, import torch and shardlab, join the process group) costs more than most checks, so modules
-whose checks need nothing prepared beforehand run them in one world per size. Checks are told apart by module; the
+Starting ranks (fork them, import the checks' modules, join the process group) costs more than many checks, so
+modules whose checks need nothing prepared beforehand run them in one world per size. Checks are told apart by module; the
 first failing check stops the world, and the later ones report "not run" naming it.
 """
 
@@ -35,9 +35,7 @@ def shared_tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def shared_world4(shared_tmp) -> WorldResult:
-    """4 ranks: the dense parity layouts, the estimator's memory, the helpers, the MoE layouts. No more: every mesh
-    a check builds leaves gloo groups whose threads poll for the world's life, so a check late in a long world runs
-    several times slower than in a world of its own (context parallelism's and pipelines' 4-rank checks keep theirs)."""
+    """4 ranks: the dense parity layouts, the estimator's memory, the helpers, the MoE layouts."""
     from . import test_estimate, test_helpers, test_moe, test_parity_4
 
     moe = {"tmp": str(shared_tmp / "moe")}

@@ -240,15 +240,8 @@ CHECKS = [*PROBED, pp_fsdp_1f1b, pp_fsdp_interleaved, pp_tp_sp_gpipe, pp_cp_1f1b
 
 @pytest.fixture(scope="module")
 def world4():
-    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)  # read by each spawned rank's malloc at start
-    try:
-        return run_world(4, CHECKS, timeout_s=400)
-    finally:
-        if previous is None:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
+    return run_world(4, CHECKS, timeout_s=400, environ={"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})  # malloc
+    # reads it once, at the rank's start
 
 
 @pytest.mark.world
