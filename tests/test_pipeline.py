@@ -105,13 +105,79 @@ def test_schedule_and_stages_per_rank_must_agree(schedule, v, message):
         ("interleaved_1f1b", 4, 2, 8, 3 / 19),
         ("looped_bfs", 4, 2, 8, 3 / 19),
         ("interleaved_zero_bubble", 4, 2, 8, 3 / 51),
-        ("zbv_zero_bubble", 4, 2, 8, 0.0),
-        ("zbv_zero_bubble", 4, 2, 4, 3 / 27),
+        ("zbv_zero_bubble", 4, 2, 8, 3 / 51),
+        ("dualpipev", 4, 2, 4, 3 / 27),
         ("1f1b", 1, 1, 1, 0.0),
     ],
 )
 def test_bubble_fraction(schedule, p, v, m, bubble):
     assert bubble_fraction(schedule, p, v, m) == pytest.approx(bubble)
+
+
+def _orders(schedule: str, pp: int, v: int, m: int) -> dict[int, list[tuple[int, str, int]]]:
+    """Every pp rank's compute actions (stage, F / B / I / W, micro batch) in the order torch's schedule runs them."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from shardlab.estimate._fake import fake_world
+    from shardlab.pipeline import PipelinePlan, StagePlan
+    from shardlab.schedule import SCHEDULE_NAMES, stage_actions
+
+    stages = tuple(StagePlan(index=i, pp_rank=r, blocks=(), others=(), params=0)
+                   for i, r in enumerate(stage_ranks(pp, v, schedule)))  # fmt: skip
+    pipeline = PipelinePlan(schedule=schedule, stages_per_rank=v, microbatches=m, stages=stages, bubble=0.0)
+    with fake_world(pp, 0):
+        group = dist.new_group(list(range(pp)))
+        if v == 1:  # torch keeps no order for one stage per rank: its F and B each run the micro batches in turn
+            counted = {r: stage_actions(pipeline, r, group)[r] for r in range(pp)}
+            return {r: [(r, a, acts[:i].count(a)) for i, a in enumerate(acts)] for r, acts in counted.items()}
+        own = [PipelineStage(nn.Linear(1, 1), s.index, len(stages), torch.device("cpu"), group=group)
+               for s in pipeline.stages_of(0)]  # fmt: skip
+        order = get_schedule_class(SCHEDULE_NAMES[schedule])(own, n_microbatches=m).pipeline_order
+    return {
+        rank: [(a.stage_index, a.computation_type.value, a.microbatch_index)
+               for action in actions if action is not None for a in (action.sub_actions or (action,))
+               if a.computation_type.value in "FBIW"]
+        for rank, actions in order.items()
+    }  # fmt: skip
+
+
+def _idle(orders: dict[int, list[tuple[int, str, int]]], n_stages: int) -> float:
+    """1 - the busiest rank's work / the step, each rank running its actions in order as soon as their inputs are
+    there (a stage's forward after the previous stage's, its backward after its forward and the next stage's
+    backward, W after I) with F, I and W one unit each, B two, and sends free."""
+    cost, done, clock = {"F": 1, "B": 2, "I": 1, "W": 1}, {}, dict.fromkeys(orders, 0)
+    waiting = {rank: list(actions) for rank, actions in orders.items()}
+    while any(waiting.values()):
+        moved = False
+        for rank, actions in waiting.items():
+            while actions:
+                stage, kind, i = actions[0]
+                needs = {"F": [(stage - 1, "F")] if stage else [], "W": [(stage, "I")]}.get(
+                    kind, [(stage, "F")] + ([(stage + 1, "B"), (stage + 1, "I")] if stage < n_stages - 1 else [])
+                )
+                ready = [done[s, k, i] for s, k in needs if (s, k, i) in done]
+                if len(ready) < len(needs) - (kind in "BI" and stage < n_stages - 1):  # B or I of the next: either
+                    break
+                clock[rank] = done[stage, kind, i] = max([clock[rank], *ready]) + cost[kind]
+                actions.pop(0)
+                moved = True
+        assert moved, "the order deadlocks"
+    busy = max(sum(cost[k] for _, k, _ in actions) for actions in orders.values())
+    return 1 - busy / max(clock.values())
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                                      "zbv_zero_bubble", "dualpipev"])  # fmt: skip
+def test_the_bubble_is_what_torchs_order_for_the_schedule_idles(schedule):
+    """bubble_fraction is the idle time of torch's own order for every rank, run with its dependencies under the
+    equal times it assumes: the zero-bubble schedules idle while the first forward reaches the last stage's rank."""
+    v = 1 if schedule in ("gpipe", "1f1b") else 2
+    for pp, m in [(2, 4), (4, 8), (4, 16), (8, 16)]:
+        got = _idle(_orders(schedule, pp, v, m), pp * v)
+        assert got == pytest.approx(bubble_fraction(schedule, pp, v, m), abs=1e-9), (pp, m)
 
 
 def test_plan_puts_embeddings_first_and_the_head_last():
