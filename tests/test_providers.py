@@ -181,6 +181,33 @@ def test_fused_projections_refuse_tensor_parallelism():
     p.check(Config(mesh=MeshSpec(dp_shard=4)))  # FSDP is fine
 
 
+def test_a_model_without_a_tensor_parallel_plan_for_its_blocks_refuses_tp():
+    p = HFCausalLM.from_dict({"model_type": "stablelm", **SHAPE}, "stablelm")  # transformers ships no plan for it
+    with pytest.raises(ValueError, match=r"no tensor-parallel plan for this model's blocks.*use mesh.tp=1"):
+        p.check(Config(mesh=MeshSpec(dp_shard=2, tp=2)))
+    p.check(Config(mesh=MeshSpec(dp_shard=4)))
+    HFCausalLM.from_dict({"model_type": "qwen3", **SHAPE}, "qwen3").check(Config(mesh=MeshSpec(dp_shard=2, tp=2)))
+
+
+def test_an_encoder_trains_as_a_causal_lm_only_as_a_decoder():
+    bert = {"model_type": "bert", **SHAPE}
+    with pytest.raises(ValueError, match=r'bert is an encoder .* unless config.json sets "is_decoder": true'):
+        HFCausalLM.from_dict(bert, "bert").check(Config(mesh=MeshSpec(dp_shard=1)))
+    HFCausalLM.from_dict(bert | {"is_decoder": True}, "bert").check(Config(mesh=MeshSpec(dp_shard=1)))
+    bart = {"model_type": "bart", "vocab_size": 512, "d_model": 64, "decoder_layers": 2, "encoder_layers": 2,
+            "decoder_attention_heads": 4, "encoder_attention_heads": 4, "decoder_ffn_dim": 128, "encoder_ffn_dim": 128}  # fmt: skip
+    HFCausalLM.from_dict(bart, "bart").check(Config(mesh=MeshSpec(dp_shard=1)))  # its causal class is a decoder
+
+
+def test_weights_in_files_shardlab_does_not_read_are_refused_not_ignored(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", **SHAPE}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    p = HFCausalLM.from_dir(tmp_path)
+    with pytest.raises(ValueError, match=r"the weights are in pytorch_model.bin, but shardlab reads only model.safet"):
+        p.check(hf_cfg(tmp_path))
+    p.check(Config(model=ModelConfig(hf_path=str(tmp_path), from_scratch=True)))
+
+
 def test_identity_round_trips_and_names_what_differs(qwen3_dir):
     p = HFCausalLM.from_dir(qwen3_dir)
     assert HFCausalLM.from_identity(p.identity()).identity() == p.identity()

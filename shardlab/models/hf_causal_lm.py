@@ -21,7 +21,7 @@ from shardlab.config import PlanConfig
 from shardlab.expert_parallel import is_stacked_experts
 from shardlab.hf import has_weights
 from shardlab.metrics import flops_per_token
-from shardlab.models.hf_rules import Decoder, hf_rules, unsplittable
+from shardlab.models.hf_rules import Decoder, blocks_planned, hf_rules, unsplittable
 from shardlab.models.llama import param_seed
 from shardlab.models.provider import HFNames, ModelProvider
 from shardlab.rules import Rules, matches
@@ -218,6 +218,7 @@ class HFCausalLM(ModelProvider):
 
     def check(self, cfg: Config) -> None:
         where = f"model.hf_path ({self.name})"
+        self._check_causal(where)
         if cfg.mesh.tp > 1:
             whole = unsplittable(self.meta_model())
             if whole:
@@ -225,6 +226,14 @@ class HFCausalLM(ModelProvider):
                     f"{where}: mesh.tp={cfg.mesh.tp}, but {whole[0]} is a fused weight that tensor "
                     "parallelism cannot split by heads exactly; use mesh.tp=1 (FSDP/HSDP) for this model"
                 )
+            if not blocks_planned(self.meta_model()):
+                raise ValueError(
+                    f"{where}: mesh.tp={cfg.mesh.tp}, but transformers ships no tensor-parallel plan for this model's "
+                    "blocks (config base_model_tp_plan), so none of their weights would be split; use mesh.tp=1 "
+                    "(FSDP/HSDP) for this model"
+                )
+        if cfg.model.hf_path is not None and not cfg.model.from_scratch:
+            _check_weight_files(Path(cfg.model.hf_path), where)
         loads = cfg.model.hf_path is not None and not cfg.model.from_scratch and has_weights(Path(cfg.model.hf_path))
         if loads:
             try:
@@ -252,6 +261,18 @@ class HFCausalLM(ModelProvider):
                 )
         if cfg.mesh.pp > 1:
             self._check_pipeline(cfg, where)
+
+    def _check_causal(self, where: str) -> None:
+        """An encoder that transformers also offers as a causal LM (BERT, RoBERTa, ...) attends both ways unless
+        its config says it is a decoder: trained on next tokens it would see each token it predicts."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+        built = self.meta_model().config  # a causal class that is always a decoder (BART's) says so here
+        if self._text.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(built, "is_decoder", False):
+            raise ValueError(
+                f"{where}: {self._text.model_type} is an encoder whose attention sees the whole sequence unless "
+                'config.json sets "is_decoder": true; set it to train the model as a causal LM'
+            )
 
     def _check_pipeline(self, cfg: Config, where: str) -> None:
         """A stage after the first feeds the model its hidden states as `inputs_embeds`, so whatever the forward
@@ -314,3 +335,20 @@ class HFCausalLM(ModelProvider):
 
     def hf_tied(self) -> bool:
         return bool(getattr(self._text, "tie_word_embeddings", False))
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+"""Files a model directory may hold its weights in; shardlab reads only safetensors under transformers' names."""
+
+
+def _check_weight_files(root: Path, where: str) -> None:
+    """A directory whose weights are in files shardlab does not read would otherwise train from the seed silently."""
+    if has_weights(root) or not root.is_dir():
+        return
+    other = sorted(f.name for f in root.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
+    if other:
+        raise ValueError(
+            f"{where}: the weights are in {other[0]}, but shardlab reads only model.safetensors (or "
+            "model.safetensors.index.json and its shards): save them as safetensors (transformers' save_pretrained "
+            "does), or train from the seed with --model.from-scratch"
+        )

@@ -148,6 +148,14 @@ def unsplittable(model: nn.Module) -> tuple[str, ...]:
     )  # fmt: skip
 
 
+def blocks_planned(model: nn.Module) -> bool:
+    """Whether transformers' TP plan names anything inside the blocks: without it tensor parallelism would split
+    no weight of theirs, only the sequence between them."""
+    d = Decoder(model)
+    inside = [f for f, _ in model.named_modules() if f.startswith(f"{d.layers}.0.")]
+    return any(matches(g, f) for g in d.tp_plan for f in inside)
+
+
 EXPERTS = "moe_tp_experts"
 """transformers' plan style of a stacked-experts module."""
 
