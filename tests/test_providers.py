@@ -189,6 +189,14 @@ def test_a_model_without_a_tensor_parallel_plan_for_its_blocks_refuses_tp():
     HFCausalLM.from_dict({"model_type": "qwen3", **SHAPE}, "qwen3").check(Config(mesh=MeshSpec(dp_shard=2, tp=2)))
 
 
+def test_norms_with_a_weight_per_head_refuse_tp():
+    cohere = {"model_type": "cohere", **SHAPE, "use_qk_norm": True}
+    with pytest.raises(ValueError, match=r"q_norm normalises each head with weights of its own.*use mesh.tp=1"):
+        HFCausalLM.from_dict(cohere, "cohere").check(Config(mesh=MeshSpec(dp_shard=2, tp=2)))
+    HFCausalLM.from_dict(cohere, "cohere").check(Config(mesh=MeshSpec(dp_shard=4)))
+    HFCausalLM.from_dict(cohere | {"use_qk_norm": False}, "cohere").check(Config(mesh=MeshSpec(dp_shard=2, tp=2)))
+
+
 def test_an_encoder_trains_as_a_causal_lm_only_as_a_decoder():
     bert = {"model_type": "bert", **SHAPE}
     with pytest.raises(ValueError, match=r'bert is an encoder .* unless config.json sets "is_decoder": true'):

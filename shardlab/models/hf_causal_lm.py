@@ -21,7 +21,7 @@ from shardlab.config import PlanConfig
 from shardlab.expert_parallel import is_stacked_experts
 from shardlab.hf import has_weights
 from shardlab.metrics import flops_per_token
-from shardlab.models.hf_rules import Decoder, blocks_planned, hf_rules, unsplittable
+from shardlab.models.hf_rules import Decoder, blocks_planned, hf_rules, per_head_norms, unsplittable
 from shardlab.models.llama import param_seed
 from shardlab.models.provider import HFNames, ModelProvider
 from shardlab.rules import Rules, matches
@@ -225,6 +225,13 @@ class HFCausalLM(ModelProvider):
                 raise ValueError(
                     f"{where}: mesh.tp={cfg.mesh.tp}, but {whole[0]} is a fused weight that tensor "
                     "parallelism cannot split by heads exactly; use mesh.tp=1 (FSDP/HSDP) for this model"
+                )
+            per_head = per_head_norms(self.meta_model())
+            if per_head:
+                raise ValueError(
+                    f"{where}: mesh.tp={cfg.mesh.tp}, but {per_head[0]} normalises each head with weights of its "
+                    "own, which shardlab keeps whole rather than split with the heads; use mesh.tp=1 (FSDP/HSDP) "
+                    "for this model"
                 )
             if not blocks_planned(self.meta_model()):
                 raise ValueError(

@@ -156,6 +156,17 @@ def blocks_planned(model: nn.Module) -> bool:
     return any(matches(g, f) for g in d.tp_plan for f in inside)
 
 
+def per_head_norms(model: nn.Module) -> tuple[str, ...]:
+    """Norms in the first block with a weight per head ([heads, head_dim]: Cohere's q/k norms), which tensor
+    parallelism would have to split with the heads; shardlab keeps norms whole and refuses tp > 1 for these."""
+    d = Decoder(model)
+    return tuple(
+        f for f, m in model.named_modules()
+        if f.startswith(f"{d.layers}.0.") and "norm" in type(m).__name__.lower()
+        and any(p.ndim > 1 for p in m.parameters(recurse=False))
+    )  # fmt: skip
+
+
 EXPERTS = "moe_tp_experts"
 """transformers' plan style of a stacked-experts module."""
 
