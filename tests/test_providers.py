@@ -197,6 +197,13 @@ def test_norms_with_a_weight_per_head_refuse_tp():
     HFCausalLM.from_dict(cohere | {"use_qk_norm": False}, "cohere").check(Config(mesh=MeshSpec(dp_shard=2, tp=2)))
 
 
+def test_attention_given_the_hidden_states_by_position_refuses_sequence_parallelism():
+    neox = HFCausalLM.from_dict({"model_type": "gpt_neox", **SHAPE}, "gpt_neox")  # attention(norm(x), ...)
+    with pytest.raises(ValueError, match=r"hand gpt_neox.layers.0.attention its hidden states by position.*set plan"):
+        neox.check(Config(mesh=MeshSpec(dp_shard=2, tp=2)))
+    neox.check(Config(mesh=MeshSpec(dp_shard=2, tp=2), plan=PlanConfig(sequence_parallel=False)))
+
+
 def test_an_encoder_trains_as_a_causal_lm_only_as_a_decoder():
     bert = {"model_type": "bert", **SHAPE}
     with pytest.raises(ValueError, match=r'bert is an encoder .* unless config.json sets "is_decoder": true'):

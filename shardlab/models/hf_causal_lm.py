@@ -21,7 +21,14 @@ from shardlab.config import PlanConfig
 from shardlab.expert_parallel import is_stacked_experts
 from shardlab.hf import has_weights
 from shardlab.metrics import flops_per_token
-from shardlab.models.hf_rules import Decoder, blocks_planned, hf_rules, per_head_norms, unsplittable
+from shardlab.models.hf_rules import (
+    Decoder,
+    attention_by_position,
+    blocks_planned,
+    hf_rules,
+    per_head_norms,
+    unsplittable,
+)
 from shardlab.models.llama import param_seed
 from shardlab.models.provider import HFNames, ModelProvider
 from shardlab.rules import Rules, matches
@@ -220,25 +227,7 @@ class HFCausalLM(ModelProvider):
         where = f"model.hf_path ({self.name})"
         self._check_causal(where)
         if cfg.mesh.tp > 1:
-            whole = unsplittable(self.meta_model())
-            if whole:
-                raise ValueError(
-                    f"{where}: mesh.tp={cfg.mesh.tp}, but {whole[0]} is a fused weight that tensor "
-                    "parallelism cannot split by heads exactly; use mesh.tp=1 (FSDP/HSDP) for this model"
-                )
-            per_head = per_head_norms(self.meta_model())
-            if per_head:
-                raise ValueError(
-                    f"{where}: mesh.tp={cfg.mesh.tp}, but {per_head[0]} normalises each head with weights of its "
-                    "own, which shardlab keeps whole rather than split with the heads; use mesh.tp=1 (FSDP/HSDP) "
-                    "for this model"
-                )
-            if not blocks_planned(self.meta_model()):
-                raise ValueError(
-                    f"{where}: mesh.tp={cfg.mesh.tp}, but transformers ships no tensor-parallel plan for this model's "
-                    "blocks (config base_model_tp_plan), so none of their weights would be split; use mesh.tp=1 "
-                    "(FSDP/HSDP) for this model"
-                )
+            self._check_tensor_parallel(cfg, where)
         if cfg.model.hf_path is not None and not cfg.model.from_scratch:
             _check_weight_files(Path(cfg.model.hf_path), where)
         loads = cfg.model.hf_path is not None and not cfg.model.from_scratch and has_weights(Path(cfg.model.hf_path))
@@ -268,6 +257,36 @@ class HFCausalLM(ModelProvider):
                 )
         if cfg.mesh.pp > 1:
             self._check_pipeline(cfg, where)
+
+    def _check_tensor_parallel(self, cfg: Config, where: str) -> None:
+        """What transformers' TP plan and this model's code leave tensor parallelism unable to split exactly."""
+        model = self.meta_model()
+        whole = unsplittable(model)
+        if whole:
+            raise ValueError(
+                f"{where}: mesh.tp={cfg.mesh.tp}, but {whole[0]} is a fused weight that tensor "
+                "parallelism cannot split by heads exactly; use mesh.tp=1 (FSDP/HSDP) for this model"
+            )
+        if not blocks_planned(model):
+            raise ValueError(
+                f"{where}: mesh.tp={cfg.mesh.tp}, but transformers ships no tensor-parallel plan for this model's "
+                "blocks (config base_model_tp_plan), so none of their weights would be split; use mesh.tp=1 "
+                "(FSDP/HSDP) for this model"
+            )
+        per_head = per_head_norms(model)
+        if per_head:
+            raise ValueError(
+                f"{where}: mesh.tp={cfg.mesh.tp}, but {per_head[0]} normalises each head with weights of its "
+                "own, which shardlab keeps whole rather than split with the heads; use mesh.tp=1 (FSDP/HSDP) "
+                "for this model"
+            )
+        positional = attention_by_position(model) if cfg.plan.sequence_parallel else None
+        if positional:
+            raise ValueError(
+                f"{where}: mesh.tp={cfg.mesh.tp} with sequence parallelism, but the blocks hand {positional} "
+                "its hidden states by position, where shardlab cannot gather the sequence for it; set "
+                "plan.sequence_parallel=False"
+            )
 
     def _check_causal(self, where: str) -> None:
         """An encoder that transformers also offers as a causal LM (BERT, RoBERTa, ...) attends both ways unless

@@ -14,6 +14,7 @@ taking the whole sequence and handing back its shard.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Iterator
 
@@ -165,6 +166,18 @@ def per_head_norms(model: nn.Module) -> tuple[str, ...]:
         if f.startswith(f"{d.layers}.0.") and "norm" in type(m).__name__.lower()
         and any(p.ndim > 1 for p in m.parameters(recurse=False))
     )  # fmt: skip
+
+
+def attention_by_position(model: nn.Module) -> str | None:
+    """The attention module a block hands its hidden states by position rather than as `hidden_states=`
+    (GPT-NeoX's), if any: sequence parallelism gathers the sequence for attention at that keyword only."""
+    d = Decoder(model)
+    block = model.get_submodule(f"{d.layers}.0")
+    source = inspect.getsource(type(block).forward)
+    for name, _ in block.named_children():
+        if f"{d.blocks}.{name}" in d.attention and not re.search(rf"self\.{name}\(\s*hidden_states\s*=", source):
+            return f"{d.layers}.0.{name}"
+    return None
 
 
 EXPERTS = "moe_tp_experts"
