@@ -53,16 +53,29 @@ def step_dir(checkpoints: Path, step: int) -> Path:
     return checkpoints / f"{STEP_PREFIX}{step:08d}"
 
 
-def complete(checkpoints: Path) -> list[Path]:
-    """Committed checkpoints, oldest first (a directory is committed once it has its final name)."""
+def committed(checkpoints: Path) -> list[Path]:
+    """Checkpoints that committed, oldest first (a directory is committed once it has its final name), intact or
+    not."""
     if not checkpoints.is_dir():
         return []
-    found = [
+    return sorted(
         p
         for p in checkpoints.iterdir()
         if p.is_dir() and p.name.startswith(STEP_PREFIX) and not p.name.endswith(TMP_SUFFIX)
-    ]
-    return sorted(p for p in found if (p / STATE_FILE).is_file() and (p / ".metadata").is_file())
+    )
+
+
+def complete(checkpoints: Path) -> list[Path]:
+    """Committed checkpoints that hold DCP's index and the train state, oldest first."""
+    return [p for p in committed(checkpoints) if _missing(p) is None]
+
+
+def _missing(path: Path) -> str | None:
+    """Which of the files every committed checkpoint has is not there."""
+    for name in (".metadata", STATE_FILE):
+        if not (path / name).is_file():
+            return f"{name} is missing"
+    return None
 
 
 def resolve_resume(resume: str, checkpoints: Path, *, checksums: bool = True) -> Path | None:
@@ -76,7 +89,7 @@ def resolve_resume(resume: str, checkpoints: Path, *, checksums: bool = True) ->
         return None
     if resume == "auto":
         skipped: list[str] = []
-        for path in reversed(complete(checkpoints)):
+        for path in reversed(committed(checkpoints)):
             problem = damage(path, checksums)
             if problem is None:
                 for line in skipped:
@@ -104,6 +117,9 @@ def damage(path: Path, checksums: bool = True) -> str | None:
     """What is wrong with a committed checkpoint, per its manifest: None when its files match it, or when it has
     none (written before manifests: trusted, as before). Collective in a process group: each rank checksums
     every world_size-th file, so a resume reads the checkpoint once more, split over the ranks."""
+    missing = _missing(path)
+    if missing is not None:
+        return missing
     try:
         files = _manifest.read(path)
     except ValueError as err:
@@ -280,6 +296,9 @@ def _commit(tmp: Path, final: Path, files: dict[str, bytes], keep: int | None, o
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)  # the commit: atomic on one filesystem
+        kept = committed(final.parent)
+        for later in kept[kept.index(final) + 1 :]:  # an earlier run's, past the step this run started over from
+            shutil.rmtree(later, ignore_errors=True)
         if keep is not None:
             for old in complete(final.parent)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -108,6 +108,30 @@ def test_resume_none_starts_fresh_and_auto_finds_nothing_to_do(tmp_path):
     assert len(train(tiny(tmp_path, resume="none"), write=False)) == 6
 
 
+def test_a_run_started_over_replaces_the_later_checkpoints_of_the_one_before(tmp_path):
+    """A fresh run of 3 steps where a run of 6 left its checkpoints keeps its own (keep=2 prunes the oldest, not
+    the step it just committed), and the next start resumes it, not the earlier run's step 6."""
+    train(tiny(tmp_path, keep=2), write=False)
+    fresh = msgspec.structs.replace(tiny(tmp_path, keep=2, resume="none"), train=TrainConfig(
+        steps=3, seq_len=32, global_batch=4, run_dir=str(tmp_path)))  # fmt: skip
+    assert len(train(fresh, write=False)) == 3
+    assert [p.name for p in complete(tmp_path / "checkpoints")] == ["step-00000002", "step-00000003"]
+    assert resolve_resume("auto", tmp_path / "checkpoints") == step_dir(tmp_path / "checkpoints", 3)
+
+
+@pytest.mark.parametrize("name", [".metadata", "train_state.json"])
+def test_a_checkpoint_missing_its_index_or_state_is_damage_not_absence(tmp_path, capsys, name):
+    """Skipped with a warning like any damage, and with every checkpoint so, the run stops instead of starting
+    over from step 0 on top of them."""
+    oldest, newest = two_checkpoints(tmp_path)
+    (newest / name).unlink()
+    assert resolve_resume("auto", tmp_path / "checkpoints") == oldest
+    assert f"skips step-00000004: {name} is missing; resuming from step-00000002" in capsys.readouterr().err
+    (oldest / name).unlink()
+    with pytest.raises(ValueError, match=rf"no intact checkpoint .* \(newest step-00000004: {name} is missing\)"):
+        resolve_resume("auto", tmp_path / "checkpoints")
+
+
 def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     train(tiny(tmp_path), write=False, until=2)
     other = tiny(tmp_path)
