@@ -131,6 +131,8 @@ def file_documents(
             values, wheres = (
                 ([text], [f"data.paths: {name}"]) if path.suffix == ".txt" else _jsonl_values(name, text, field)
             )
+            kept = [k for k, v in enumerate(values) if v != ""]  # an empty text would train on its markers alone
+            values, wheres = [values[k] for k in kept], [wheres[k] for k in kept]
             columns, where = records(values, wheres.__getitem__), wheres.__getitem__
         else:
             raise ValueError(

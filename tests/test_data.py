@@ -170,6 +170,18 @@ def test_missing_file(tmp_path: Path):
         loader(DataConfig(source="files", paths=(missing,)))
 
 
+def test_empty_texts_are_no_documents(tmp_path: Path, corpus: DataConfig):
+    """An empty .txt or a .jsonl of empty texts holds no documents (it would train on its markers alone); beside
+    other files they add nothing."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
+    for name in ("empty.txt", "empty.jsonl"):
+        with pytest.raises(ValueError, match=rf"data.paths: .*{name} hold no documents"):
+            loader(DataConfig(source="files", paths=(str(tmp_path / name),)))
+    padded = DataConfig(source="files", paths=(*corpus.paths, str(tmp_path / "empty.txt")))
+    assert torch.equal(loader(padded).batch(0).inputs, loader(corpus).batch(0).inputs)
+
+
 def test_jsonl_without_the_field(tmp_path: Path):
     path = tmp_path / "c.jsonl"
     path.write_text('{"text": "ok"}\n{"body": "x"}\n')
