@@ -82,12 +82,19 @@ def dataset_documents(
         return records(batch[field], lambda j: where(indices[j]))
 
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    with _quiet(_datasets(name)):
-        ids = rows.map(
-            tokenize, batched=True, with_indices=True, remove_columns=rows.column_names,
-            cache_file_name=str(Path(cache_dir) / f"tokens-{fingerprint}.arrow"),
-            new_fingerprint=fingerprint,
-        )  # fmt: skip
+    try:
+        with _quiet(_datasets(name)):
+            ids = rows.map(
+                tokenize, batched=True, with_indices=True, remove_columns=rows.column_names,
+                cache_file_name=str(Path(cache_dir) / f"tokens-{fingerprint}.arrow"),
+                new_fingerprint=fingerprint,
+            )  # fmt: skip
+    except UnicodeDecodeError as err:  # pyarrow's JSON reader passes bytes that are not UTF-8 on to the rows
+        if BUILDERS[files[0].suffix] == "json":
+            _check_json_lines(files)  # names the file and line
+        raise ValueError(
+            f"data.paths: {name} holds text that is not UTF-8 ({err.reason} at byte {err.start}); fix or re-encode it"
+        ) from None
     out = {}
     for key in ids.column_names:  # list arrays: flat values and row offsets, memory-mapped
         column = ids.data.column(key).combine_chunks()

@@ -104,6 +104,10 @@ def test_bad_datasets_are_one_line(tmp_path: Path):
     broken.write_bytes(b"not parquet at all")
     with pytest.raises(ValueError, match=r"broken\.parquet is not a readable dataset"):
         batches(files(broken, tmp_path / "cache"))
+    (tmp_path / "latin1").mkdir()  # a directory: read by datasets, whose JSON reader lets the bytes through
+    (tmp_path / "latin1" / "texts.jsonl").write_bytes(b'{"text": "fine"}\n\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1/texts\.jsonl:3 is not valid JSON \('utf-8' codec can't decode"):
+        batches(files(tmp_path / "latin1", tmp_path / "cache"))
     nulls = tmp_path / "nulls.parquet"
     datasets.Dataset.from_dict({"text": ["fine", None]}).to_parquet(nulls)
     with pytest.raises(ValueError, match=r"nulls\.parquet row 1 has no string field 'text'"):
