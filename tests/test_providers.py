@@ -165,10 +165,13 @@ def test_pipelines_take_what_a_stage_can_feed_the_model(qwen3_dir):
     looped = hf_cfg(qwen3_dir, MeshSpec(pp=2, dp_shard=1), pp_schedule="interleaved_1f1b", pp_stages_per_rank=2)
     with pytest.raises(ValueError, match=r"plan.pp_stages_per_rank=2: a transformers model's forward runs whole"):
         plan_model(msgspec.structs.replace(looped, model=ModelConfig(hf_path=str(qwen3_dir))))
-    gemma2 = HFCausalLM.from_dict({"model_type": "gemma2", **SHAPE, "head_dim": 16, "pad_token_id": 0}, "gemma2")
+    gemma2 = {"model_type": "gemma2", **SHAPE, "head_dim": 16, "pad_token_id": 0, "attn_logit_softcapping": None}
     with pytest.raises(ValueError, match=r"mesh.pp=2, but the model's forward changes the hidden states"):
-        gemma2.check(Config(mesh=MeshSpec(pp=2, dp_shard=1)))
-    gemma2.check(Config(mesh=MeshSpec(dp_shard=2)))
+        HFCausalLM.from_dict(gemma2, "gemma2").check(Config(mesh=MeshSpec(pp=2, dp_shard=1)))
+    HFCausalLM.from_dict(gemma2, "gemma2").check(Config(mesh=MeshSpec(dp_shard=2)))
+    capped = HFCausalLM.from_dict(gemma2 | {"attn_logit_softcapping": 50.0}, "gemma2")  # Gemma 2's default
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50.0, which the attention shardlab builds"):
+        capped.check(Config(mesh=MeshSpec(dp_shard=2)))
 
 
 def test_fused_projections_refuse_tensor_parallelism():

@@ -238,10 +238,16 @@ class HFCausalLM(ModelProvider):
             except ValueError as e:
                 raise ValueError(f"{where}: {e}; or train it from the seed with --model.from-scratch") from None
         t = self._text
-        if cfg.mesh.cp > 1 and (getattr(t, "attn_logit_softcapping", None) or getattr(t, "attention_dropout", 0)):
+        if getattr(t, "attn_logit_softcapping", None):
             raise ValueError(
-                f"{where}: mesh.cp={cfg.mesh.cp} with attention logit soft-capping or attention dropout, which "
-                "shardlab's context-parallel attention does not compute; use mesh.cp=1 for this model"
+                f"{where}: attn_logit_softcapping={t.attn_logit_softcapping}, which the attention shardlab builds the "
+                "model with (transformers' SDPA, or all-gather attention under cp) does not compute; this model "
+                "cannot train here as configured"
+            )
+        if cfg.mesh.cp > 1 and getattr(t, "attention_dropout", 0):
+            raise ValueError(
+                f"{where}: mesh.cp={cfg.mesh.cp} with attention dropout, which shardlab's context-parallel attention "
+                "does not compute; use mesh.cp=1 for this model"
             )
         if cfg.mesh.ep > 1:
             experts = [m.num_experts for m in self.meta_model().modules() if is_stacked_experts(m)]
