@@ -9,6 +9,7 @@ as in the non-pipelined step, and the schedule does not rescale gradients: every
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -162,12 +163,19 @@ def stage_actions(pipeline: PipelinePlan, pp_rank: int, group: dist.ProcessGroup
 def compute_actions(order: list, stages: list[int]) -> dict[int, str]:
     """A torch schedule's order for one rank (its `pipeline_order[rank]`) -> each of `stages`' compute actions."""
     actions = {index: "" for index in stages}
+    for stage, kind, _ in compute_steps(order):
+        actions[stage] += kind
+    return actions
+
+
+def compute_steps(order: list) -> Iterator[tuple[int, str, int]]:
+    """(stage, F / B / I / W, micro batch) of each compute action in a torch schedule's order for one rank, in
+    order (an overlapped action's parts one after the other; idle slots and communication left out)."""
     for action in order:
         for a in (action.sub_actions or (action,)) if action is not None else ():
-            kind = a.computation_type.value  # F, B, I, W
+            kind = a.computation_type.value
             if kind in "FBIW":
-                actions[a.stage_index] += kind
-    return actions
+                yield a.stage_index, kind, a.microbatch_index
 
 
 def _compute_order_only(cls: type) -> type:

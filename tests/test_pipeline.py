@@ -122,26 +122,27 @@ def _orders(schedule: str, pp: int, v: int, m: int) -> dict[int, list[tuple[int,
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     from shardlab.estimate._fake import fake_world
-    from shardlab.pipeline import PipelinePlan, StagePlan
-    from shardlab.schedule import SCHEDULE_NAMES, stage_actions
+    from shardlab.schedule import SCHEDULE_NAMES, compute_steps, stage_actions
 
-    stages = tuple(StagePlan(index=i, pp_rank=r, blocks=(), others=(), params=0)
-                   for i, r in enumerate(stage_ranks(pp, v, schedule)))  # fmt: skip
-    pipeline = PipelinePlan(schedule=schedule, stages_per_rank=v, microbatches=m, stages=stages, bubble=0.0)
+    pipeline = _placeholder_pipeline(schedule, pp, v, m)
     with fake_world(pp, 0):
         group = dist.new_group(list(range(pp)))
         if v == 1:  # torch keeps no order for one stage per rank: its F and B each run the micro batches in turn
             counted = {r: stage_actions(pipeline, r, group)[r] for r in range(pp)}
             return {r: [(r, a, acts[:i].count(a)) for i, a in enumerate(acts)] for r, acts in counted.items()}
-        own = [PipelineStage(nn.Linear(1, 1), s.index, len(stages), torch.device("cpu"), group=group)
+        own = [PipelineStage(nn.Linear(1, 1), s.index, len(pipeline.stages), torch.device("cpu"), group=group)
                for s in pipeline.stages_of(0)]  # fmt: skip
         order = get_schedule_class(SCHEDULE_NAMES[schedule])(own, n_microbatches=m).pipeline_order
-    return {
-        rank: [(a.stage_index, a.computation_type.value, a.microbatch_index)
-               for action in actions if action is not None for a in (action.sub_actions or (action,))
-               if a.computation_type.value in "FBIW"]
-        for rank, actions in order.items()
-    }  # fmt: skip
+    return {rank: list(compute_steps(actions)) for rank, actions in order.items()}
+
+
+def _placeholder_pipeline(schedule: str, pp: int, v: int, m: int):
+    """The PipelinePlan of `schedule` over pp ranks with v stages each and m micro batches; its stages hold nothing."""
+    from shardlab.pipeline import PipelinePlan, StagePlan
+
+    stages = tuple(StagePlan(index=i, pp_rank=r, blocks=(), others=(), params=0)
+                   for i, r in enumerate(stage_ranks(pp, v, schedule)))  # fmt: skip
+    return PipelinePlan(schedule=schedule, stages_per_rank=v, microbatches=m, stages=stages, bubble=0.0)
 
 
 def _idle(orders: dict[int, list[tuple[int, str, int]]], n_stages: int) -> float:
@@ -271,17 +272,14 @@ def test_stage_actions_are_the_order_torchs_schedule_builds(schedule):
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     from shardlab.estimate._fake import fake_world
-    from shardlab.pipeline import PipelinePlan, StagePlan
     from shardlab.schedule import SCHEDULE_NAMES, compute_actions, stage_actions
 
     pp, m = 4, 8
-    stages = tuple(StagePlan(index=i, pp_rank=r, blocks=(), others=(), params=0)
-                   for i, r in enumerate(stage_ranks(pp, 2, schedule)))  # fmt: skip
-    pipeline = PipelinePlan(schedule=schedule, stages_per_rank=2, microbatches=m, stages=stages, bubble=0.0)
+    pipeline = _placeholder_pipeline(schedule, pp, 2, m)
     for rank in range(pp):
         with fake_world(pp, rank):
             group = dist.new_group(list(range(pp)))
-            own = [PipelineStage(nn.Linear(1, 1), s.index, len(stages), torch.device("cpu"), group=group)
+            own = [PipelineStage(nn.Linear(1, 1), s.index, len(pipeline.stages), torch.device("cpu"), group=group)
                    for s in pipeline.stages_of(rank)]  # fmt: skip
             whole = get_schedule_class(SCHEDULE_NAMES[schedule])(own, n_microbatches=m).pipeline_order[rank]
             got = stage_actions(pipeline, rank, group)
