@@ -228,9 +228,10 @@ class HFCausalLM(ModelProvider):
         self._check_causal(where)
         if cfg.mesh.tp > 1:
             self._check_tensor_parallel(cfg, where)
-        if cfg.model.hf_path is not None and not cfg.model.from_scratch:
-            _check_weight_files(Path(cfg.model.hf_path), where)
-        loads = cfg.model.hf_path is not None and not cfg.model.from_scratch and has_weights(Path(cfg.model.hf_path))
+        root = Path(cfg.model.hf_path) if cfg.model.hf_path is not None and not cfg.model.from_scratch else None
+        loads = root is not None and has_weights(root)
+        if root is not None and not loads:
+            _check_no_other_weights(root, where)
         if loads:
             try:
                 for name, p in self.meta_model().named_parameters():
@@ -373,9 +374,10 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgp
 """Files a model directory may hold its weights in; shardlab reads only safetensors under transformers' names."""
 
 
-def _check_weight_files(root: Path, where: str) -> None:
-    """A directory whose weights are in files shardlab does not read would otherwise train from the seed silently."""
-    if has_weights(root) or not root.is_dir():
+def _check_no_other_weights(root: Path, where: str) -> None:
+    """A directory without safetensors whose weights are in files shardlab does not read would otherwise train from
+    the seed silently."""
+    if not root.is_dir():
         return
     other = sorted(f.name for f in root.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
     if other:
