@@ -9,7 +9,6 @@ traceback (torch's mp.spawn can blame a bystander: the first rank to exit, not t
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import os
 import pickle
@@ -17,11 +16,12 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -190,21 +190,6 @@ class WorldResult:
         return self.outcomes[f"{self._index(check)}.{rank}"].value
 
 
-@contextlib.contextmanager
-def _environment(variables: dict[str, str]) -> Iterator[None]:
-    """`variables` set in os.environ (which spawned processes inherit) for the duration, then restored."""
-    previous = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -225,12 +210,10 @@ def run_world(
     for check in checks:
         qualname = (check[0] if isinstance(check, tuple) else check).__qualname__
         if "<" in qualname:
-            raise TypeError(
-                f"check {qualname} must be a module-level function: the spawned ranks import checks by name"
-            )
+            raise TypeError(f"check {qualname} must be a module-level function: the ranks import checks by name")
     ctx = mp.get_context("spawn" if environ else "forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    with tempfile.TemporaryDirectory(prefix="world-") as tmp, _environment(environ or {}):
+    with tempfile.TemporaryDirectory(prefix="world-") as tmp, mock.patch.dict(os.environ, environ or {}):
         out, port = Path(tmp), _free_port()
         procs = [
             ctx.Process(target=_rank_main, args=(r, world_size, port, checks, kwargs, out)) for r in range(world_size)

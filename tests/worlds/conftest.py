@@ -2,8 +2,8 @@
 several modules' checks share.
 
 Starting ranks (fork them, import the checks' modules, join the process group) costs more than many checks, so
-modules whose checks need nothing prepared beforehand run them in one world per size. Checks are told apart by module; the
-first failing check stops the world, and the later ones report "not run" naming it.
+modules whose checks need nothing prepared beforehand run them in one world per size. Checks are told apart by
+module; the first failing check stops the world, and the later ones report "not run" naming it.
 """
 
 from pathlib import Path

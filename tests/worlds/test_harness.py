@@ -1,6 +1,6 @@
 """run_world itself: results, values, blame for the failing rank, "not run", hangs and crashes.
 
-Three small worlds of 2 ranks (~3 s to start each) plus one that hangs until HANG_TIMEOUT_S.
+Three small worlds of 2 ranks (forked: under a second to start each) plus one that hangs until HANG_TIMEOUT_S.
 Run: pytest tests/worlds/test_harness.py
 """
 
