@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import shardlab
-from shardlab.data import make_loader
+from shardlab.data.loader import make_loader
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
@@ -36,7 +36,7 @@ def main() -> None:
     mesh = None
     if WORLD > 1:
         mesh = shardlab.make_mesh(cfg.mesh)
-        shardlab.apply(model, plan, mesh)
+        shardlab.parallel.apply(model, plan, mesh)
     step = shardlab.make_step(cfg, plan, mesh)
     state = shardlab.init_state(model, cfg.optim)
     loader = make_loader(

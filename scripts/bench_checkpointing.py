@@ -6,7 +6,7 @@ estimator's figures, on CPU ranks (no CUDA needed: memory is counted in storages
 
 torchtitan's Llama debug model (shardlab's default ModelConfig: dim 256, 6 blocks, 16 heads, vocab 2048), fp32,
 stdlib text, seq 2048, global batch 8 (one micro batch per step). Every run is a world of fresh gloo ranks
-(`cores // ranks` threads each, as shardlab.launch gives CPU ranks). Measured, on rank 0 unless said:
+(`cores // ranks` threads each, as shardlab.cli.launch gives CPU ranks). Measured, on rank 0 unless said:
 - step s: the fastest of the timed steps (steps 2.., the first warms up; every rank times the same steps) of --runs
   timing runs per mode, in the order A B C D D C B A, with glibc's default malloc, and their median in brackets
   (other jobs on the machine only ever add time); CPU s / step: the median CPU time (user + system, every thread)
@@ -47,12 +47,12 @@ import torch.multiprocessing as mp
 from _worlds import free_port, join
 
 from shardlab.config import Config, DataConfig, LogConfig, MeshSpec, ModelConfig, PlanConfig, TrainConfig
-from shardlab.data import make_loader
+from shardlab.data.loader import make_loader
 from shardlab.estimate import estimate
+from shardlab.estimate.devices import device
 from shardlab.estimate.recorder import Recorder, axis_names, param_storages
-from shardlab.estimate.roofline import device
-from shardlab.loop import build_model, plan_model
-from shardlab.step import forward_backward, init_state, make_step
+from shardlab.train.loop import build_model, plan_model
+from shardlab.train.step import forward_backward, init_state, make_step
 
 MODES = ("none", "selective", "op", "full")
 LAYOUTS = {"one": MeshSpec(dp_shard=1), "fsdp2xtp2": MeshSpec(dp_shard=2, tp=2)}

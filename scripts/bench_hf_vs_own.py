@@ -22,7 +22,7 @@ from pathlib import Path
 from _shardlab_run import run_shardlab
 
 from shardlab.config import ModelConfig
-from shardlab.models.llama import to_hf_config
+from shardlab.models.llama.model import to_hf_config
 
 
 def run(kind: str, hf_dir: Path, a: argparse.Namespace) -> dict[str, float]:

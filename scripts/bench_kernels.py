@@ -18,8 +18,8 @@ import sys
 
 import torch
 
+from shardlab.estimate.devices import DEVICES
 from shardlab.estimate.kernels import measure, table, timer
-from shardlab.estimate.roofline import DEVICES
 
 
 def copy_bandwidth(device: torch.device, seconds: float) -> float:

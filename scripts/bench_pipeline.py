@@ -17,7 +17,7 @@ import statistics
 
 from _shardlab_run import run_shardlab
 
-from shardlab.pipeline import LOOPED, V_SHAPED, bubble_fraction
+from shardlab.sharding.pipeline import LOOPED, V_SHAPED, bubble_fraction
 
 
 def step_s(recipe: str, overrides: list[str], steps: int) -> float:

@@ -28,10 +28,10 @@ from _svg import Panel, Series, chart
 def estimate_rows(recipe: str, worlds: list[int], device_name: str) -> list[dict]:
     import msgspec
 
+    from shardlab.cli.recipe import load_recipe
     from shardlab.estimate import estimate
-    from shardlab.estimate.roofline import device
-    from shardlab.loop import plan_model
-    from shardlab.recipe import load_recipe
+    from shardlab.estimate.devices import device
+    from shardlab.train.loop import plan_model
 
     r = load_recipe(recipe)
     base = r.config
@@ -57,10 +57,10 @@ def real_estimate(recipe: str, dp: int, tp: int):
     """The estimate of the recipe on dp_shard x tp CPU ranks of this machine, as `real` runs it."""
     import msgspec
 
+    from shardlab.cli.recipe import load_recipe
     from shardlab.estimate import estimate
-    from shardlab.estimate.roofline import device
-    from shardlab.loop import plan_model
-    from shardlab.recipe import load_recipe
+    from shardlab.estimate.devices import device
+    from shardlab.train.loop import plan_model
 
     r = load_recipe(recipe)
     mesh = msgspec.structs.replace(r.config.mesh, dp_shard=dp, tp=tp)
@@ -116,7 +116,7 @@ def published_rows(path: Path | None) -> list[dict]:
 
 
 def estimate_panels(rows: list[dict], published: list[dict], device_name: str) -> list[Panel]:
-    from shardlab.estimate.roofline import DEVICES
+    from shardlab.estimate.devices import DEVICES
 
     unit = "GPUs" if device_name != "cpu" else "CPU ranks"
     where = DEVICES[device_name].name if device_name in DEVICES else "this machine"

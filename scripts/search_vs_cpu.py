@@ -46,9 +46,9 @@ def config(name: str, ac: str):
     import tyro
 
     from shardlab._base import deferred_checks
+    from shardlab.cli.recipe import load_recipe
     from shardlab.config import Config
-    from shardlab.mesh import MeshSpec
-    from shardlab.recipe import load_recipe
+    from shardlab.sharding.mesh import MeshSpec
 
     with deferred_checks():
         cfg = tyro.cli(Config, default=load_recipe(RECIPE).config, args=MODEL)
@@ -72,7 +72,7 @@ def overrides(cfg) -> list[str]:
 
 def estimated(cfg, dev) -> float:
     from shardlab.estimate import estimate
-    from shardlab.loop import plan_model
+    from shardlab.train.loop import plan_model
 
     _, plan = plan_model(cfg)
     return estimate(cfg, plan, dev=dev).time.step_s
@@ -111,10 +111,10 @@ def main() -> int:
     parser.add_argument("--reverse", action="store_true", help="start with the last layout (the search's pick)")
     args = parser.parse_args()
     known = json.loads(args.measured.read_text()) if args.measured else {}
-    from shardlab.estimate.roofline import device
+    from shardlab.cli.recipe import load_recipe
+    from shardlab.estimate.devices import device
     from shardlab.estimate.search import search
-    from shardlab.models.provider import provider_for
-    from shardlab.recipe import load_recipe
+    from shardlab.models import provider_for
 
     dev = device("cpu", WORLD)
     print(f"device: {dev}", flush=True)

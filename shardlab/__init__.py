@@ -3,9 +3,6 @@
 Config -> MeshSpec -> make_plan (rules, logical axes, PartitionSpecs) -> apply -> step.
 """
 
-from shardlab._device_mesh import make_mesh
-from shardlab.apply import apply, constrain, shard, shard_map
-from shardlab.checkpoint import load, save
 from shardlab.config import (
     CheckpointConfig,
     Config,
@@ -18,19 +15,24 @@ from shardlab.config import (
     PlanConfig,
     TrainConfig,
 )
-from shardlab.debug import visualize, visualize_spec
 from shardlab.hf import from_hf, load_hf_weights, to_hf
-from shardlab.loop import build_model, train
-from shardlab.mesh import MeshSpec
+from shardlab.models import provider_for
 from shardlab.models.custom import CustomModel, HFExport
-from shardlab.models.hf_causal_lm import HFCausalLM
-from shardlab.models.llama import Llama, llama_config
-from shardlab.models.llama_rules import llama_rules
-from shardlab.models.provider import LlamaProvider, ModelProvider, provider_for
-from shardlab.plan import Plan, make_plan
-from shardlab.rules import Activation, Rule, Rules
-from shardlab.spec import P, placements
-from shardlab.step import TrainState, init_state, make_step
+from shardlab.models.llama.model import Llama, llama_config
+from shardlab.models.llama.provider import LlamaProvider
+from shardlab.models.llama.rules import llama_rules
+from shardlab.models.provider import ModelProvider
+from shardlab.models.transformers.provider import HFCausalLM
+from shardlab.parallel.apply import apply, constrain, shard, shard_map
+from shardlab.parallel.device_mesh import make_mesh
+from shardlab.parallel.visualize import visualize, visualize_spec
+from shardlab.sharding.mesh import MeshSpec
+from shardlab.sharding.plan import Plan, make_plan
+from shardlab.sharding.rules import Activation, Rule, Rules
+from shardlab.sharding.spec import P, placements
+from shardlab.train.checkpoint import load, save
+from shardlab.train.loop import build_model, train
+from shardlab.train.step import TrainState, init_state, make_step
 
 __all__ = [
     "Activation",

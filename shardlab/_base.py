@@ -11,11 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
 T = TypeVar("T", bound="Frozen")
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+"""An int field that must be at least 1."""
 
 
 _DEFERRED: ContextVar[bool] = ContextVar("shardlab_deferred_checks", default=False)

@@ -9,11 +9,17 @@ import msgspec
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardlab._activation_checkpoint import MATMULS, in_backward, is_checkpointed, is_op_checkpointed, save_policy
 from shardlab.config import Config, DataConfig, LogConfig, MeshSpec, ModelConfig, OptimConfig, PlanConfig, TrainConfig
 from shardlab.estimate.probe import probe
-from shardlab.loop import build_model, plan_model, train
-from shardlab.plan import Plan
+from shardlab.parallel._activation_checkpoint import (
+    MATMULS,
+    in_backward,
+    is_checkpointed,
+    is_op_checkpointed,
+    save_policy,
+)
+from shardlab.sharding.plan import Plan
+from shardlab.train.loop import build_model, plan_model, train
 
 aten = torch.ops.aten
 LAYERS = 2

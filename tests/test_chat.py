@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from shardlab.chat import ChatEncoder
 from shardlab.config import DataConfig, ModelConfig
-from shardlab.data import IGNORE_INDEX, make_loader
-from shardlab.models.llama import Llama
-from shardlab.tokenizer import Tokenizer
+from shardlab.data.chat import ChatEncoder
+from shardlab.data.loader import IGNORE_INDEX, make_loader
+from shardlab.data.tokenizer import Tokenizer
+from shardlab.models.llama.model import Llama
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

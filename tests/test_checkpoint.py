@@ -13,13 +13,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shardlab.__main__ import main
-from shardlab._faults import EXIT_FAULT, FAULT_ENV
-from shardlab._manifest import MANIFEST_FILE
-from shardlab.checkpoint import complete, resolve_resume, step_dir
+from shardlab.cli.main import main
 from shardlab.config import CheckpointConfig, Config, DataConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
 from shardlab.config import MoEConfig as MoE
-from shardlab.loop import train
+from shardlab.train._faults import EXIT_FAULT, FAULT_ENV
+from shardlab.train._manifest import MANIFEST_FILE
+from shardlab.train.checkpoint import complete, resolve_resume, step_dir
+from shardlab.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model.dim", "32", "--model.n-layers", "1", "--model.n-heads", "2", "--model.n-kv-heads", "1",
@@ -154,10 +154,10 @@ def test_export_writes_what_transformers_loads(tmp_path, moe):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from shardlab.checkpoint import export_to_hf, save
-    from shardlab.data import make_loader
-    from shardlab.loop import build_model
-    from shardlab.step import init_state, make_step
+    from shardlab.data.loader import make_loader
+    from shardlab.train.checkpoint import export_to_hf, save
+    from shardlab.train.loop import build_model
+    from shardlab.train.step import init_state, make_step
 
     cfg = tiny(tmp_path)
     cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, moe=moe))
@@ -180,9 +180,9 @@ def test_init_from_hf_starts_from_those_weights(tmp_path):
     import torch
     import torch.nn.functional as F
 
-    from shardlab.data import make_loader
+    from shardlab.data.loader import make_loader
     from shardlab.hf import read_hf_config
-    from shardlab.models.llama import to_hf_config
+    from shardlab.models.llama.model import to_hf_config
 
     cfg = tiny(tmp_path / "run", every=None)
     torch.manual_seed(3)
@@ -201,7 +201,7 @@ def test_init_from_hf_starts_from_those_weights(tmp_path):
 
 
 def test_export_of_a_directory_without_checkpoints_is_an_error(tmp_path):
-    from shardlab.checkpoint import export_to_hf
+    from shardlab.train.checkpoint import export_to_hf
 
     with pytest.raises(ValueError, match="holds no committed checkpoint"):
         export_to_hf(tmp_path, tmp_path / "out")
@@ -211,10 +211,10 @@ def test_export_of_a_directory_without_checkpoints_is_an_error(tmp_path):
 def test_a_damaged_checkpoint_is_refused_before_anything_loads(tmp_path, damage):
     import torch
 
-    from shardlab.checkpoint import load
-    from shardlab.data import make_loader
-    from shardlab.loop import build_model
-    from shardlab.step import init_state
+    from shardlab.data.loader import make_loader
+    from shardlab.train.checkpoint import load
+    from shardlab.train.loop import build_model
+    from shardlab.train.step import init_state
 
     cfg = tiny(tmp_path)
     train(cfg, write=False, until=2)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.__main__ import main
-from shardlab.plan import PLAN_VERSION
+from shardlab.cli.main import main
+from shardlab.sharding.plan import PLAN_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model.dim", "64", "--model.n-layers", "2", "--model.n-heads", "4", "--model.n-kv-heads", "2",
@@ -120,7 +120,7 @@ def test_bad_chat_data_is_one_line_before_launch(records, message, chat_tokenize
 
 def test_a_launched_rank_leaves_its_error_for_the_first_process(tmp_path, capsys, monkeypatch):
     """On a rank that `relaunch` started, an error is one line in the error file and nothing on the terminal."""
-    from shardlab._torchrun import ERROR_FILE_ENV
+    from shardlab.cli.torchrun import ERROR_FILE_ENV
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv(ERROR_FILE_ENV, str(tmp_path / "error"))
@@ -202,7 +202,7 @@ def test_a_restart_resumes_from_the_run_s_newest_checkpoint(tmp_path, monkeypatc
     holds a checkpoint the restart resumes auto; before, it starts as the first attempt did."""
     from msgspec.structs import replace
 
-    from shardlab.__main__ import _resume_on_restart
+    from shardlab.cli.main import _resume_on_restart
     from shardlab.config import CheckpointConfig, Config, TrainConfig
 
     cfg = Config(train=TrainConfig(run_dir=str(tmp_path)), checkpoint=CheckpointConfig(resume="none"))
@@ -376,7 +376,7 @@ def test_search_ranks_the_layouts_that_fit_and_writes_the_winner(tmp_path, capsy
     steps = [c["step_s"] for c in found["best"]]
     assert steps == sorted(steps) and len(steps) == 3  # FSDP resharding or not, TP; siblings they beat are skipped
     best = found["best"][0]["layout"]
-    from shardlab.recipe import load_recipe
+    from shardlab.cli.recipe import load_recipe
 
     written = load_recipe(tmp_path / "best.py").config
     assert written.mesh.dp_shard == best["mesh"]["dp_shard"] and written.mesh.tp == best["mesh"]["tp"]

@@ -22,7 +22,7 @@ from shardlab.config import (
     PlanConfig,
     TrainConfig,
 )
-from shardlab.mesh import MeshSpec
+from shardlab.sharding.mesh import MeshSpec
 
 STRUCTS = [Config, ModelConfig, PlanConfig, OptimConfig, DataConfig, TrainConfig, LogConfig, CheckpointConfig, MeshSpec]
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from shardlab import Config, MeshSpec, ModelConfig, PlanConfig, TrainConfig
-from shardlab.context_parallel import cp_positions
-from shardlab.loop import plan_model
-from shardlab.models.llama import Llama, causal_attention
-from shardlab.models.llama_rules import llama_rules
-from shardlab.plan import make_plan
+from shardlab.models.llama.model import Llama, causal_attention
+from shardlab.models.llama.rules import llama_rules
+from shardlab.sharding.context import cp_positions
+from shardlab.sharding.plan import make_plan
+from shardlab.train.loop import plan_model
 
 MODEL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
 

@@ -1,4 +1,4 @@
-"""shardlab.data: the global batch is the same for every data-parallel layout, resume is exact, sources load.
+"""shardlab.data.loader: the global batch is the same for every data-parallel layout, resume is exact, sources load.
 
 Run: pytest tests/test_data.py (pure, one process, ~1 s).
 """
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from shardlab.config import DataConfig
-from shardlab.data import Batch, TokenLoader, make_loader
-from shardlab.documents import BOS, EOS, decode, encode
+from shardlab.data.documents import BOS, EOS, decode, encode
+from shardlab.data.loader import Batch, TokenLoader, make_loader
 
 SEQ, G = 16, 8
 TXT = "héllo wörld\n" * 3

@@ -1,7 +1,7 @@
 """visualize_spec: the picture jax.debug.visualize_array_sharding draws, from pure data."""
 
 from shardlab import MeshSpec, P, visualize_spec
-from shardlab.mesh import ExpertMeshSpec
+from shardlab.sharding.mesh import ExpertMeshSpec
 
 MESH = MeshSpec(dp_shard=2, tp=2)
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from shardlab import loop
-from shardlab._faults import FAULT_ENV
-from shardlab._preemption import Preempted
-from shardlab._torchrun import EXIT_STOPPED
-from shardlab.checkpoint import complete
+from shardlab.cli.torchrun import EXIT_STOPPED
 from shardlab.config import CheckpointConfig, Config, DataConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
+from shardlab.train import loop
+from shardlab.train._faults import FAULT_ENV
+from shardlab.train._preemption import Preempted
+from shardlab.train.checkpoint import complete
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,7 +92,7 @@ def test_sigterm_during_the_last_step_ends_the_run_as_usual(tmp_path, sigterm_du
 
 
 def test_the_cli_says_where_it_stopped_and_exits_75(tmp_path, sigterm_during, capsys, monkeypatch):
-    from shardlab.__main__ import main
+    from shardlab.cli.main import main
 
     monkeypatch.chdir(ROOT)
     sigterm_during(2)
@@ -154,7 +154,7 @@ def restarted(tmp_path_factory) -> tuple[str, dict[int, float]]:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> list[float]:
     """The same command on one process, in this process (the 4-rank runs match it within 1e-5)."""
-    from shardlab.__main__ import main
+    from shardlab.cli.main import main
 
     run_dir = tmp_path_factory.mktemp("one")
     assert main([str(ROOT / "recipes" / "llama_debug.py"), *TINY, "--train.run-dir", str(run_dir)]) == 0

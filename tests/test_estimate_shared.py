@@ -10,11 +10,11 @@ import pytest
 
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig
 from shardlab.estimate import estimate
-from shardlab.estimate.roofline import device
-from shardlab.estimate.shared import twin
-from shardlab.loop import plan_model
-from shardlab.models.provider import provider_for
-from shardlab.search import Layout
+from shardlab.estimate.devices import device
+from shardlab.estimate.layouts import Layout
+from shardlab.estimate.twin import twin
+from shardlab.models import provider_for
+from shardlab.train.loop import plan_model
 
 STEP_TOLERANCE = 0.03
 """Relative step time: FSDP's copies into and out of the gathered buffers read and write each rank's shard."""
@@ -42,7 +42,7 @@ CASES = {  # each case probes twice on 8 fake ranks (10-20 s): the axes the twin
 
 @pytest.mark.parametrize("name", CASES)
 def test_the_twin_estimate_agrees_with_the_exact_one(name):
-    from shardlab.estimate.shared import estimate_shared
+    from shardlab.estimate.twin import estimate_shared
 
     model, layout = CASES[name]
     base = Config(model=model, plan=PlanConfig(param_dtype="bfloat16", reduce_dtype="float32"),
@@ -125,7 +125,7 @@ def test_a_rank_of_several_stages_is_the_sum_of_stages_probed_elsewhere():
     """A twin of two pp ranks holding two stages each (V-shaped, without resharding as its zero bubble needs) is put
     together from the stages of interleaved 1F1B with two per rank, which its probes then equal exactly."""
     from shardlab.estimate.probe import measure
-    from shardlab.estimate.shared import _measurement
+    from shardlab.estimate.twin import _measurement
 
     model = msgspec.structs.replace(DENSE, n_layers=13)  # enough blocks for probes of 2 x 4 and 3 x 4
     layout = lay(MeshSpec(pp=2, dp_shard=2), "none", 8, "zbv_zero_bubble", 2, reshard=False)

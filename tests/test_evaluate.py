@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from shardlab.config import Config, DataConfig, EvalConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
-from shardlab.data import make_loader
-from shardlab.documents import hold_out
-from shardlab.evaluate import eval_loader, make_eval
-from shardlab.loop import build_model, train
-from shardlab.models.provider import provider_for
+from shardlab.data.documents import hold_out
+from shardlab.data.loader import make_loader
+from shardlab.models import provider_for
+from shardlab.train.evaluate import eval_loader, make_eval
+from shardlab.train.loop import build_model, train
 
 
 def tiny(every: int = 0, paths: tuple[str, ...] = (), steps: int = 4) -> Config:

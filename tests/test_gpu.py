@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from shardlab import Config, LogConfig, ModelConfig, OptimConfig, PlanConfig, TrainConfig
-from shardlab.data import make_loader
+from shardlab.data.loader import make_loader
 from shardlab.estimate.probe import probe
-from shardlab.loop import build_model, train
-from shardlab.step import forward_backward, init_state, make_step
+from shardlab.train.loop import build_model, train
+from shardlab.train.step import forward_backward, init_state, make_step
 
 pytestmark = pytest.mark.gpu
 

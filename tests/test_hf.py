@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from shardlab.config import ModelConfig, MoEConfig, RopeScaling
 from shardlab.hf import from_hf, load_hf_weights, read_hf_config, to_hf
-from shardlab.models.llama import Llama, materialize
+from shardlab.models.llama.model import Llama, materialize
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardlab import data as data_module
 from shardlab.config import Config, DataConfig, TrainConfig
-from shardlab.data import make_loader, run_data
+from shardlab.data import loader as data_module
+from shardlab.data.loader import make_loader, run_data
 
 datasets = pytest.importorskip("datasets")
 

@@ -9,17 +9,12 @@ import torch
 
 from shardlab import Config, MeshSpec, ModelConfig, PlanConfig, TrainConfig
 from shardlab.estimate import kernels
+from shardlab.estimate.devices import DEVICES, device
 from shardlab.estimate.kernels import Kernels, efficiency
 from shardlab.estimate.probe import Probe, probe
 from shardlab.estimate.recorder import Collective
-from shardlab.estimate.roofline import (
-    DEVICES,
-    collective_seconds,
-    compute_seconds,
-    device,
-    shared_pipeline_factor,
-)
-from shardlab.pipeline import bubble_fraction
+from shardlab.estimate.roofline import collective_seconds, compute_seconds, shared_pipeline_factor
+from shardlab.sharding.pipeline import bubble_fraction
 
 FLAT = Kernels(matmul=((1.0, 1.0),), attention=((1.0, 1.0),), memory=((1.0, 1.0),), overhead_s=0.0, command="test")
 
@@ -142,7 +137,7 @@ def test_a_pipeline_runs_at_its_slowest_stage():
     """Stages of equal blocks: the last pp rank also runs the norm, the output layer and the loss, so its compute,
     not the first rank's (the busiest by blocks), is the step's."""
     from shardlab.estimate import estimate, per_step
-    from shardlab.loop import plan_model
+    from shardlab.train.loop import plan_model
 
     model = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=128, vocab_size=1024)
     c = Config(mesh=MeshSpec(pp=2, dp_shard=1), model=model, train=TrainConfig(global_batch=2, seq_len=32)).resolve(2)

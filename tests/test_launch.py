@@ -1,4 +1,4 @@
-"""shardlab.launch: launcher detection, nproc per node, the torchrun command line, one line per failure on the
+"""shardlab.cli.launch: launcher detection, nproc per node, the torchrun command line, one line per failure on the
 ranks, and real 2-process runs.
 
 The pure tests pass an env dict; the real runs start torchrun with 2 CPU ranks (~5 s each, ~10 s with a kill).
@@ -14,16 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from shardlab._torchrun import EXIT_PEER_LOST, TRACEBACK_ENV, describe, report
-from shardlab.launch import (
-    TORCHRUN,
-    init_distributed,
-    nproc_for,
-    relaunch,
-    relaunch_command,
-    relaunch_env,
-    under_launcher,
-)
+from shardlab.cli.launch import TORCHRUN, nproc_for, relaunch, relaunch_command, relaunch_env
+from shardlab.cli.torchrun import EXIT_PEER_LOST, TRACEBACK_ENV, describe, report
+from shardlab.parallel.world import init_distributed, under_launcher
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS")
 
@@ -241,12 +234,12 @@ import signal
 
 import torch
 import torch.distributed as dist
-from shardlab.launch import init_distributed
+from shardlab.parallel.world import init_distributed
 
 d = init_distributed("cpu")
 t = torch.tensor([float(d.rank + 1)])
 if "{fail}" == "kill":  # before any collective: one after it could race rank 0's reads of rank 1's last bytes
-    from shardlab._torchrun import ERROR_FILE_ENV, leave, report
+    from shardlab.cli.torchrun import ERROR_FILE_ENV, leave, report
 
     try:
         if d.rank == 1:

@@ -1,103 +1,115 @@
-"""The data flow stays one-way (config -> plan -> apply -> step -> loop): a module imports only modules of its own or earlier layers."""
+"""The package reads in the order of the flow: each folder imports only the folders before it, models/ holds models
+only, and no import circle exists between modules, imports inside functions and under TYPE_CHECKING included.
+
+Run: pytest tests/test_layers.py (under a second; it reads the sources, it imports nothing).
+"""
 
 import ast
 from pathlib import Path
 
-LAYERS = [
-    {
-        "_base",
-        "_glob",
-        "_faults",
-        "_preemption",
-        "_malloc",
-        "_strided",
-        "_activation_checkpoint",
-        "_compile",
-        "_torchrun",
-        "_manifest",
-        "_forked",
-        "_cache_dir",
-        "estimate._fake",
-    },
-    {"mesh", "_device_mesh"},
-    {"pipeline"},
-    {"model_config", "config"},
-    {"packing"},
-    {"spec", "rules", "hf.names"},
-    {"context_parallel", "expert_parallel", "styles"},
-    {"models.moe", "models.llama", "models.llama_rules", "_plan_text", "plan", "search"},
-    {"stages"},
-    {
-        "apply",
-        "debug",
-        "documents",
-        "data",
-        "loss",
-        "hf_datasets",
-        "chat",
-        "metrics",
-        "launch",
-        "tokenizer",
-        "models.provider",
-        "models.hf_rules",
-        "models.hf_causal_lm",
-        "models.custom",
-        "hf.io",
-        "hf.transformers_names",
-        "hf.export",
-        "hf",
-    },
-    {"schedule", "routers"},
-    {"step"},
-    {"evaluate"},
-    {"estimate.recorder"},
-    {"estimate.probe"},
-    {
-        "estimate.kernels",
-        "estimate.roofline",
-        "estimate.cpu",
-        "estimate.floors",
-        "estimate.probe_store",
-        "estimate.block_counts",
-    },
-    {"estimate", "estimate.shared", "estimate.search", "checkpoint"},
-    {"loop", "recipe", "estimate.search_report"},
-    {"__main__", "__init__"},
-]
-LAYER_OF = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+FOLDERS = ["_base", "_glob", "sharding", "config", "data", "models", "parallel", "hf", "train", "estimate", "cli"]
+"""shardlab's folders (and its two private foundation modules) in the order of the flow."""
+TOP = {"__init__", "__main__"}
+"""The public API and `python -m shardlab`: they may import anything."""
 PACKAGE = Path(__file__).resolve().parents[1] / "shardlab"
-
-
-def imported(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardlab"):
-            base = node.module.removeprefix("shardlab").removeprefix(".")
-            names |= {base} if base else {a.name for a in node.names}
-        elif isinstance(node, ast.Import):
-            names |= {a.name.removeprefix("shardlab.") for a in node.names if a.name.startswith("shardlab.")}
-    return names
 
 
 def module_name(path: Path) -> str:
     """`estimate/probe.py` -> estimate.probe; a package's `__init__.py` is the package (`estimate`)."""
-    name = str(path.relative_to(PACKAGE).with_suffix("")).replace("/", ".")
+    name = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
     return name.removesuffix(".__init__") if name != "__init__" else name
 
 
-def test_every_module_has_a_layer():
-    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
-    modules.discard("models")
-    assert modules <= set(LAYER_OF), f"add to LAYERS: {sorted(modules - set(LAYER_OF))}"
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
-def test_imports_only_flow_left():
-    for path in PACKAGE.rglob("*.py"):
-        name = module_name(path)
-        if name not in LAYER_OF:
+def imported(path: Path, typing: bool = True) -> set[str]:
+    """The shardlab modules `path` imports, wherever the import sits (`from shardlab.x import y` is module x.y
+    where that is a module, else x); typing=False leaves out those under `if TYPE_CHECKING:`, which never run."""
+    tree = ast.parse(path.read_text())
+    hidden = set()
+    if not typing:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                hidden |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in hidden:
             continue
-        for dep in imported(path):
-            dep = dep if dep in LAYER_OF else dep.split(".")[0]
-            assert LAYER_OF.get(dep, -1) <= LAYER_OF[name], (
-                f"{name} (layer {LAYER_OF[name]}) imports {dep} (layer {LAYER_OF.get(dep)})"
-            )
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "shardlab":
+            base = node.module.removeprefix("shardlab").removeprefix(".")
+            for a in node.names:
+                full = f"{base}.{a.name}" if base else a.name
+                names.add(full if full in MODULES else base or "__init__")
+        elif isinstance(node, ast.Import):
+            names |= {a.name.removeprefix("shardlab.") for a in node.names if a.name.startswith("shardlab.")}
+            names |= {"__init__" for a in node.names if a.name == "shardlab"}
+    return names
+
+
+def folder(module: str) -> str:
+    return module.split(".")[0]
+
+
+GRAPH = {name: imported(path) for name, path in MODULES.items()}
+RUNTIME = {name: imported(path, typing=False) for name, path in MODULES.items()}
+"""What runs: a type named only for annotations (a Plan for the code that prints it) is no circle."""
+
+
+def test_every_module_is_in_a_folder_of_the_flow():
+    stray = sorted(m for m in MODULES if m not in TOP and folder(m) not in FOLDERS)
+    assert not stray, f"modules outside the flow's folders: {stray}"
+
+
+def test_each_folder_imports_only_the_folders_before_it():
+    wrong = [
+        f"{m} imports {dep}"
+        for m, deps in GRAPH.items()
+        if m not in TOP
+        for dep in deps
+        if dep in TOP or FOLDERS.index(folder(dep)) > FOLDERS.index(folder(m))
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_models_import_nothing_that_runs_a_layout():
+    wrong = [f"{m} imports {d}" for m, deps in GRAPH.items() if folder(m) == "models" for d in deps
+             if folder(d) in ("parallel", "train")]  # fmt: skip
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circle():
+    """Depth-first search for a back edge among the imports that run, at import or inside functions; the message
+    names the whole circle."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for dep in sorted(RUNTIME.get(m, ())):
+            if state.get(dep) == 1:
+                circle = path[path.index(dep) :] + [dep]
+                raise AssertionError("import circle: " + " -> ".join(circle))
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(RUNTIME):
+        if m not in state:
+            visit(m)
+
+
+def test_the_check_sees_an_import_inside_a_function(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("def f():\n    from shardlab.train.step import make_step\n    import shardlab.sharding.plan\n")
+    assert imported(source) == {"train.step", "sharding.plan"}
+
+
+def test_the_circle_check_leaves_out_annotations_only(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from shardlab.sharding.plan import Plan\n"
+    )
+    assert imported(source) == {"sharding.plan"} and imported(source, typing=False) == set()

@@ -1,4 +1,4 @@
-"""shardlab.models.llama: matches transformers' LlamaForCausalLM, initialises from meta, survives local TP shards.
+"""shardlab.models.llama.model: matches transformers' LlamaForCausalLM, initialises from meta, survives local TP shards.
 
 Run: pytest tests/test_llama.py -q (CPU, tiny shapes, a few seconds).
 """
@@ -13,7 +13,7 @@ from msgspec.structs import replace
 from torch import nn
 
 from shardlab.config import ModelConfig, RopeScaling
-from shardlab.models.llama import (
+from shardlab.models.llama.model import (
     SIZES,
     Llama,
     from_hf_config,

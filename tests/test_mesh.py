@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec
+from shardlab.sharding.mesh import AXES, FLAT_VIEWS, MeshSpec
 
 # -- resolve ---------------------------------------------------------------------------------------
 

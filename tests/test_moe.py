@@ -13,17 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, TrainConfig, make_mesh
-from shardlab.apply import apply
 from shardlab.config import DataConfig, LogConfig, PlanConfig
 from shardlab.estimate._fake import fake_world
-from shardlab.loop import plan_model, train
-from shardlab.mesh import EXPERT_AXES
-from shardlab.models.llama import Llama, materialize
-from shardlab.models.llama_rules import llama_rules
-from shardlab.models.moe import MoE
-from shardlab.plan import Plan, make_plan
-from shardlab.routers import Routers, balance, update_bias
-from shardlab.rules import Activation, Rule
+from shardlab.models.llama.model import Llama, materialize
+from shardlab.models.llama.moe import MoE, RouterStats, balanced_routing, router_stats
+from shardlab.models.llama.rules import llama_rules
+from shardlab.parallel.apply import apply
+from shardlab.sharding.mesh import EXPERT_AXES
+from shardlab.sharding.plan import Plan, make_plan
+from shardlab.sharding.rules import Activation, Rule
+from shardlab.train.loop import plan_model, train
+from shardlab.train.routers import Routers, balance, update_bias
 
 DIM = 32
 
@@ -34,6 +34,15 @@ def block(**moe) -> MoE:
     with torch.device("meta"):
         model = Llama(cfg)
     return materialize(model, "cpu", seed=3).model.layers[0].mlp
+
+
+def routed(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+    """moe(x) and the routing its forward recorded."""
+    seen: list[RouterStats] = []
+    with router_stats(lambda layer, stats: seen.append(stats)):
+        y = moe(x)
+    (stats,) = seen
+    return y, stats
 
 
 def reference(
@@ -61,15 +70,17 @@ def test_routing_matches_a_per_token_reference(options):
     moe = block(**options)
     x = torch.randn(2, 5, DIM)
     with torch.no_grad():
-        torch.testing.assert_close(moe(x), reference(moe, x.reshape(10, DIM)).view(2, 5, DIM), rtol=1e-5, atol=1e-6)
-    assert moe.stats.dropped == 0 and moe.stats.counts.sum().item() == 10 * 2
+        y, stats = routed(moe, x)
+        torch.testing.assert_close(y, reference(moe, x.reshape(10, DIM)).view(2, 5, DIM), rtol=1e-5, atol=1e-6)
+    assert stats.dropped == 0 and stats.counts.sum().item() == 10 * 2
 
 
 def test_capacity_drops_the_latest_tokens_and_counts_them():
     moe = block(capacity_factor=0.5)  # ceil(0.5 x 12 x 2 / 4) = 3 slots per expert
     x = torch.randn(12, DIM)
     with torch.no_grad():
-        got = moe(x[None])[0]
+        got, stats = routed(moe, x[None])
+        got = got[0]
         chosen = (x @ moe.router.weight.T).softmax(-1).topk(2).indices
     seen: dict[int, int] = {}
     drop = set()
@@ -80,7 +91,7 @@ def test_capacity_drops_the_latest_tokens_and_counts_them():
                 drop.add((t, i))
     with torch.no_grad():
         torch.testing.assert_close(got, reference(moe, x, drop), rtol=1e-5, atol=1e-6)
-    assert moe.stats.dropped == len(drop) > 0
+    assert stats.dropped == len(drop) > 0
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
@@ -88,7 +99,6 @@ def test_balanced_routing_sends_slot_s_to_expert_s_mod_e(capacity_factor):
     """The estimator's routing: token t's slots go to experts 2t, 2t + 1 (mod 4), so each gets 6 of 24 slots;
     a capacity of 3 keeps each expert's first 3 tokens."""
     moe = block(capacity_factor=capacity_factor)
-    moe.balanced = True
     x = torch.randn(12, DIM)
     seen: dict[int, int] = {}
     drop = set()
@@ -97,20 +107,29 @@ def test_balanced_routing_sends_slot_s_to_expert_s_mod_e(capacity_factor):
             seen[i] = seen.get(i, 0) + 1
             if capacity_factor is not None and seen[i] > 3:
                 drop.add((t, i))
+    with torch.no_grad(), balanced_routing():
+        got, stats = routed(moe, x[None])
+        torch.testing.assert_close(got[0], reference(moe, x, drop, lambda t: [2 * t % 4, (2 * t + 1) % 4]))
+    assert stats.counts.tolist() == [6, 6, 6, 6] and stats.dropped == len(drop)
+
+
+def test_a_forward_keeps_nothing_on_the_layer():
+    """Routing statistics go to whoever records them; a forward outside `router_stats` (evaluation) records none."""
+    moe = block()
+    before = dict(vars(moe))
     with torch.no_grad():
-        got = moe(x[None])[0]
-        torch.testing.assert_close(got, reference(moe, x, drop, lambda t: [2 * t % 4, (2 * t + 1) % 4]))
-    assert moe.stats.counts.tolist() == [6, 6, 6, 6] and moe.stats.dropped == len(drop)
+        moe(torch.randn(1, 4, DIM))
+    assert vars(moe) == before
 
 
 def test_bias_steers_the_choice_but_not_the_weights():
     moe = block(score="sigmoid", balance="bias")
     moe.expert_bias[:] = torch.tensor([100.0, 0.0, 0.0, 0.0])
     with torch.no_grad():
-        moe(torch.randn(1, 8, DIM))
-    assert moe.stats.counts[0].item() == 8  # every token picks expert 0 as one of its two
-    load = moe.stats.counts.float()
-    update_bias([moe], moe.stats.counts[None])
+        _, stats = routed(moe, torch.randn(1, 8, DIM))
+    assert stats.counts[0].item() == 8  # every token picks expert 0 as one of its two
+    load = stats.counts.float()
+    update_bias([moe], stats.counts[None])
     want = torch.tensor([100.0, 0.0, 0.0, 0.0]) + 1e-3 * torch.sign(load.mean() - load)  # busy down, idle up
     torch.testing.assert_close(moe.expert_bias, want)
     assert moe.expert_bias[0].item() < 100.0
@@ -120,8 +139,8 @@ def test_balancing_loss_is_one_for_uniform_scores():
     moe = block()
     with torch.no_grad():
         moe.router.weight.zero_()
-    moe(torch.randn(1, 6, DIM))
-    b = balance([moe], None)
+    _, stats = routed(moe, torch.randn(1, 6, DIM))
+    b = balance([stats], moe.cfg, None)
     assert b.aux_loss.item() == pytest.approx(1.0)
     assert sorted(b.counts[0].tolist()) == [0, 0, 6, 6]  # ties: two experts take every token
 

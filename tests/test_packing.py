@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from shardlab.config import Config, DataConfig, ModelConfig
-from shardlab.data import IGNORE_INDEX, make_loader
+from shardlab.data.loader import IGNORE_INDEX, make_loader
+from shardlab.data.packing import document_ids, packed_mask, row_positions, whole_rows
 from shardlab.models.custom import CustomModel
-from shardlab.models.llama import Llama
-from shardlab.models.provider import LlamaProvider, check_layout
-from shardlab.packing import document_ids, packed_mask, row_positions, whole_rows
+from shardlab.models.llama.model import Llama
+from shardlab.models.llama.provider import LlamaProvider
+from shardlab.models.provider import check_layout
 
 SEQ, G, VOCAB = 48, 4, 300
 TOL = 2e-5
@@ -111,7 +112,7 @@ def test_llama_packed_rows_equal_documents_alone(packed: DataConfig):
 
 def test_transformers_packed_rows_equal_documents_alone(packed: DataConfig):
     transformers = pytest.importorskip("transformers")
-    from shardlab.models.hf_causal_lm import HFCausalLM
+    from shardlab.models.transformers.provider import HFCausalLM
 
     config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, sliding_window=24)  # fmt: skip

@@ -12,11 +12,11 @@ import torch
 
 from shardlab import Config, MeshSpec, ModelConfig, PlanConfig, TrainConfig
 from shardlab.estimate import estimate_memory
-from shardlab.loop import plan_model
-from shardlab.models.llama import Llama
-from shardlab.models.llama_rules import llama_rules
-from shardlab.pipeline import bubble_fraction, split_stages, stage_ranks
-from shardlab.plan import Plan, make_plan
+from shardlab.models.llama.model import Llama
+from shardlab.models.llama.rules import llama_rules
+from shardlab.sharding.pipeline import bubble_fraction, split_stages, stage_ranks
+from shardlab.sharding.plan import Plan, make_plan
+from shardlab.train.loop import plan_model
 
 MODEL = ModelConfig(dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
 
@@ -122,7 +122,7 @@ def _orders(schedule: str, pp: int, v: int, m: int) -> dict[int, list[tuple[int,
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     from shardlab.estimate._fake import fake_world
-    from shardlab.schedule import SCHEDULE_NAMES, compute_steps, stage_actions
+    from shardlab.train.pipeline_schedule import SCHEDULE_NAMES, compute_steps, stage_actions
 
     pipeline = _placeholder_pipeline(schedule, pp, v, m)
     with fake_world(pp, 0):
@@ -138,7 +138,7 @@ def _orders(schedule: str, pp: int, v: int, m: int) -> dict[int, list[tuple[int,
 
 def _placeholder_pipeline(schedule: str, pp: int, v: int, m: int):
     """The PipelinePlan of `schedule` over pp ranks with v stages each and m micro batches; its stages hold nothing."""
-    from shardlab.pipeline import PipelinePlan, StagePlan
+    from shardlab.sharding.pipeline import PipelinePlan, StagePlan
 
     stages = tuple(StagePlan(index=i, pp_rank=r, blocks=(), others=(), params=0)
                    for i, r in enumerate(stage_ranks(pp, v, schedule)))  # fmt: skip
@@ -272,7 +272,7 @@ def test_stage_actions_are_the_order_torchs_schedule_builds(schedule):
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     from shardlab.estimate._fake import fake_world
-    from shardlab.schedule import SCHEDULE_NAMES, compute_actions, stage_actions
+    from shardlab.train.pipeline_schedule import SCHEDULE_NAMES, compute_actions, stage_actions
 
     pp, m = 4, 8
     pipeline = _placeholder_pipeline(schedule, pp, 2, m)

@@ -19,12 +19,12 @@ from msgspec.structs import replace
 from torch import nn
 
 from shardlab.config import ModelConfig, PlanConfig
-from shardlab.mesh import AXES, MeshSpec
-from shardlab.models.llama import SIZES, Llama
-from shardlab.models.llama_rules import llama_rules
-from shardlab.plan import PLAN_VERSION, FsdpPlan, Plan, make_plan
-from shardlab.rules import Activation, Rule, Rules
-from shardlab.styles import ModulePlan
+from shardlab.models.llama.model import SIZES, Llama
+from shardlab.models.llama.rules import llama_rules
+from shardlab.sharding.mesh import AXES, MeshSpec
+from shardlab.sharding.plan import PLAN_VERSION, FsdpPlan, Plan, make_plan
+from shardlab.sharding.rules import Activation, Rule, Rules
+from shardlab.sharding.tensor_parallel import ModulePlan
 
 TINY = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
 TINY_TIED = replace(TINY, tie_embeddings=True)  # Llama 3.2 1B-like: lm_head.weight is the embedding

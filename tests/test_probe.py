@@ -10,10 +10,11 @@ import pytest
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig, make_mesh
 from shardlab.estimate import estimate
 from shardlab.estimate._fake import fake_world
+from shardlab.estimate.devices import device
 from shardlab.estimate.probe import _probe_layers, probe
-from shardlab.estimate.roofline import axis_bandwidth, device
-from shardlab.loop import plan_model
-from shardlab.models.provider import LlamaProvider
+from shardlab.estimate.roofline import axis_bandwidth
+from shardlab.models.llama.provider import LlamaProvider
+from shardlab.train.loop import plan_model
 
 MOE = MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=64)
 
@@ -138,7 +139,7 @@ def test_without_resharding_every_fsdp_unit_stays_gathered():
 def test_the_output_layer_stays_gathered_for_its_backward(last_kept):
     """The last FSDP unit (final norm and output layer) ends the forward, and its backward follows at once: kept
     gathered in between, the backward gathers every unit but that one again."""
-    from shardlab.models.llama_rules import llama_rules
+    from shardlab.models.llama.rules import llama_rules
 
     c = cfg(MeshSpec(dp_shard=2), n_layers=2).resolve(2)
     rules = msgspec.structs.replace(llama_rules(c.model, c.plan), fsdp_last_kept=last_kept)
@@ -173,7 +174,7 @@ def test_waiting_for_a_collective_moves_no_bytes():
 def test_calls_run_side_by_side_in_forked_children_as_they_would_in_order():
     """A probe's model sizes run in forked children (`run_forked`): the results come back in order, and an error in
     a child is raised here with its type and message."""
-    from shardlab._forked import cores, run_forked
+    from shardlab.estimate._forked import cores, run_forked
 
     assert run_forked([lambda i=i: [i] * i for i in range(4)]) == [[], [1], [2, 2], [3, 3, 3]]
     with pytest.raises(ZeroDivisionError, match="division by zero"):

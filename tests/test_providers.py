@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from shardlab.config import Config, MeshSpec, ModelConfig, PlanConfig
-from shardlab.loop import plan_model
-from shardlab.models.provider import LlamaProvider, check_layout, first_difference, provider_for
+from shardlab.models import provider_for
+from shardlab.models.llama.provider import LlamaProvider
+from shardlab.models.provider import check_layout, first_difference
+from shardlab.train.loop import plan_model
 
 transformers = pytest.importorskip("transformers")
 
-from shardlab.models.hf_causal_lm import HFCausalLM  # noqa: E402
+from shardlab.models.transformers.provider import HFCausalLM  # noqa: E402
 
 SHAPE = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -137,7 +139,7 @@ def test_estimate_prices_the_expert_parallel_gathers(dirs):
     """The fake world runs transformers' grouped matmuls (in fp32 too) and counts their FLOPs; ep gathers the
     group's tokens, routing weights and ids, and reduce-scatters the outputs, once per MoE layer."""
     from shardlab.estimate import estimate
-    from shardlab.estimate.roofline import device
+    from shardlab.estimate.devices import device
 
     cfg = hf_cfg(dirs["mixtral"], MeshSpec(dp_shard=4, ep=2)).resolve(4)
     _, plan = plan_model(cfg)
@@ -258,11 +260,11 @@ def test_export_round_trips_a_transformers_model(dirs, family, tmp_path):
     import shutil
 
     qwen3_dir = shutil.copytree(dirs[family], tmp_path / "source")  # removed before the export
-    from shardlab.checkpoint import export_to_hf, save
-    from shardlab.data import make_loader
+    from shardlab.data.loader import make_loader
     from shardlab.hf import load_hf_weights
-    from shardlab.loop import build_model
-    from shardlab.step import init_state, make_step
+    from shardlab.train.checkpoint import export_to_hf, save
+    from shardlab.train.loop import build_model
+    from shardlab.train.step import init_state, make_step
 
     cfg = msgspec.structs.replace(hf_cfg(qwen3_dir), train=msgspec.structs.replace(Config().train, seq_len=32))
     provider = provider_for(cfg)
@@ -286,7 +288,7 @@ def gpt_provider(**kwargs):
     """recipes/custom_gpt.py's own model at a test's size."""
     from pathlib import Path
 
-    from shardlab.recipe import load_recipe
+    from shardlab.cli.recipe import load_recipe
 
     recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "custom_gpt.py")
     args = dict(vocab_size=300, dim=64, n_layers=2, n_heads=4, max_seq=32) | kwargs
@@ -341,10 +343,10 @@ def test_a_wrong_export_mapping_is_one_line_before_anything_is_written(tmp_path)
 
 def test_a_recipe_model_checkpoint_exports_with_its_recipe(tmp_path):
     """`export` needs the recipe of a recipe's own model, and refuses one whose model differs from the checkpoint's."""
-    from shardlab.checkpoint import export_to_hf, save
-    from shardlab.data import make_loader
-    from shardlab.loop import build_model
-    from shardlab.step import init_state
+    from shardlab.data.loader import make_loader
+    from shardlab.train.checkpoint import export_to_hf, save
+    from shardlab.train.loop import build_model
+    from shardlab.train.step import init_state
 
     provider = gpt_provider()
     cfg = msgspec.structs.replace(Config(), train=msgspec.structs.replace(Config().train, seq_len=32, global_batch=2))
@@ -377,8 +379,8 @@ def test_training_starts_from_the_directory_weights(dirs, family, tmp_path, from
     import torch.nn.functional as F
 
     from shardlab.config import LogConfig, TrainConfig
-    from shardlab.data import make_loader
-    from shardlab.loop import train
+    from shardlab.data.loader import make_loader
+    from shardlab.train.loop import train
 
     cfg = Config(
         model=ModelConfig(hf_path=str(qwen3_dir), from_scratch=from_scratch),
@@ -417,7 +419,7 @@ def test_moe_checkpoint_names_are_transformers_own(dirs, tmp_path):
 
 def build_and_load(cfg: Config) -> None:
     from shardlab.hf import load_hf_weights
-    from shardlab.loop import build_model
+    from shardlab.train.loop import build_model
 
     provider = provider_for(cfg)
     model, _, _ = build_model(cfg, provider=provider)

@@ -5,10 +5,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from shardlab.cli.recipe import load_recipe
 from shardlab.config import ModelConfig
-from shardlab.loop import plan_model
-from shardlab.models.provider import check_layout, provider_for
-from shardlab.recipe import load_recipe
+from shardlab.models import provider_for
+from shardlab.models.provider import check_layout
+from shardlab.train.loop import plan_model
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 WORLD = {

@@ -10,8 +10,8 @@ import re
 import msgspec
 import pytest
 
-from shardlab.rules import Match, Rule, Rules, glob_regex, logical_to_spec, matches, resolve
-from shardlab.spec import P
+from shardlab.sharding.rules import Match, Rule, Rules, glob_regex, logical_to_spec, matches, resolve
+from shardlab.sharding.spec import P
 
 # -- glob semantics ---------------------------------------------------------------------------------------
 

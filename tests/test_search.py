@@ -6,9 +6,9 @@ import math
 import msgspec
 
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig
-from shardlab.mesh import AXES
-from shardlab.pipeline import V_SHAPED
-from shardlab.search import AC_MODES, Layout, enumerate_layouts, factorizations, recomputes_no_more
+from shardlab.estimate.layouts import AC_MODES, Layout, enumerate_layouts, factorizations, recomputes_no_more
+from shardlab.sharding.mesh import AXES
+from shardlab.sharding.pipeline import V_SHAPED
 
 MODEL = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512)
 
@@ -102,10 +102,10 @@ def test_layouts_whose_plan_exceeds_the_memory_are_dropped_before_any_probe():
     """FSDP 2 or DDP 2: with the memory just under DDP's state (whole parameters, gradients and AdamW state on each
     rank), no DDP layout is estimated and FSDP wins."""
     from shardlab.estimate import estimate_memory, fsdp_buffer_bytes
-    from shardlab.estimate.roofline import device
+    from shardlab.estimate.devices import device
     from shardlab.estimate.search import search
-    from shardlab.loop import plan_model
-    from shardlab.models.provider import LlamaProvider
+    from shardlab.models.llama.provider import LlamaProvider
+    from shardlab.train.loop import plan_model
 
     c = cfg(msgspec.structs.replace(MODEL, n_layers=2), global_batch=2)
     fixed = {"pp": 1, "cp": 1, "tp": 1}
@@ -122,7 +122,7 @@ def test_keeping_the_weights_gathered_never_needs_less_memory():
     """What lets the search drop a layout with reshard_after_forward=False where the same layout resharding did not
     fit: it holds every unit's gathered weights, and its forward leaves at least as much for the backward."""
     from shardlab.estimate import estimate
-    from shardlab.loop import plan_model
+    from shardlab.train.loop import plan_model
 
     c = cfg(msgspec.structs.replace(MODEL, n_layers=2), global_batch=2)
     found = []
@@ -137,8 +137,8 @@ def test_keeping_the_weights_gathered_never_needs_less_memory():
 def test_a_plan_derived_for_another_schedule_and_resharding_is_the_plan_made_for_it():
     """The search plans once per mesh and stage placement and derives the rest (`_derived`): it must be equal."""
     from shardlab.estimate.search import _derived
-    from shardlab.models.provider import LlamaProvider
-    from shardlab.plan import make_plan
+    from shardlab.models.llama.provider import LlamaProvider
+    from shardlab.sharding.plan import make_plan
 
     c = cfg(global_batch=16, param_dtype="bfloat16")
     found, _ = layouts(c, 4, fixed={"pp": 2, "dp_shard": 2})
@@ -174,12 +174,12 @@ def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_
         fit, the rest are not looked at. At 4.5 GiB per rank memory decides too, and layouts are dropped where a sibling
         needing less did not fit. Every floor is at most its layout's estimate, which is what makes the ranking exact, and
     what bounds how far from the fastest a search stopped by its budget leaves its pick."""
+    from shardlab.estimate.devices import device
     from shardlab.estimate.floors import Floors
-    from shardlab.estimate.roofline import device
     from shardlab.estimate.search import search
-    from shardlab.estimate.shared import estimate_shared
-    from shardlab.loop import plan_model
-    from shardlab.models.provider import LlamaProvider
+    from shardlab.estimate.twin import estimate_shared
+    from shardlab.models.llama.provider import LlamaProvider
+    from shardlab.train.loop import plan_model
 
     c = cfg(WIDE, global_batch=16, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
     provider, dev, fixed = LlamaProvider(WIDE), device("h100"), {"pp": 1, "cp": 1, "tp": 1}
@@ -212,11 +212,12 @@ def test_the_fsdp_floor_counts_the_gathers_each_schedule_runs():
     after forward. With one, torch's schedule reduces once, and gathers resharded weights m + 1 times whatever its
     order (GPipe, 1F1B, interleaved), once where they stay gathered: counting one gather per step, as the floor did,
     put 1F1B's at a fifth of its estimate here."""
+    from shardlab.estimate.devices import device
     from shardlab.estimate.floors import Floors
-    from shardlab.estimate.roofline import DP_AXES, collective_seconds, device
-    from shardlab.estimate.shared import estimate_shared
-    from shardlab.loop import plan_model
-    from shardlab.models.provider import LlamaProvider
+    from shardlab.estimate.roofline import DP_AXES, collective_seconds
+    from shardlab.estimate.twin import estimate_shared
+    from shardlab.models.llama.provider import LlamaProvider
+    from shardlab.train.loop import plan_model
 
     deep = msgspec.structs.replace(WIDE, n_layers=8)
     c = cfg(deep, global_batch=32, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
@@ -244,11 +245,12 @@ def test_a_model_with_experts_gets_floors_below_its_estimates():
     """Experts route every token evenly in the floors' counts as in the probe, so a model with experts gets every
     floor: compute, FSDP (the weights it gathers whole: experts are sharded over ep too), TP, CP, EP's all-to-alls
     and activations, each at most what its layout's estimate gives, under expert, tensor, context and pipeline parallelism."""
+    from shardlab.estimate.devices import device
     from shardlab.estimate.floors import Floors
-    from shardlab.estimate.roofline import DP_AXES, collective_seconds, device
-    from shardlab.estimate.shared import estimate_shared
-    from shardlab.loop import plan_model
-    from shardlab.models.provider import LlamaProvider
+    from shardlab.estimate.roofline import DP_AXES, collective_seconds
+    from shardlab.estimate.twin import estimate_shared
+    from shardlab.models.llama.provider import LlamaProvider
+    from shardlab.train.loop import plan_model
 
     moe = msgspec.structs.replace(WIDE, n_layers=4, ffn_dim=4096, moe=MoEConfig(n_experts=4, expert_ffn_dim=4096))
     c = cfg(moe, global_batch=16, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
@@ -283,12 +285,12 @@ def test_a_transformers_model_gets_floors_below_its_estimates():
     import pytest
 
     pytest.importorskip("transformers")
+    from shardlab.estimate.devices import device
     from shardlab.estimate.floors import Floors
-    from shardlab.estimate.roofline import device
-    from shardlab.estimate.shared import estimate_shared
-    from shardlab.models.hf_causal_lm import HFCausalLM
+    from shardlab.estimate.twin import estimate_shared
     from shardlab.models.provider import check_layout
-    from shardlab.plan import make_plan
+    from shardlab.models.transformers.provider import HFCausalLM
+    from shardlab.sharding.plan import make_plan
 
     shape = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
@@ -314,10 +316,10 @@ def test_a_transformers_model_gets_floors_below_its_estimates():
 def test_a_sibling_checkpointing_more_or_with_fewer_rows_never_needs_more_memory():
     """What lets the search drop a layout where a sibling checkpointing every block, or running one sequence per
     micro batch, did not fit."""
-    from shardlab.estimate.roofline import device
-    from shardlab.estimate.shared import estimate_shared
-    from shardlab.loop import plan_model
-    from shardlab.models.provider import LlamaProvider
+    from shardlab.estimate.devices import device
+    from shardlab.estimate.twin import estimate_shared
+    from shardlab.models.llama.provider import LlamaProvider
+    from shardlab.train.loop import plan_model
 
     c = cfg(msgspec.structs.replace(MODEL, n_layers=2), global_batch=4)
     peaks = {}
@@ -337,10 +339,11 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
     blocks' reductions, once more in a recomputed block) at most its tp collectives. What the
     blocks' forwards keep, counted the same way, is at most the activations the probe finds alive, with every
     checkpointing mode."""
+    from shardlab.estimate.devices import device
     from shardlab.estimate.floors import Floors
     from shardlab.estimate.probe import probe
-    from shardlab.estimate.roofline import collective_seconds, device
-    from shardlab.models.provider import LlamaProvider
+    from shardlab.estimate.roofline import collective_seconds
+    from shardlab.models.llama.provider import LlamaProvider
 
     deep = msgspec.structs.replace(WIDE, n_layers=6)  # the blocks outweigh the rest: the floor's per-block count shows
     dev, provider = device("h100"), LlamaProvider(deep)
@@ -369,11 +372,11 @@ def test_a_pipelines_last_rank_is_probed_only_for_layouts_that_may_enter_the_top
     """Without the probe of the pp rank holding a pipeline's last stage a layout's peak is exact and its step time a
     lower bound (that rank, with the output layer, is the slower one here): the search probes it only for the
     layouts that fit and may enter the top K, and ranks them as the exhaustive search does, exactly."""
-    from shardlab.estimate.roofline import device
+    from shardlab.estimate.devices import device
     from shardlab.estimate.search import search
-    from shardlab.estimate.shared import estimate_shared
-    from shardlab.loop import plan_model
-    from shardlab.models.provider import LlamaProvider
+    from shardlab.estimate.twin import estimate_shared
+    from shardlab.models.llama.provider import LlamaProvider
+    from shardlab.train.loop import plan_model
 
     model = msgspec.structs.replace(MODEL, dim=128, ffn_dim=256, vocab_size=4096)  # the blocks outweigh the output
     c = cfg(model, global_batch=4, param_dtype="bfloat16")
@@ -412,10 +415,10 @@ def test_a_second_search_reads_its_probes_from_the_store(tmp_path):
     """Probes kept on disk (`ProbeStore`) answer a later search of the same model: the same ranking, no probe of its
     own. A damaged entry is measured again, another model's probes are not read, and a store that cannot be written
     keeps nothing."""
+    from shardlab.estimate.devices import device
     from shardlab.estimate.probe_store import ProbeStore
-    from shardlab.estimate.roofline import device
     from shardlab.estimate.search import search
-    from shardlab.models.provider import LlamaProvider
+    from shardlab.models.llama.provider import LlamaProvider
 
     c = cfg(global_batch=8)
     dev = device("h100")

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from shardlab import _strided
-from shardlab.mesh import AXES, MeshSpec
-from shardlab.spec import P, block, check_shape, expand, local_shape, placements, spec_from_placements
+from shardlab.sharding import _strided
+from shardlab.sharding.mesh import AXES, MeshSpec
+from shardlab.sharding.spec import P, block, check_shape, expand, local_shape, placements, spec_from_placements
 
 
 def torch_local(global_t: torch.Tensor, spec: P, mesh: MeshSpec, coord: dict[str, int]) -> torch.Tensor:

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardlab._activation_checkpoint import is_checkpointed
-from shardlab._compile import is_compiled
 from shardlab.config import Config, DataConfig, MeshSpec, ModelConfig, MoEConfig, OptimConfig, TrainConfig
-from shardlab.data import Batch
-from shardlab.loop import build_model
-from shardlab.step import NonFiniteError, clip_grad_norm, init_state, lr_schedule, make_step
+from shardlab.data.loader import Batch
+from shardlab.parallel._activation_checkpoint import is_checkpointed
+from shardlab.parallel._compile import is_compiled
+from shardlab.train.loop import build_model
+from shardlab.train.step import NonFiniteError, clip_grad_norm, init_state, lr_schedule, make_step
 
 
 @pytest.mark.parametrize(
@@ -127,7 +127,7 @@ def test_a_step_reads_the_host_once(monkeypatch, moe):
     for seed in range(2):
         reads.clear()
         state, metrics = step(state, batch(seed))
-        routing = [r for r in reads if r.startswith("tolist in") and os.path.join("models", "moe.py:") in r]
+        routing = [r for r in reads if r.startswith("tolist in") and os.path.join("llama", "moe.py:") in r]
         assert len(reads) - len(routing) == 1, reads
         assert len(routing) == (cfg.model.n_layers * 2 if moe else 0), reads
     assert math.isfinite(metrics["loss"]) and isinstance(metrics["grad_norm"], float)
@@ -212,8 +212,8 @@ def test_a_nonfinite_step_stops_or_is_skipped_before_the_update(mode):
 
 
 def test_the_count_of_skipped_steps_is_checkpointed(tmp_path):
-    from shardlab.checkpoint import load, save
-    from shardlab.data import make_loader
+    from shardlab.data.loader import make_loader
+    from shardlab.train.checkpoint import load, save
 
     cfg = tiny()
     model, _, _ = build_model(cfg)
@@ -228,7 +228,7 @@ def test_optimizer_groups_follow_the_globs():
     """no_decay globs get weight decay 0, lr_scales scale the scheduled learning rate (first match wins); a factor
     of 0 freezes a parameter, and the others still train."""
     from shardlab.config import OptimConfig
-    from shardlab.step import group_names
+    from shardlab.train.step import group_names
 
     optim = OptimConfig(no_decay=("**norm.weight",), lr_scales=(("model.embed_tokens.weight", 0.0), ("**", 0.5)))
     cfg = msgspec.structs.replace(tiny(), optim=optim)

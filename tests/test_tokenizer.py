@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from shardlab.config import Config, DataConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
-from shardlab.data import make_loader
-from shardlab.tokenizer import load_tokenizer, run_tokenizer, tokenizer_path
+from shardlab.data.loader import make_loader
+from shardlab.data.tokenizer import load_tokenizer, run_tokenizer, tokenizer_path
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -112,7 +112,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_or_beside_bin_files_is_refused(t
 
 
 def test_the_cli_checks_the_tokenizer_before_launch(tok_dir, capsys, monkeypatch):
-    from shardlab.__main__ import main
+    from shardlab.cli.main import main
 
     monkeypatch.chdir(ROOT)
     args = ["recipes/llama_fsdp_tp.py", "--model.vocab-size", "256", "--data.tokenizer", str(tok_dir)]
@@ -124,8 +124,8 @@ def test_the_cli_checks_the_tokenizer_before_launch(tok_dir, capsys, monkeypatch
 def test_checkpoints_and_exports_carry_the_tokenizer(tok_dir, tmp_path):
     """A transformers model trained on its directory's tokenizer: the checkpoint holds the tokenizer's files and
     `export --to-hf` writes them, so transformers loads model and tokenizer (chat template included) from it."""
-    from shardlab.checkpoint import export_to_hf
-    from shardlab.loop import train
+    from shardlab.train.checkpoint import export_to_hf
+    from shardlab.train.loop import train
 
     model_dir = tmp_path / "model"
     torch.manual_seed(0)

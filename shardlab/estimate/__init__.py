@@ -18,22 +18,16 @@ import torch.distributed as dist
 from shardlab._base import Frozen
 from shardlab.config import Config
 from shardlab.estimate._fake import fake_world
+from shardlab.estimate.device import Device
 from shardlab.estimate.probe import Probe, probe, stage_boundary
 from shardlab.estimate.recorder import Collective, OpKind
-from shardlab.estimate.roofline import (
-    DP_AXES,
-    DTYPE_BYTES,
-    Device,
-    StepTime,
-    collective_seconds,
-    compute_seconds,
-    step_time,
-)
-from shardlab.models.provider import ModelProvider, provider_for
-from shardlab.pipeline import in_flight, stage_shape
-from shardlab.plan import ParamPlan, Plan
-from shardlab.rules import Rules
-from shardlab.schedule import stage_actions
+from shardlab.estimate.roofline import DP_AXES, DTYPE_BYTES, StepTime, collective_seconds, compute_seconds, step_time
+from shardlab.models import provider_for
+from shardlab.models.provider import ModelProvider
+from shardlab.sharding.pipeline import in_flight, stage_shape
+from shardlab.sharding.plan import ParamPlan, Plan
+from shardlab.sharding.rules import Rules
+from shardlab.train.pipeline_schedule import stage_actions
 
 ADAM_STATES = 2
 """AdamW keeps exp_avg and exp_avg_sq per parameter, in the parameter's dtype, plus a 0-dim fp32 step."""

@@ -16,15 +16,16 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardlab._base import Frozen
-from shardlab.apply import apply
 from shardlab.config import PlanConfig
 from shardlab.estimate._fake import fake_tensors
 from shardlab.estimate.recorder import Recorder, param_storages
-from shardlab.mesh import MeshSpec
-from shardlab.models.provider import LlamaProvider, ModelProvider
-from shardlab.plan import make_plan
-from shardlab.routers import moe_layers
-from shardlab.step import forward_backward
+from shardlab.models.llama.moe import balanced_routing, moe_layers
+from shardlab.models.llama.provider import LlamaProvider
+from shardlab.models.provider import ModelProvider
+from shardlab.parallel.apply import apply
+from shardlab.sharding.mesh import MeshSpec
+from shardlab.sharding.plan import make_plan
+from shardlab.train.step import forward_backward
 
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm)
 """The ops counted: every projection of a block runs as one of them (attention's and experts' batched ones don't)."""
@@ -96,13 +97,11 @@ def count_block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_
 
 
 def _model(provider: ModelProvider, options: PlanConfig, ac: str | None = None) -> torch.nn.Module:
-    """A new model of `provider` on meta in options.param_dtype (as FSDP's mixed precision computes), its experts
-    routing every token evenly as the probe's do (`MoE.balanced`: meta and fake tensors hold no scores to route
-    by), its blocks checkpointed as `ac` says (`apply` on one process: checkpointing alone; None: not)."""
+    """A new model of `provider` on meta in options.param_dtype (as FSDP's mixed precision computes), its blocks
+    checkpointed as `ac` says (`apply` on one process: checkpointing alone; None: not). It runs under
+    `balanced_routing`, as the probe's do: meta and fake tensors hold no scores to route by."""
     with torch.device("meta"):
         model = provider.build().to(getattr(torch, options.param_dtype))
-    for layer in moe_layers(model):
-        layer.balanced = True
     if ac is not None:
         one = _single(options, ac)
         apply(model, make_plan(model, MeshSpec(dp_shard=1), provider.rules(one), one))
@@ -134,7 +133,7 @@ def _flops(
 ) -> tuple[int, int, int, int, int]:
     model = _model(provider, options, ac)
     forward, train = FlopCounterMode(display=False), FlopCounterMode(display=False)
-    with fake_tensors() if fake else contextlib.nullcontext():
+    with balanced_routing(), fake_tensors() if fake else contextlib.nullcontext():
         if fake:
             model.to_empty(device="cpu")
         sample = torch.zeros(1, seq_len, dtype=torch.long, device="cpu" if fake else "meta")
@@ -170,7 +169,7 @@ def _memory_bytes(provider: ModelProvider, seq_len: int, rows: int, options: Pla
     def after_forward() -> None:
         forward.update(moved=_moved(recorder), alive=recorder.live_bytes(param_storages(model)))
 
-    with fake_tensors():
+    with balanced_routing(), fake_tensors():
         model.to_empty(device="cpu")
         tokens = torch.zeros(rows, seq_len, dtype=torch.long)
         with recorder:
@@ -183,7 +182,7 @@ def _kept_bytes(provider: ModelProvider, seq_len: int, rows: int, options: PlanC
     parameters in param_dtype, its blocks checkpointed as `ac` says (`apply` on one process: checkpointing alone)."""
     model = _model(provider, options, ac)
     recorder = Recorder({})
-    with fake_tensors():
+    with balanced_routing(), fake_tensors():
         model.to_empty(device="cpu")
         with recorder:
             out = provider.forward(model, torch.zeros(rows, seq_len, dtype=torch.long))  # holds what backward needs

@@ -1,6 +1,6 @@
 """cpu_device(world) -> Device: this machine as `world` CPU ranks see it, measured once and cached.
 
-CPU ranks share the machine's cores (each gets cores // world threads, as `shardlab.launch` sets), so a rank's
+CPU ranks share the machine's cores (each gets cores // world threads, as `shardlab.cli.launch` sets), so a rank's
 FLOP/s and memory bandwidth are measured with `world` processes running at once, and the collective bandwidth is a
 gloo all-reduce among them (its all-gather and reduce-scatter, slower per byte, relative to it; and the latency of a
 tiny collective for every group size, which on shared cores is milliseconds). The peak is the
@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from shardlab._cache_dir import cache_dir, write_whole
-from shardlab._forked import cores
+from shardlab.estimate._cache_dir import cache_dir, write_whole
+from shardlab.estimate._forked import cores
+from shardlab.estimate.device import Device
 from shardlab.estimate.kernels import Rates, median_rates, table, timer
 from shardlab.estimate.kernels import measure as measure_kernels
-from shardlab.estimate.roofline import Device
 
 BUSY_MATMUL = 512
 """Square matmul side timed with some ranks idle: the debug models' projections are a few hundred wide."""

@@ -50,7 +50,7 @@ That holds only if each floor is at most what the estimate gives, term by term:
   floor (a 405B model's 512-rank layouts without checkpointing, at 111 s the lowest time floors, need terabytes of
   activations) and are dropped only after a probe each.
 A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Experts route
-every token evenly there, as in the probe (shardlab's MoE: `MoE.balanced`), so each rank computes its tokens' share
+every token evenly there, as in the probe (shardlab's MoE: `balanced_routing`), so each rank computes its tokens' share
 of their work wherever ep puts them; FSDP's floor counts the weights it gathers whole, not the experts' (sharded
 over ep too). A model whose experts route by data (transformers'
 MoE layers) cannot run on meta tensors and gets no compute, FSDP or activation floor. A recipe's own rules may
@@ -66,10 +66,12 @@ import torch
 from shardlab._base import Frozen
 from shardlab.config import Config
 from shardlab.estimate.block_counts import Block, count_block
-from shardlab.estimate.roofline import DTYPE_BYTES, GPUS_PER_NODE, Device, axis_bandwidth, shared_pipeline_factor
-from shardlab.models.provider import LlamaProvider, ModelProvider
-from shardlab.pipeline import bubble_fraction, in_flight
-from shardlab.search import Layout, uses_fsdp
+from shardlab.estimate.device import Device
+from shardlab.estimate.layouts import Layout, uses_fsdp
+from shardlab.estimate.roofline import DTYPE_BYTES, GPUS_PER_NODE, axis_bandwidth, shared_pipeline_factor
+from shardlab.models.llama.provider import LlamaProvider
+from shardlab.models.provider import ModelProvider
+from shardlab.sharding.pipeline import bubble_fraction, in_flight
 
 
 class Floors(Frozen):

@@ -30,21 +30,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlab._base import Frozen
-from shardlab._device_mesh import make_mesh
-from shardlab._forked import run_forked
-from shardlab.apply import apply
 from shardlab.config import Config
-from shardlab.context_parallel import cp_positions
 from shardlab.estimate._fake import cached_sharding_propagation, fake_tensors, fake_world
+from shardlab.estimate._forked import run_forked
 from shardlab.estimate.recorder import Collective, OpKind, Recorder, Role, axis_names, param_storages
-from shardlab.loss import summed_loss
-from shardlab.metrics import module_flops
-from shardlab.models.provider import ModelProvider, provider_for
-from shardlab.plan import Plan, make_plan
-from shardlab.routers import moe_layers
-from shardlab.rules import Rules
-from shardlab.stages import stage_modules
-from shardlab.step import forward_backward
+from shardlab.models import provider_for
+from shardlab.models.flops import module_flops
+from shardlab.models.llama.moe import balanced_routing
+from shardlab.models.provider import ModelProvider
+from shardlab.parallel.apply import apply
+from shardlab.parallel.device_mesh import make_mesh
+from shardlab.parallel.stages import stage_modules
+from shardlab.sharding.context import cp_positions
+from shardlab.sharding.plan import Plan, make_plan
+from shardlab.sharding.rules import Rules
+from shardlab.train.loss import summed_loss
+from shardlab.train.step import forward_backward
 
 
 class Probe(Frozen):
@@ -85,8 +86,6 @@ def _probe_layers(
         flops = module_flops(model, sample, provider.forward)
     plan = make_plan(model, cfg.mesh, rules or provider.rules(cfg.plan), cfg.plan, flops)
     apply(model, plan, mesh)
-    for layer in moe_layers(model):  # fake tensors hold no data to route: every expert gets the same load
-        layer.balanced = True
     dp = cfg.mesh.size("dp")
     micro = cfg.micro_batches
     rows = cfg.train.global_batch // dp // micro
@@ -106,7 +105,8 @@ def _probe_layers(
             if forward_only:
                 raise _ForwardDone
 
-        with recorder, contextlib.suppress(_ForwardDone), warnings.catch_warnings():
+        # fake tensors hold no data to route by: every expert gets the same load
+        with recorder, contextlib.suppress(_ForwardDone), warnings.catch_warnings(), balanced_routing():
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
             if plan.pipeline is None:
                 forward_backward(

@@ -24,12 +24,11 @@ from pathlib import Path
 import msgspec
 import torch
 
-import shardlab
-from shardlab._cache_dir import cache_dir, write_whole
 from shardlab.config import Config
+from shardlab.estimate._cache_dir import cache_dir, write_whole
 from shardlab.estimate.probe import Measurement
 from shardlab.models.provider import ModelProvider
-from shardlab.rules import Rules
+from shardlab.sharding.rules import Rules
 
 FORMAT = 1
 """Bumped when what an entry holds changes shape."""
@@ -69,7 +68,7 @@ def _fingerprint(provider: ModelProvider) -> bytes:
     model = provider.meta_model()
     modules = {type(m).__module__ for m in model.modules()} | {type(provider).__module__}
     modules |= {getattr(value, "__module__", None) for value in vars(provider).values() if callable(value)}
-    root = Path(shardlab.__file__).parent
+    root = Path(__file__).resolve().parents[1]  # the shardlab package
     files = sorted(root.rglob("*.py"))
     for name in sorted(m for m in modules if m and m in sys.modules and m.split(".")[0] not in ("torch", "shardlab")):
         file = getattr(sys.modules[name], "__file__", None)

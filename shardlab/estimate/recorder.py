@@ -26,11 +26,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from shardlab._activation_checkpoint import in_backward
 from shardlab._base import Frozen
-from shardlab._device_mesh import _experts_of, flat_view
 from shardlab.estimate._fake import forget_dtensor_dispatch, inferring_dtensor_shapes
-from shardlab.mesh import AXES, FLAT_VIEWS
+from shardlab.parallel._activation_checkpoint import in_backward
+from shardlab.parallel.device_mesh import _experts_of, flat_view
+from shardlab.sharding.mesh import AXES, FLAT_VIEWS
 
 Kind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send"]
 Phase = Literal["forward", "backward"]

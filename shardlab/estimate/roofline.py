@@ -13,7 +13,7 @@ The model, stated so it can be argued with:
 - FSDP's collectives (dp axes) overlap with compute (prefetch): they cost only what exceeds it. TP's and CP's
   (K/V all-gathers) are on the critical path (eager TP, no async TP, no overlap of the gathers). Scalar all-reduces of the loss and norm are left out.
 - Pipelines: the sends between stages are on the critical path; the rank idles the schedule's analytic
-  bubble fraction of the step (shardlab.pipeline.bubble_fraction), the optimizer step comes after. Ranks that
+  bubble fraction of the step (shardlab.sharding.pipeline.bubble_fraction), the optimizer step comes after. Ranks that
   time-share one machine's cores (`--device cpu`) run faster while others idle, by their measured `busy_speed`: the
   step is priced as GPipe's lockstep timeline with the same bubble, slot by slot at the speed its busy ranks get
   (`shared_pipeline_factor`).
@@ -27,82 +27,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-import msgspec
-
 from shardlab._base import Frozen
-from shardlab.estimate.kernels import MEASURED, Kernels
+from shardlab.estimate.device import Device
 from shardlab.estimate.probe import Probe
 from shardlab.estimate.recorder import Collective
-from shardlab.mesh import AXES, FLAT_VIEWS, MeshSpec
+from shardlab.sharding.mesh import AXES, FLAT_VIEWS, MeshSpec
 
-MATMUL_EFFICIENCY = 0.8
-"""Achievable / datasheet bf16 FLOP/s: an 8192^3 bf16 matmul ran at 798 of 989 TFLOP/s on one H100 (BENCHMARKS.md)."""
-HBM_EFFICIENCY = 0.9
-"""Achievable / datasheet HBM bandwidth: a device-to-device copy moved 3.0 of 3.35 TB/s on the same H100."""
 GPUS_PER_NODE = 8
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 """Bytes per element of the dtypes a plan names (param_dtype, reduce_dtype)."""
 DP_AXES = ("dp_replicate", "dp_shard", "dp", "dp_shard_cp", "batch", "dp_shard_mod_ep")
 ADAM_BYTES_PER_PARAM = 7 * 4
-
-
-class Device(Frozen):
-    """Datasheet numbers of one accelerator (SXM parts, dense bf16), or measured ones (`cpu`)."""
-
-    name: str
-    bf16_tflops: float
-    """Dense matmul peak in the training dtype (bf16 on GPUs; a measured device: what it reached, fp32 on CPUs)."""
-    hbm_tb_s: float
-    nvlink_gb_s: float
-    """Per GPU, one direction."""
-    network_gb_s: float
-    """Per GPU, one direction, between nodes (one NIC per GPU)."""
-    memory_gib: float
-    """Memory per device, as the driver reports it (what `search` fits layouts into by default)."""
-    matmul_efficiency: float = MATMUL_EFFICIENCY
-    """Achieved / peak FLOP/s (1 for a measured device: its numbers are achieved ones)."""
-    hbm_efficiency: float = HBM_EFFICIENCY
-    kernels: Kernels | None = None
-    """Measured efficiency per kernel class and size, and a cost per op; None: the flat efficiencies above."""
-    busy_speed: tuple[float, ...] = ()
-    """Ranks that time-share one machine's cores (CPU ranks): a rank's speed while k of them are busy (entry k - 1),
-    relative to all of them busy, as the numbers above were measured. A rank idling in a pipeline's bubble leaves
-    part of its cores to the busy ones; how much depends on their threads and on the machine's other load, so it is
-    measured. Empty: dedicated devices."""
-    collective_speed: tuple[tuple[str, float], ...] = ()
-    """(kind, bandwidth relative to the all-reduce's) for kinds that run at another speed per byte as
-    `collective_seconds` counts them: gloo on CPU ranks gathers and reduce-scatters through slower paths than its
-    all-reduce, so it is measured (shardlab.estimate.cpu). Kinds not listed, and every kind when empty, run at the
-    link bandwidth."""
-    collective_latency: tuple[tuple[int, float], ...] = ()
-    """(group size, seconds) every collective over a group of that size takes beyond its bytes, measured with all
-    ranks in such groups at once: gloo on ranks that share cores takes milliseconds, each hop waiting for its peer's
-    process to get a core (shardlab.estimate.cpu). A size not listed takes the latency of the largest listed size
-    below it. Empty: none (the named GPUs: NCCL's microseconds per collective are not modelled)."""
-
-
-DEVICES: dict[str, Device] = {
-    "h100": Device(name="H100 SXM", bf16_tflops=989, hbm_tb_s=3.35, nvlink_gb_s=450, network_gb_s=50, memory_gib=79.6),
-    "h200": Device(name="H200 SXM", bf16_tflops=989, hbm_tb_s=4.8, nvlink_gb_s=450, network_gb_s=50, memory_gib=140.4),
-    "a100": Device(
-        name="A100 SXM 80GB", bf16_tflops=312, hbm_tb_s=2.04, nvlink_gb_s=300, network_gb_s=25, memory_gib=80
-    ),
-    "b200": Device(name="B200", bf16_tflops=2250, hbm_tb_s=8.0, nvlink_gb_s=900, network_gb_s=50, memory_gib=179.1),
-}
-"""Network: 400 Gb/s InfiniBand per GPU (200 Gb/s HDR on A100 systems). Memory: nvidia-smi's total (81,559 MiB on
-an H100 SXM, 143,771 on an H200, 81,920 on an A100 80GB, 183,359 on a B200)."""
-
-
-def device(name: str, world: int = 1) -> Device:
-    """A named device; `cpu` is this machine as `world` ranks share it (measured once, then read from a cache)."""
-    if name == "cpu":
-        from shardlab.estimate.cpu import cpu_device
-
-        return cpu_device(world)
-    if name not in DEVICES:
-        raise ValueError(f"--device {name!r} is unknown; choose one of {', '.join(DEVICES)}, cpu")
-    dev = DEVICES[name]
-    return dev if name not in MEASURED else msgspec.structs.replace(dev, kernels=MEASURED[name])
 
 
 class StepTime(Frozen):
@@ -177,7 +112,7 @@ def step_time(
     `collectives` (per step), `global_tokens` in all. A pipeline idles `bubble` of the step; the rest is this rank's
     work.
 
-    MFU counts `model_flops_per_token` (the trainer's own convention, shardlab.metrics.flops_per_token).
+    MFU counts `model_flops_per_token` (the trainer's own convention, shardlab.train.metrics.flops_per_token).
     """
 
     def seconds(axes: Callable[[str], bool]) -> float:

@@ -1,12 +1,12 @@
 """search(cfg, world) -> Search: the fastest layouts that fit, ranked by the estimator's step time.
 
-The layouts are `shardlab.search.enumerate_layouts`'s. Each has a floor (`shardlab.estimate.floors`: step time and
+The layouts are `shardlab.estimate.layouts.enumerate_layouts`'s. Each has a floor (`shardlab.estimate.floors`: step time and
 memory from its shape alone) and they are looked at lowest floor first, until the next floor is above the K-th
 fastest layout that fits: every later one is at least that slow, so the top K are the exhaustive search's
 (`prune=False` looks at them all; tests/test_search.py compares the two). What is cheap and exact comes next: each
 layout's parameters, gradients, AdamW state and FSDP buffers are read off its plan (one plan per mesh and pipeline
 shape, on one meta model), and a layout whose state and the activations it keeps at least (`Floors.activations`)
-exceed the memory is dropped before any probe. The rest are estimated (`shardlab.estimate.shared`) with probes
+exceed the memory is dropped before any probe. The rest are estimated (`shardlab.estimate.twin`) with probes
 shared through one cache (one per twin shape: every row count on the line through two, keeping FSDP's weights
 gathered from the probe that reshards them). The pp rank holding a pipeline's last stage, whose probe only its
 compute needs, is probed only for a layout that fits and may enter the top K (without it the step time is a lower
@@ -36,16 +36,17 @@ import torch
 from shardlab._base import Frozen
 from shardlab.config import Config
 from shardlab.estimate import Estimate, estimate_memory, fsdp_buffer_bytes
+from shardlab.estimate.device import Device
 from shardlab.estimate.floors import Floors
+from shardlab.estimate.layouts import AC_MODES, Layout, divisors, enumerate_layouts, recomputes_no_more, uses_fsdp
 from shardlab.estimate.probe_store import ProbeStore
-from shardlab.estimate.roofline import Device, collective_seconds
-from shardlab.estimate.shared import Shape, estimate_shared, needs_last_rank
-from shardlab.metrics import module_flops
+from shardlab.estimate.roofline import collective_seconds
+from shardlab.estimate.twin import Shape, estimate_shared, needs_last_rank
+from shardlab.models.flops import module_flops
 from shardlab.models.provider import ModelProvider, check_layout
-from shardlab.pipeline import LOOPED, ONE_STAGE, V_SHAPED, ZERO_BUBBLE, bubble_fraction, stage_shape
-from shardlab.plan import Plan, make_plan
-from shardlab.rules import Rules
-from shardlab.search import AC_MODES, Layout, divisors, enumerate_layouts, recomputes_no_more, uses_fsdp
+from shardlab.sharding.pipeline import LOOPED, ONE_STAGE, V_SHAPED, ZERO_BUBBLE, bubble_fraction, stage_shape
+from shardlab.sharding.plan import Plan, make_plan
+from shardlab.sharding.rules import Rules
 
 RulesOf = Callable[[Config], Rules | None]
 

@@ -9,9 +9,9 @@ import pprint
 import msgspec
 
 from shardlab.config import Config
-from shardlab.estimate.roofline import Device
+from shardlab.estimate.device import Device
+from shardlab.estimate.layouts import Layout
 from shardlab.estimate.search import Candidate, Search, readable_bytes
-from shardlab.search import Layout
 
 
 def why(best: Candidate, runner_up: Candidate | None) -> str:
@@ -92,7 +92,7 @@ def layout_recipe(cfg: Config, layout: Layout, world: int, source: str, own: boo
         "from shardlab import Config",
     ]
     if own:
-        lines += ["from shardlab.recipe import load_recipe", "", f"_source = load_recipe({source!r})"]
+        lines += ["from shardlab.cli.recipe import load_recipe", "", f"_source = load_recipe({source!r})"]
     lines += ["", f"config = msgspec.convert(\n{data},\n    Config,\n)"]
     if own:
         lines += ["", "", "def rules(cfg):", "    return _source.rules(cfg)", "", "", "def model(cfg):",

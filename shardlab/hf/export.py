@@ -20,8 +20,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import ModelConfig
-from shardlab.hf.io import INDEX, SINGLE, _reshard
-from shardlab.models.provider import LlamaProvider, ModelProvider
+from shardlab.hf.io import _reshard
+from shardlab.models.hf_dir import INDEX, SINGLE
+from shardlab.models.llama.provider import LlamaProvider
+from shardlab.models.provider import ModelProvider
 
 
 def to_hf(

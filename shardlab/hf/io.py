@@ -20,16 +20,17 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import Config, ModelConfig
-from shardlab.hf.names import llama_names
-from shardlab.models.llama import Llama, from_hf_config, materialize
-from shardlab.models.provider import HFNames, LlamaProvider, ModelProvider, first_difference
-from shardlab.spec import P, block, placed_spec
+from shardlab.models.hf_dir import INDEX, SINGLE, has_weights
+from shardlab.models.llama.hf_names import llama_names
+from shardlab.models.llama.model import Llama, from_hf_config, materialize
+from shardlab.models.llama.provider import LlamaProvider
+from shardlab.models.provider import HFNames, ModelProvider, first_difference
+from shardlab.parallel.device_mesh import placed_spec
+from shardlab.sharding.spec import P, block
 
 NameMap = Callable[[str, Sequence[int]], HFNames]
 """Parameter name and shape -> its checkpoint tensor(s) (`ModelProvider.hf_names`)."""
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Buffers that old transformers versions saved with the weights; the model rebuilds them."""
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt")
@@ -94,11 +95,6 @@ def initial_weights(cfg: Config, provider: ModelProvider) -> Path | None:
     return Path(path)
 
 
-def has_weights(root: Path) -> bool:
-    """Whether a Hugging Face directory holds safetensors weights (one file or an index)."""
-    return (root / SINGLE).is_file() or (root / INDEX).is_file()
-
-
 def load_hf_weights(
     model: nn.Module,
     path: str | os.PathLike,
@@ -111,7 +107,7 @@ def load_hf_weights(
     block of each tensor. Everything is checked before anything is copied (names, shapes, dtypes, files),
     so a bad checkpoint leaves the model as it was. A tied parameter is read once, from whichever of its
     names the checkpoint has (HF omits `lm_head.weight` when tied). `names` maps a parameter to its checkpoint
-    tensor(s) (default: shardlab's Llama, `shardlab.hf.names.llama_names`); a stacked expert weight reads the experts of its
+    tensor(s) (default: shardlab's Llama, `shardlab.models.llama.hf_names.llama_names`); a stacked expert weight reads the experts of its
     block, each from its own tensor. `elsewhere`: (name, shape) of the parameters other pipeline stages hold, whose
     tensors the checkpoint has and this rank does not read.
     """

@@ -19,10 +19,9 @@ import torch
 from torch import nn
 
 from shardlab.config import PlanConfig
-from shardlab.metrics import module_flops
-from shardlab.models.llama import param_seed
-from shardlab.models.provider import ModelProvider
-from shardlab.rules import Rules, matches
+from shardlab.models.flops import module_flops
+from shardlab.models.provider import ModelProvider, param_seed
+from shardlab.sharding.rules import Rules, matches
 
 if TYPE_CHECKING:
     from shardlab.config import Config

@@ -5,23 +5,23 @@ A provider answers, for one configuration: build the model (on whatever device i
 plans), initialise it (each weight a function of the seed and its name), its rules (parameter layout, blocks,
 attention modules, FSDP units), how tokens become logits, its FLOPs per token, the model facts the mesh must divide,
 a shallower copy for the estimator's probe, what identifies it on resume, and its Hugging Face names. shardlab's
-Llama (dense or MoE) is `LlamaProvider`; a transformers causal LM from a local directory is
-`shardlab.models.hf_causal_lm.HFCausalLM`; a recipe's own nn.Module is `CustomModel`.
+Llama (dense or MoE) is `shardlab.models.llama.provider.LlamaProvider`; a transformers causal LM from a local directory
+is `shardlab.models.transformers.provider.HFCausalLM`; a recipe's own nn.Module is `CustomModel`; `shardlab.models`
+picks one for a config (`provider_for`).
 """
 
 from __future__ import annotations
 
 import abc
+import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import torch
 from torch import nn
 
-from shardlab.config import ModelConfig, MoEConfig, PlanConfig, check_tp_divisors
-from shardlab.metrics import flops_per_token
-from shardlab.rules import Rules
+from shardlab.config import MoEConfig, PlanConfig, check_tp_divisors
+from shardlab.sharding.rules import Rules
 
 if TYPE_CHECKING:
     from shardlab.config import Config
@@ -37,7 +37,7 @@ class ModelProvider(abc.ABC):
     name: str
     """Shown in plans and errors (e.g. "llama", "transformers Qwen3ForCausalLM")."""
     packs_documents: bool = False
-    """Its attention keeps packed documents apart when given their positions [rows, s] (`shardlab.packing`), so it
+    """Its attention keeps packed documents apart when given their positions [rows, s] (`shardlab.data.packing`), so it
     can train with data.document_masks."""
 
     @abc.abstractmethod
@@ -157,90 +157,9 @@ def first_difference(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
     return next((k for k in (*saved, *(k for k in now if k not in saved)) if saved.get(k) != now.get(k)), None)
 
 
-class LlamaProvider(ModelProvider):
-    """shardlab's own Llama 3, dense or with MoE layers, from the config's `model` fields."""
-
-    packs_documents = True
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.cfg = cfg
-        self.name = "llama" if cfg.moe is None else "llama-moe"
-
-    def build(self) -> nn.Module:
-        from shardlab.models.llama import Llama
-
-        return Llama(self.cfg)
-
-    def init_weights(self, model: nn.Module, seed: int) -> None:
-        model.init_weights(seed)
-
-    def rules(self, options: PlanConfig) -> Rules:
-        from shardlab.models.llama_rules import llama_rules
-
-        return llama_rules(self.cfg, options)
-
-    @property
-    def n_layers(self) -> int:
-        return self.cfg.n_layers
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def dim(self) -> int:
-        return self.cfg.dim
-
-    @property
-    def moe(self) -> MoEConfig | None:
-        return self.cfg.moe
-
-    def flops_per_token(self, seq_len: int) -> float:
-        m = self.cfg
-        matmul_params = m.n_active_params - (0 if m.tie_embeddings else m.vocab_size * m.dim)
-        return flops_per_token(matmul_params, m.n_layers, m.dim, seq_len)
-
-    def tp_divisors(self) -> dict[str, int]:
-        return self.cfg.tp_divisors()
-
-    def with_layers(self, n_layers: int) -> LlamaProvider:
-        return LlamaProvider(msgspec.structs.replace(self.cfg, n_layers=n_layers))
-
-    def identity(self) -> dict[str, Any]:
-        return {f"model.{f}": msgspec.to_builtins(getattr(self.cfg, f)) for f in LLAMA_FIELDS}
-
-    def hf_config(self) -> dict[str, Any]:
-        from shardlab.models.llama import to_hf_config
-
-        return to_hf_config(self.cfg)
-
-    def hf_names(self, name: str, shape: Sequence[int]) -> HFNames:
-        from shardlab.hf.names import llama_names
-
-        return llama_names(name, shape)
-
-    def hf_tied(self) -> bool:
-        return self.cfg.tie_embeddings
-
-
-LLAMA_FIELDS = tuple(f for f in ModelConfig.__struct_fields__ if f not in ("hf_path", "from_scratch"))
-"""The fields that describe shardlab's Llama (the others say where a transformers model comes from)."""
-
-
-def provider_for(cfg: Config, custom: ModelProvider | None = None) -> ModelProvider:
-    """The provider a config names: a recipe's own model (`custom`), a transformers directory (model.hf_path), or
-    shardlab's Llama."""
-    if custom is not None:
-        if cfg.model.hf_path is not None:
-            raise ValueError(
-                "model.hf_path is set but the recipe defines its own model; use one of them (drop --model.hf-path)"
-            )
-        return custom
-    if cfg.model.hf_path is not None:
-        from shardlab.models.hf_causal_lm import HFCausalLM
-
-        return HFCausalLM.from_dir(cfg.model.hf_path)
-    return LlamaProvider(cfg.model)
+def param_seed(seed: int, name: str) -> int:
+    """The RNG seed a parameter is drawn with: a function of the run's seed and the parameter's name only."""
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (1 << 63)
 
 
 def check_layout(cfg: Config, provider: ModelProvider) -> None:

@@ -14,15 +14,15 @@ from pathlib import Path
 import torch
 
 from shardlab.config import PlanConfig
-from shardlab.mesh import MeshSpec
-from shardlab.models.llama import Llama, llama_config
-from shardlab.models.llama_rules import llama_rules
-from shardlab.plan import Plan, make_plan
+from shardlab.models.llama.model import Llama, llama_config
+from shardlab.models.llama.rules import llama_rules
+from shardlab.sharding.mesh import MeshSpec
+from shardlab.sharding.plan import Plan, make_plan
 
 PLANS_DIR = Path(__file__).resolve().parent / "plans"
 
 CASES: dict[str, tuple[str, MeshSpec]] = {
-    # <model size>__<mesh>: (size in shardlab.models.llama.SIZES, mesh)
+    # <model size>__<mesh>: (size in shardlab.models.llama.model.SIZES, mesh)
     "debug__dp_shard2xtp2": ("debug", MeshSpec(dp_shard=2, tp=2)),
     "debug__dp_replicate2xdp_shard2": ("debug", MeshSpec(dp_replicate=2, dp_shard=2)),
     "debug__tp2": ("debug", MeshSpec(dp_shard=1, tp=2)),
@@ -56,7 +56,7 @@ def build(name: str) -> Plan:
     """The plan a golden file holds, made now."""
     size, mesh = CASES[name]
     if size.startswith("hf-"):
-        from shardlab.models.hf_causal_lm import HFCausalLM
+        from shardlab.models.transformers.provider import HFCausalLM
 
         family = size.removeprefix("hf-")
         provider = HFCausalLM.from_dict({"model_type": family, **HF_SHAPE, **HF_CONFIGS[family]}, source=family)

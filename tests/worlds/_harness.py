@@ -37,7 +37,13 @@ TIMES_ENV = "SHARDLAB_WORLD_TIMES"
 """A file to which each world appends its checks' seconds on rank 0 (`SHARDLAB_WORLD_TIMES=f pytest tests/worlds`)."""
 GRACE_S = 10
 """After a rank fails or dies, how long the others get to finish the pass/fail all-gather before they are killed."""
-PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor.parallel", "shardlab.loop", "transformers"]
+PRELOAD = [
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel",
+    "shardlab.train.loop",
+    "transformers",
+]
 """What the forkserver imports once: every rank is forked from it with these loaded (a 4-rank world starts in
 under a second, where spawning, each rank importing them anew, took about 10 s on 2 cores)."""
 

@@ -21,9 +21,9 @@ from shardlab.config import (
     PlanConfig,
     TrainConfig,
 )
-from shardlab.loop import build_model, train
-from shardlab.mesh import FLAT_VIEWS
 from shardlab.models.provider import ModelProvider
+from shardlab.sharding.mesh import FLAT_VIEWS
+from shardlab.train.loop import build_model, train
 
 STEPS = 4
 """Enough for a curve: two warmup steps, then the loss falls by about 2 nats; a wrong gradient shows from step 2."""

@@ -14,11 +14,11 @@ import msgspec
 import pytest
 import torch.distributed as dist
 
-from shardlab import loop
-from shardlab._manifest import MANIFEST_FILE
-from shardlab._preemption import Preempted
-from shardlab.checkpoint import complete, damage, step_dir
 from shardlab.config import Config, MeshSpec
+from shardlab.train import loop
+from shardlab.train._manifest import MANIFEST_FILE
+from shardlab.train._preemption import Preempted
+from shardlab.train.checkpoint import complete, damage, step_dir
 
 from ._harness import run_world
 from .layouts import TOL, continue_from, curves
@@ -204,11 +204,11 @@ def test_export_of_a_dp2_tp2_checkpoint_loads_in_transformers(world4, tmp):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from shardlab.__main__ import main
-    from shardlab.checkpoint import load
-    from shardlab.data import make_loader
-    from shardlab.loop import build_model
-    from shardlab.step import init_state
+    from shardlab.cli.main import main
+    from shardlab.data.loader import make_loader
+    from shardlab.train.checkpoint import load
+    from shardlab.train.loop import build_model
+    from shardlab.train.step import init_state
 
     world4.raise_for(layouts)
     saved = step_dir(tmp / "split" / "checkpoints", HALF)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.checkpoint import step_dir
 from shardlab.config import MeshSpec
+from shardlab.train.checkpoint import step_dir
 
 from ._harness import run_world
 from .layouts import (

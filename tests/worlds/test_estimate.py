@@ -10,10 +10,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlab.config import MeshSpec
-from shardlab.data import make_loader
+from shardlab.data.loader import make_loader
 from shardlab.estimate import estimate_memory
-from shardlab.loop import build_model
-from shardlab.step import init_state
+from shardlab.train.loop import build_model
+from shardlab.train.step import init_state
 
 from .layouts import tiny
 

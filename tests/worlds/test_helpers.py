@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from shardlab import MeshSpec, P, constrain, make_mesh, shard, shard_map, visualize, visualize_spec
-from shardlab.spec import block
+from shardlab.sharding.spec import block
 
 MESH = MeshSpec(dp_shard=2, tp=2)
 SPECS = [P("tp", "dp_shard"), P(("tp", "dp_shard"), None), P(("dp_shard", "tp"), None), P(None, "tp"), P()]

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import Config, DataConfig, LogConfig, MeshSpec, TrainConfig
-from shardlab.context_parallel import cp_positions
 from shardlab.hf import load_hf_weights, read_hf_config, to_hf
-from shardlab.loop import build_model
+from shardlab.sharding.context import cp_positions
+from shardlab.train.loop import build_model
 
 from ._harness import run_world
 

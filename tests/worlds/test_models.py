@@ -24,8 +24,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from shardlab.cli.recipe import load_recipe
 from shardlab.config import MeshSpec, ModelConfig
-from shardlab.recipe import load_recipe
 
 from ._harness import run_world
 from .layouts import assert_matches, curves, packed, tiny, with_plan, write_documents

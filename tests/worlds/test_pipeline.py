@@ -11,9 +11,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shardlab.checkpoint import step_dir
 from shardlab.config import Config, MeshSpec
-from shardlab.loop import build_model
+from shardlab.train.checkpoint import step_dir
+from shardlab.train.loop import build_model
 
 from ._harness import run_world
 from .layouts import MID, TOL, assert_matches, ckpt, continue_from, curves, layout_curves, tiny

@@ -25,16 +25,16 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import Config, MeshSpec, MoEConfig
-from shardlab.context_parallel import cp_positions
 from shardlab.estimate import DTYPE_BYTES, cached_probe, estimate, per_step, probed_rank
 from shardlab.estimate.probe import Probe, probe
 from shardlab.estimate.recorder import Recorder, axis_names, param_storages
 from shardlab.estimate.roofline import DP_AXES
-from shardlab.loop import build_model, plan_model
-from shardlab.models.provider import provider_for
-from shardlab.routers import moe_layers
-from shardlab.schedule import PipelineRun
-from shardlab.step import forward_backward, init_state, match_param_layouts
+from shardlab.models import provider_for
+from shardlab.models.llama.moe import balanced_routing
+from shardlab.sharding.context import cp_positions
+from shardlab.train.loop import build_model, plan_model
+from shardlab.train.pipeline_schedule import PipelineRun
+from shardlab.train.step import forward_backward, init_state, match_param_layouts
 
 from ._harness import run_world
 from .layouts import tiny
@@ -70,8 +70,6 @@ def rss() -> int:
 def real(rank, world_size, name: str) -> dict:
     cfg = config(name)
     model, plan, mesh = build_model(cfg)
-    for layer in moe_layers(model):  # the probe's routing: every expert the same load
-        layer.balanced = True
     rows = cfg.train.global_batch // cfg.resolve(world_size).mesh.size("dp")
     tokens = torch.randint(
         0, cfg.model.vocab_size, (rows, cfg.train.seq_len), generator=torch.Generator().manual_seed(0)
@@ -80,16 +78,18 @@ def real(rank, world_size, name: str) -> dict:
     if plan.context is not None:  # this cp rank's chunks of every sequence, as the step takes them
         positions = cp_positions(cfg.train.seq_len, cfg.mesh.cp, mesh["cp"].get_local_rank())
         tokens = tokens[:, positions]
-    forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, positions=positions)  # lazy init, grads
     recorder = Recorder(axis_names(mesh))
-    seen = {"before": rss()}
+    seen: dict[str, int] = {}
 
     def after_forward() -> None:
         seen["after"] = rss()
         seen["live"] = recorder.live_bytes(param_storages(model))
 
-    with recorder:
-        forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward, positions)
+    with balanced_routing():  # the probe's routing: every expert the same load
+        forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, positions=positions)  # lazy init, grads
+        seen["before"] = rss()
+        with recorder:
+            forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward, positions)
     return {
         "collectives": {k[:4]: (n, recorder.collective_bytes[k]) for k, n in recorder.collectives.items()},
         "comm_debug_mode_count": sum(recorder.comm_counts.values()),

@@ -1,0 +1,106 @@
+"""MeshSpec -> torch's DeviceMesh: the mesh with every shardlab axis, its flattened views and the expert mesh, and
+back (`mesh_spec_of`). The one module that calls DeviceMesh's private methods (`_flatten`, `_unflatten`,
+`_concatenate`, the root mesh's `_flatten_mapping`), as shardlab.sharding._strided is for `_StridedShard`.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import DTensor, Replicate
+
+from shardlab.sharding.mesh import AXES, EXPERT_AXES, FLAT_VIEWS, ExpertMeshSpec, MeshSpec
+from shardlab.sharding.spec import Mesh, P, spec_from_placements
+
+
+def mesh_spec_of(mesh) -> MeshSpec | ExpertMeshSpec:
+    """The MeshSpec of a DeviceMesh from `make_mesh` or a slice of it (absent axes have size 1); the ExpertMeshSpec
+    of a mesh over expert axes (an expert weight's). Only the whole mesh carries `ep`: a slice has no ep of its own."""
+    names = tuple(mesh.mesh_dim_names or ())
+    sizes = {n: mesh.size(i) for i, n in enumerate(names)}
+    if {"ep", "dp_shard_mod_ep"} & set(names):
+        unknown = [n for n in names if n not in EXPERT_AXES]
+        if unknown:
+            raise ValueError(f"mesh dims {unknown} are not expert mesh axes ({', '.join(EXPERT_AXES)})")
+        return ExpertMeshSpec(**{a: sizes.get(a, 1) for a in EXPERT_AXES})
+    unknown = [n for n in names if n not in AXES]
+    if unknown:
+        raise ValueError(
+            f"mesh dims {unknown} are not shardlab axes ({', '.join(AXES)}); use a mesh from make_mesh or a slice of it"
+        )
+    experts = _experts_of(mesh)
+    ep = experts["ep"].size() if experts is not None and names == AXES else 1
+    return MeshSpec(**{a: sizes.get(a, 1) for a in AXES}, ep=ep)
+
+
+def make_mesh(spec: MeshSpec, device_type: str = "cpu"):
+    """Build the torch DeviceMesh with every axis of `spec` plus the flattened views.
+
+    Needs an initialised process group whose world size equals the mesh size.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise ValueError(
+            "make_mesh: no process group; start under torchrun (or call torch.distributed.init_process_group)"
+        )
+    world = dist.get_world_size()
+    spec = spec.resolve(world)
+    mesh = init_device_mesh(device_type, spec.axis_sizes, mesh_dim_names=AXES)
+    for name, axes in FLAT_VIEWS.items():
+        mesh[axes]._flatten(name)
+    if spec.ep > 1:
+        e = spec.experts
+        # torch keeps no unflattened meshes on the root: shardlab keeps the one it made (expert_mesh reads it)
+        mesh._shardlab_experts = flat_view(mesh, "batch")._unflatten(
+            0, (e.dp_replicate, e.dp_shard_mod_ep, e.ep), ("dp_replicate", "dp_shard_mod_ep", "ep")
+        )
+    return mesh
+
+
+def expert_mesh(mesh, axes: tuple[str, ...]):
+    """The DeviceMesh over expert mesh axes `axes` (from EXPERT_AXES), with the root `make_mesh(spec)` built for
+    spec.ep > 1: ("ep",) or ("ep", "tp") holds the expert weights, ("dp_shard_mod_ep",) or
+    ("dp_replicate", "dp_shard_mod_ep") is FSDP's mesh for them."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    experts = _experts_of(mesh)
+    if experts is None:
+        raise ValueError("expert_mesh: this mesh has no expert axes; build it with make_mesh(spec) with spec.ep > 1")
+    parts = [experts[a] if a in experts.mesh_dim_names else mesh[a] for a in axes]
+    if len(parts) == 1:
+        return parts[0]
+    if all(a in experts.mesh_dim_names for a in axes):
+        return experts[axes]
+    return DeviceMesh._concatenate(parts)  # ep x tp: slices of two meshes over the same root
+
+
+def _experts_of(mesh):
+    """The expert mesh `make_mesh` kept on `mesh`'s root (None without ep)."""
+    return getattr(mesh._get_root_mesh(), "_shardlab_experts", None)
+
+
+def flat_view(mesh, name: str):
+    """The 1-D DeviceMesh of a flattened view (`dp`, `dp_shard_cp`, `batch`) made by `make_mesh`.
+
+    torch keeps flattened meshes on the root mesh; slicing them from the root by name is deprecated.
+    """
+    if name not in FLAT_VIEWS:
+        raise ValueError(f"unknown flattened view {name!r}; valid views are {', '.join(FLAT_VIEWS)}")
+    return mesh._get_root_mesh()._flatten_mapping[name]
+
+
+def placed_spec(x: DTensor) -> tuple[P, Mesh, tuple[str, ...]]:
+    """A DTensor's PartitionSpec, the MeshSpec of its mesh, and its mesh's dims as that MeshSpec's axes.
+
+    FSDP's flattened dp_shard x cp view chunks a dim in one go, as a single axis would: it reads as a dp_shard of
+    that size. Axes of size 1 hold everything whatever their placement (FSDP leaves a _StridedShard there)."""
+    mesh = x.device_mesh
+    names = tuple(mesh.mesh_dim_names or ())
+    if "dp_shard_cp" in names:
+        names = tuple("dp_shard" if n == "dp_shard_cp" else n for n in names)
+        spec_mesh: Mesh = MeshSpec(**{a: 1 for a in AXES} | {n: mesh.size(i) for i, n in enumerate(names)})
+    else:
+        spec_mesh = mesh_spec_of(mesh)
+    by_axis = dict(zip(names, x.placements))
+    full = [by_axis.get(a, Replicate()) if spec_mesh.size(a) > 1 else Replicate() for a in spec_mesh.axis_names]
+    return spec_from_placements(full, spec_mesh, x.ndim), spec_mesh, names
