@@ -4,6 +4,7 @@ sees those documents, evaluation never changes the training curve, and bad setti
 from __future__ import annotations
 
 import math
+import warnings
 
 import msgspec
 import numpy as np
@@ -86,3 +87,11 @@ def test_synthetic_data_holds_out_by_its_own_stream():
     a = make_loader(data, seq_len=8, global_batch=2, vocab_size=50, dp_rank=0, dp_size=1, split="held_out")
     b = make_loader(data, seq_len=8, global_batch=2, vocab_size=50, dp_rank=0, dp_size=1, split="train")
     assert not torch.equal(a.batch(0).inputs, b.batch(0).inputs) and a.fingerprint != b.fingerprint
+
+
+def test_a_run_leaves_the_process_warnings_filters_as_they_were():
+    """The loop silences FSDP's warning about the embedding's view for its own run only: a researcher's process keeps
+    its filters."""
+    before = list(warnings.filters)
+    train(tiny(), write=False)
+    assert warnings.filters == before

@@ -127,9 +127,21 @@ def train(
     SIGTERM (preemption) on any rank: every rank finishes its step, the run saves it (whatever checkpoint.every
     says) and raises `Preempted` (see `shardlab.train._preemption`).
     """
+    with warnings.catch_warnings():  # for this run only, not for the rest of the process
+        # nn.Embedding returns a view; FSDP warns in case an in-place op follows. Llama only adds out of place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
+        return _train(cfg, rules, device, write, until, provider)
+
+
+def _train(
+    cfg: Config,
+    rules: Rules | None,
+    device: torch.device | str | None,
+    write: bool,
+    until: int | None,
+    provider: ModelProvider | None,
+) -> list[Metrics]:
     rank = dist.get_rank() if dist.is_initialized() else 0
-    # nn.Embedding returns a view; FSDP warns in case an in-place op follows. Llama only adds out of place.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor")
     provider = provider or provider_for(cfg)
     model, plan, mesh = build_model(cfg, rules, device, provider)
     cfg = cfg.resolve(plan.mesh.world_size)
