@@ -3,6 +3,7 @@
 Config -> MeshSpec -> make_plan (rules, logical axes, PartitionSpecs) -> apply -> step.
 """
 
+from shardlab import _version
 from shardlab.config import (
     CheckpointConfig,
     Config,
@@ -33,6 +34,8 @@ from shardlab.sharding.spec import P, placements
 from shardlab.train.checkpoint import load, save
 from shardlab.train.loop import build_model, train
 from shardlab.train.step import TrainState, init_state, make_step
+
+__version__ = _version.version()
 
 __all__ = [
     "Activation",

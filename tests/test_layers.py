@@ -7,8 +7,21 @@ Run: pytest tests/test_layers.py (under a second; it reads the sources, it impor
 import ast
 from pathlib import Path
 
-FOLDERS = ["_base", "_glob", "sharding", "config", "data", "models", "parallel", "hf", "train", "estimate", "cli"]
-"""shardlab's folders (and its two private foundation modules) in the order of the flow."""
+FOLDERS = [
+    "_base",
+    "_glob",
+    "_version",
+    "sharding",
+    "config",
+    "data",
+    "models",
+    "parallel",
+    "hf",
+    "train",
+    "estimate",
+    "cli",
+]
+"""shardlab's folders (and its three private foundation modules) in the order of the flow."""
 TOP = {"__init__", "__main__"}
 """The public API and `python -m shardlab`: they may import anything."""
 PACKAGE = Path(__file__).resolve().parents[1] / "shardlab"
