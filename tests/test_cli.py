@@ -3,6 +3,7 @@
 Run: pytest tests/test_cli.py (the end-to-end runs are marked slow: ~10 s, ~15 s and ~25 s on 2 cores).
 """
 
+import importlib.metadata
 import json
 import os
 import re
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from shardlab.cli.flags import ExportFlags, SearchFlags, TrainFlags, parse
 from shardlab.cli.main import main
 from shardlab.sharding.plan import PLAN_VERSION
 
@@ -34,7 +36,10 @@ def error_of(args, capsys) -> str:
     [
         (["recipes/nope.py"], r"recipe: no file 'recipes/nope.py'"),
         (["recipes/llama_fsdp_tp.py", "--world", "8"], r"mesh: dp_shard=2 x tp=2 = 4 ranks but world_size is 8"),
+        (["recipes/llama_fsdp_tp.py", "--world=8"], r"mesh: dp_shard=2 x tp=2 = 4 ranks but world_size is 8"),
         (["recipes/llama_fsdp_tp.py", "--world", "x"], r"--world 'x': expected a positive integer"),
+        (["plan", "recipes/llama_fsdp_tp.py", "--world=0"], r"^error: --world '0': expected a positive integer"),
+        (["plan", "--world", "4"], r"plan: expected a RECIPE first, e.g. `python -m shardlab plan recipes/"),
         (["recipes/llama_fsdp_tp.py", "--max-restarts", "-1"], r"--max-restarts '-1': expected how many times"),
         (
             ["recipes/llama_pp.py", "--plan.pp-schedule", "gpipe", "--plan.pp-stages-per-rank", "2"],
@@ -69,11 +74,100 @@ def error_of(args, capsys) -> str:
         (["search", "recipes/llama_debug.py", "--world", "4", "--top", "0"], r"--top '0': expected how many"),
         (["search", "recipes/llama_debug.py", "--world", "4", "--memory", "x"], r"--memory 'x': expected GiB per rank"),
         (["search", "recipes/llama_debug.py", "--world", "4", "--budget", "-1"], r"--budget '-1': expected seconds"),
+        (["search", "recipes/llama_debug.py", "--budget=inf", "--world", "4"], r"--budget 'inf': expected seconds"),
+        (["search", "recipes/llama_debug.py", "--world", "4", "--out="], r"--out '': expected the path of the recipe"),
+        (["search", "recipes/llama_debug.py", "--world", "4", "--device", "tpu"], r"--device 'tpu' is unknown"),
     ],
 )
 def test_bad_input_is_one_line_before_launch(args, message, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert re.search(message, error_of(args, capsys))
+
+
+SEARCH_FLAGS = ["--world N", "--device D", "--memory GiB", "--top K", "--out FILE", "--json", "--budget SECONDS"]
+
+
+def help_of(args: list[str], capsys) -> str:
+    """What `--help` prints: tyro prints it and exits 0."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "usage", "named"),
+    [
+        (["plan", "--help"], "python -m shardlab plan RECIPE [-h] [--world N]", ["come with a RECIPE"]),
+        (["estimate", "--help"], "python -m shardlab estimate RECIPE [-h] [--world N] [--device D]", ["cpu"]),
+        (["search", "-h"], "python -m shardlab search RECIPE [-h] [OPTIONS]", SEARCH_FLAGS),
+        (["export", "--help"], "python -m shardlab export [-h] RUN_DIR --to-hf OUT [--recipe RECIPE]", ["HFExport"]),
+        (
+            ["recipes/llama_fsdp_tp.py", "--help"],
+            "python -m shardlab recipes/llama_fsdp_tp.py [-h] [OPTIONS]",
+            ["--world N", "--max-restarts N", "--mesh.tp INT", "(default: llama_fsdp_tp)"],
+        ),
+        (
+            ["plan", "recipes/llama_fsdp_tp.py", "--mesh.tp", "4", "--help"],
+            "python -m shardlab plan recipes/llama_fsdp_tp.py [-h] [OPTIONS]",
+            ["--world N", "--mesh.dp-shard INT", "(default: llama_fsdp_tp)"],
+        ),
+        (
+            ["search", "recipes/llama_debug.py", "--help"],
+            "python -m shardlab search recipes/llama_debug.py [-h] [OPTIONS]",
+            [*SEARCH_FLAGS, "--model.dim INT", "(default: llama_debug)"],
+        ),
+    ],
+)
+def test_every_verb_answers_help_with_its_own_flags(args, usage, named, capsys, monkeypatch):
+    """Without a recipe a verb's --help lists its flags; with one, the config's fields too, the recipe's values as
+    their defaults."""
+    monkeypatch.chdir(ROOT)
+    out = help_of(args, capsys)
+    assert out.splitlines()[0] == f"usage: {usage}"
+    text = " ".join(out.replace("│", " ").split())
+    assert all(name in text for name in named), out
+    assert ("--mesh.tp INT" in text) == ("recipes/" in args[1 if args[0] in ("plan", "search") else 0])
+
+
+def test_the_overview_and_the_version(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m shardlab RECIPE") and "python -m shardlab VERB --help" in out
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"shardlab {importlib.metadata.version('shardlab')}\n"
+
+
+def test_the_version_of_a_source_tree_is_pyproject_s(monkeypatch):
+    """Not installed (a checkout on PYTHONPATH): the version pyproject.toml states."""
+    import shardlab._version
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(shardlab._version, "installed_version", not_installed)
+    stated = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE).group(1)
+    assert shardlab._version.version() == stated
+
+
+@pytest.mark.parametrize("form", ["--flag=VALUE", "--flag VALUE"])
+def test_flags_and_overrides_mix_in_either_form(form):
+    """The verbs' flags read `--flag VALUE` and `--flag=VALUE`, among the config's overrides in any order."""
+    from shardlab.cli.recipe import load_recipe
+
+    def given(*pairs: tuple[str, str]) -> list[str]:
+        return [x for flag, value in pairs for x in ([f"{flag}={value}"] if "=" in form else [flag, value])]
+
+    config = load_recipe(ROOT / "recipes" / "llama_debug.py").config
+    args = given(("--mesh.tp", "2"), ("--world", "4"), ("--memory", "1.5"), ("--model.hf-path", "dir"), ("--top", "3"),
+                 ("--out", "best.py"), ("--device", "cpu"), ("--budget", "0"))  # fmt: skip
+    flags, cfg = parse(SearchFlags, [*args, "--json"], "prog", config)
+    assert flags == SearchFlags(world=4, device="cpu", memory=1.5, top=3, out="best.py", json=True, budget=0.0)
+    assert (cfg.mesh.tp, cfg.model.hf_path, cfg.name) == (2, "dir", "llama_debug")
+    args = given(("--train.steps", "3"), ("--max-restarts", "2"), ("--world", "8"))
+    assert parse(TrainFlags, args, "prog", config)[0] == TrainFlags(world=8, max_restarts=2)
+    args = [*given(("--to-hf", "out")), "runs/x", *given(("--recipe", "r.py"))]
+    assert parse(ExportFlags, args, "prog")[0] == ExportFlags(run_dir="runs/x", to_hf="out", recipe="r.py")
 
 
 CHAT = {"messages": [{"role": "user", "content": "add 2 and 3"}, {"role": "assistant", "content": "five"}]}
@@ -345,16 +439,34 @@ def test_plan_shows_each_parameters_optimizer_group(capsys, monkeypatch):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--to-hf"], "expected `export RUN_DIR --to-hf OUT [--recipe RECIPE]`"),
-        (["--to-hf", "out", "--recipe"], "expected `export RUN_DIR --to-hf OUT [--recipe RECIPE]`"),
+        (["--to-hf="], "--to-hf '': expected the directory to write the Hugging Face model to"),
         (["--to-hf", "out", "--recipe", "notes.txt"], "recipe: no file 'notes.txt'"),
         (["--to-hf", "out", "--recipe", "recipes/custom_gpt.py"], "holds no committed checkpoint"),
     ],
 )
-def test_export_errors_are_one_line(tmp_path, capsys, args, message):
+def test_export_errors_are_one_line(tmp_path, capsys, monkeypatch, args, message):
+    monkeypatch.chdir(ROOT)
     assert main(["export", str(tmp_path), *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["export", "run", "--to-hf"], "Missing value for argument '--to-hf'"),
+        (["export", "run"], "Missing from python -m shardlab export: --to-hf OUT"),
+        (["export", "run", "--to-hf", "out", "--recipes", "r.py"], "Unrecognized options: --recipes"),
+        (["plan", "recipes/llama_fsdp_tp.py", "--wrld", "4"], "Perhaps you meant: --world N"),
+    ],
+)
+def test_a_malformed_command_line_is_tyro_s_error(args, message, capsys, monkeypatch):
+    """A flag without its value, a missing or unknown flag: tyro says which, with the nearest flag, and exits 2."""
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert message in " ".join(capsys.readouterr().err.replace("│", " ").split())
 
 
 def test_search_ranks_the_layouts_that_fit_and_writes_the_winner(tmp_path, capsys, monkeypatch):

@@ -1,4 +1,5 @@
-"""python -m shardlab [plan] RECIPE [overrides]: recipe + tyro overrides -> Config -> checks -> launch -> train.
+"""python -m shardlab [VERB] RECIPE [flags]: recipe + the verb's flags and the config's overrides (one tyro call,
+`shardlab.cli.flags`) -> Config -> checks -> launch -> train, or plan, estimate, search; export converts a run.
 
 Every check (config, mesh vs world size, rules vs model, unsupported axes) runs here, in the first
 process, before torchrun starts anything; what fails later, on the ranks, comes back as one line too.
@@ -10,58 +11,29 @@ import math
 import os
 import sys
 
-from shardlab.cli.torchrun import EXIT_STOPPED, STOPPED_FILE_ENV
+from shardlab._version import version
+from shardlab.cli.flags import EstimateFlags, ExportFlags, PlanFlags, SearchFlags, TrainFlags, parse
+from shardlab.cli.torchrun import ERROR_FILE_ENV, EXIT_STOPPED, STOPPED_FILE_ENV
 
 USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world N] [--max-restarts N]
        python -m shardlab plan RECIPE [--section.field VALUE ...] [--world N]
-       python -m shardlab estimate RECIPE [--section.field VALUE ...] [--world N] [--device h100|h200|a100|b200]
+       python -m shardlab estimate RECIPE [--section.field VALUE ...] [--world N] [--device D]
        python -m shardlab search RECIPE --world N [--device D] [--memory GiB] [--top K] [--out FILE] [--json]
                                 [--budget SECONDS] [--section.field VALUE ...]
        python -m shardlab export RUN_DIR --to-hf OUT [--recipe RECIPE]
+       python -m shardlab --version
 
-  RECIPE      a Python file defining `config = shardlab.Config(...)` (see recipes/)
+  RECIPE      a Python file defining `config = shardlab.Config(...)` (see recipes/); with no verb, train it
   plan        print the layout (per-parameter specs, placements, bytes per rank) and exit; no processes
-  estimate    per-rank memory, communication per mesh axis, FLOPs and a roofline step time (worst rank), from
-              the plan and one micro batch run on fake tensors in a fake world of that size; no devices
-  search      every layout of the recipe's model and batch on N ranks (mesh, checkpointing, micro batches, pipeline
-              schedule, resharding; a --mesh.AXIS override pins that axis), those that fit --memory (default: the
-              device's) ranked by estimated step time; --top K rows (5), --json for scripts, --out FILE writes the
-              winner as a recipe; probes are kept in SHARDLAB_CACHE/probes (~/.cache/shardlab/probes) for later
-              searches of the model; --budget S stops it after S seconds once a layout fits (600; 0: no limit)
-              and says how far from the fastest the pick may be
-  export      write the newest checkpoint of RUN_DIR (or a step directory) as Hugging Face safetensors; a
-              recipe's own model needs its recipe (--recipe), which names the transformers class (HFExport)
-  --world N   world size for the mesh's -1 axis (default: the launcher's WORLD_SIZE, else the fixed axes' product)
-  --device D  the accelerator `estimate` and `search` predict step time for (default h100); cpu: this machine,
-              measured once (matmul, memory and gloo bandwidth with --world ranks sharing its cores) and cached
-  --max-restarts N  start the ranks again, up to N times, when one dies (torch.distributed.run's restarts); each
-              restart resumes from the run's last checkpoint; an error a restart would meet again (a ValueError:
-              a bad value) is not retried; ignored under an outside launcher (torchrun, srun)
-  RECIPE --help shows every field with the recipe's values as defaults."""
+  estimate    per-rank memory, communication per mesh axis, FLOPs and a roofline step time, on fake tensors
+  search      every layout of the recipe's model on N ranks, those that fit ranked by estimated step time
+  export      write a run's newest checkpoint as a Hugging Face directory
 
+`python -m shardlab VERB --help` lists a verb's flags; `python -m shardlab [VERB] RECIPE --help` adds every config
+field (--section.field VALUE) with the recipe's values as defaults."""
 
-def _pop_flag(args: list[str], flag: str) -> str | None:
-    """Remove `--flag VALUE` or `--flag=VALUE` from args (the rest goes to tyro) and return VALUE."""
-    for i, a in enumerate(args):
-        if a == flag or a.startswith(f"{flag}="):
-            value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
-            del args[i : i + (1 if "=" in a else 2)]
-            return value
-    return None
-
-
-def _pop_world(args: list[str]) -> int | None:
-    value = _pop_flag(args, "--world")
-    if value is not None and (not value.isdigit() or int(value) < 1):
-        raise ValueError(f"--world {value!r}: expected a positive integer number of ranks")
-    return None if value is None else int(value)
-
-
-def _pop_max_restarts(args: list[str]) -> int:
-    value = _pop_flag(args, "--max-restarts")
-    if value is not None and not value.isdigit():
-        raise ValueError(f"--max-restarts {value!r}: expected how many times to restart, an integer >= 0")
-    return 0 if value is None else int(value)
+VERBS = {"plan": PlanFlags, "estimate": EstimateFlags, "search": SearchFlags, "export": ExportFlags}
+"""The verbs a command line may start with, and their flags; without one it trains a recipe (TrainFlags)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,15 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    command = args.pop(0) if args[0] in ("plan", "estimate", "search", "export") else "train"
-    if not args:
-        print(USAGE, file=sys.stderr)
-        return 2
-    recipe_path, overrides = args[0], args[1:]
+    if args[0] == "--version":
+        print(f"shardlab {version()}")
+        return 0
+    command = args.pop(0) if args[0] in VERBS else "train"
     try:
         if command == "export":
-            return _export(recipe_path, overrides)
-        return _run(command, recipe_path, overrides)
+            return _export(parse(ExportFlags, args, "python -m shardlab export")[0])
+        recipe_path = args.pop(0) if args and not args[0].startswith("-") else None
+        return _run(command, recipe_path, args)
     except Exception as err:
         return _fail(err)
 
@@ -85,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 def _fail(err: Exception) -> int:
     """A rank that `relaunch` started leaves one line for the first process to print and exits quietly; any
     other process prints a ValueError as one line (a bad value) and lets anything else raise."""
-    from shardlab.cli.torchrun import ERROR_FILE_ENV, report
+    from shardlab.cli.torchrun import report
 
     error_file = os.environ.get(ERROR_FILE_ENV)
     if error_file and "LOCAL_RANK" in os.environ:
@@ -96,37 +68,26 @@ def _fail(err: Exception) -> int:
     raise err
 
 
-def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
-    import tyro
-
-    from shardlab._base import deferred_checks
+def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
     from shardlab.cli.launch import nproc_for, relaunch
     from shardlab.cli.recipe import load_recipe
-    from shardlab.config import Config
     from shardlab.parallel.world import init_distributed, under_launcher
 
-    world = _pop_world(overrides)
-    max_restarts = _pop_max_restarts(overrides)
-    device_name = _pop_flag(overrides, "--device") if command in ("estimate", "search") else None
-    search_flags = _pop_search_flags(overrides) if command == "search" else None
+    verb = VERBS.get(command, TrainFlags)
+    prog = f"python -m shardlab{'' if command == 'train' else ' ' + command}"
+    if recipe_path is None:
+        parse(verb, args, f"{prog} RECIPE")  # --help lists the verb's flags here; a bad value fails as one line
+        raise ValueError(f"{command}: expected a RECIPE first, e.g. `{prog} recipes/llama_fsdp_tp.py`")
     recipe = load_recipe(recipe_path)
     launched = under_launcher()
     rank = int(os.environ.get("RANK", "0"))
-    with deferred_checks():  # checks run in validated(): one line, not tyro's box
-        cfg = tyro.cli(
-            Config,
-            default=recipe.config,
-            args=overrides,
-            prog=f"python -m shardlab {recipe_path}",
-            console_outputs=rank == 0,
-            config=(tyro.conf.AvoidSubcommands,),  # a recipe's model.moe / rope_scaling: plain --flags, no subcommand
-        )
+    flags, cfg = parse(verb, args, f"{prog} {recipe_path}", recipe.config, console_outputs=rank == 0)
     cfg = cfg.validated()
     if command == "search":
-        return _search(cfg, recipe, world, device_name, search_flags, _pinned_axes(overrides, cfg))
+        return _search(cfg, recipe, flags, _pinned_axes(args, cfg))
     if launched:
         world = int(os.environ["WORLD_SIZE"])
-    elif world is None:
+    elif (world := flags.world) is None:
         world = math.prod(s for s in cfg.mesh.axis_sizes if s != -1)  # a -1 axis gets size 1 unless --world says more
     cfg = cfg.resolve(world)
     from shardlab.models import provider_for
@@ -145,13 +106,14 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
         from shardlab.estimate import estimate, estimate_table
         from shardlab.estimate.devices import device
 
-        dev = device(device_name or "h100")
+        dev = device(flags.device)
         print(estimate_table(estimate(cfg, plan, recipe.rules(cfg), dev, provider), cfg, dev))
         return 0
     cfg = _resume_on_restart(cfg)
     _check_data(cfg, provider.vocab_size)
     _check_run(cfg)
-    if max_restarts and launched and rank == 0:
+    max_restarts = flags.max_restarts
+    if max_restarts and launched and rank == 0 and ERROR_FILE_ENV not in os.environ:  # not a rank `relaunch` started
         print(
             f"shardlab: --max-restarts {max_restarts} is ignored: an outside launcher (torchrun, srun) started this "
             "process; ask it for restarts (torchrun --max-restarts)",
@@ -165,7 +127,7 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
             f"{restarts if max_restarts else ''}",
             flush=True,
         )
-        return relaunch(nproc_for(world), [recipe_path, *overrides], max_restarts=max_restarts)
+        return relaunch(nproc_for(world), [recipe_path, *args], max_restarts=max_restarts)
     from shardlab.train._preemption import Preempted
     from shardlab.train.loop import train
 
@@ -185,48 +147,18 @@ def _run(command: str, recipe_path: str, overrides: list[str]) -> int:
     return code
 
 
-SEARCH_BUDGET = 600.0
-"""Seconds a search takes at most by default, once a layout fits (`--budget`)."""
-
-
-def _pop_search_flags(args: list[str]) -> dict:
-    """search's own flags: --memory GiB, --top K, --out FILE, --json, --budget SECONDS."""
-    memory, top, out, budget = (_pop_flag(args, f) for f in ("--memory", "--top", "--out", "--budget"))
-    as_json = "--json" in args
-    if as_json:
-        args.remove("--json")
-    try:
-        gib = None if memory is None else float(memory)
-    except ValueError:
-        gib = -1.0
-    if gib is not None and not gib > 0:
-        raise ValueError(f"--memory {memory!r}: expected GiB per rank, a number > 0")
-    if top is not None and (not top.isdigit() or int(top) < 1):
-        raise ValueError(f"--top {top!r}: expected how many layouts to show, an integer >= 1")
-    if out == "":
-        raise ValueError("--out: expected the path of the recipe file to write")
-    try:
-        seconds = SEARCH_BUDGET if budget is None else float(budget)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0 or math.isinf(seconds):
-        raise ValueError(f"--budget {budget!r}: expected seconds the search may take, a number >= 0 (0: no limit)")
-    return {"memory": gib, "top": 5 if top is None else int(top), "out": out, "json": as_json,
-            "budget": seconds or None}  # fmt: skip
-
-
-def _pinned_axes(overrides: list[str], cfg) -> dict[str, int]:
+def _pinned_axes(args: list[str], cfg) -> dict[str, int]:
     """Mesh axes an override names (`--mesh.tp 8`): the search keeps them at the config's value."""
     from shardlab.sharding.mesh import AXES
 
-    named = {a.split("=", 1)[0].removeprefix("--mesh.").replace("-", "_") for a in overrides if a.startswith("--mesh.")}
+    named = {a.split("=", 1)[0].removeprefix("--mesh.").replace("-", "_") for a in args if a.startswith("--mesh.")}
     pinned = {a: getattr(cfg.mesh, a) for a in (*AXES, "ep") if a in named}
     if any(size == -1 for size in pinned.values()):
         raise ValueError("search: a pinned mesh axis is -1; pin axes to sizes, the search fills the rest")
     return pinned
 
 
-def _search(cfg, recipe, world: int | None, device_name: str | None, flags: dict, pinned: dict[str, int]) -> int:
+def _search(cfg, recipe, flags: SearchFlags, pinned: dict[str, int]) -> int:
     from pathlib import Path
 
     from shardlab.estimate.devices import device
@@ -235,25 +167,26 @@ def _search(cfg, recipe, world: int | None, device_name: str | None, flags: dict
     from shardlab.estimate.search_report import layout_recipe, search_json, search_table
     from shardlab.models import provider_for
 
+    world = flags.world
     if world is None:
         raise ValueError("search: --world N is required (the number of ranks to lay the model out on)")
-    dev = device(device_name or "h100", world)
-    memory = round((flags["memory"] or dev.memory_gib) * 2**30)
+    dev = device(flags.device, world)
+    memory = round((flags.memory or dev.memory_gib) * 2**30)
     provider = provider_for(cfg, recipe.model(cfg))
     store = ProbeStore(provider)  # probes an earlier search of this model measured are read, not run again
-    found = search(cfg, world, provider, recipe.rules, dev, memory, fixed=pinned, top=flags["top"], store=store,
-                   budget=flags["budget"])  # fmt: skip
-    print(search_json(found).decode() if flags["json"] else search_table(found, dev, memory))
-    if flags["out"]:
+    found = search(cfg, world, provider, recipe.rules, dev, memory, fixed=pinned, top=flags.top, store=store,
+                   budget=flags.budget or None)  # fmt: skip
+    print(search_json(found).decode() if flags.json else search_table(found, dev, memory))
+    if flags.out:
         best = found.best[0]
         note = (
             f"Estimated {best.step_s:.3f} s per step, {best.tokens_per_s_per_device:,.0f} tokens/s per device and "
             f"{best.peak / 2**30:.1f} GiB peak on {dev.name} (shardlab/estimate/roofline.py states the model)."
         )
         own = recipe.model(cfg) is not None or recipe.rules(cfg) is not None
-        Path(flags["out"]).write_text(layout_recipe(cfg, best.layout, world, str(recipe.path), own, note))
-        if not flags["json"]:
-            print(f"shardlab: wrote {flags['out']}")
+        Path(flags.out).write_text(layout_recipe(cfg, best.layout, world, str(recipe.path), own, note))
+        if not flags.json:
+            print(f"shardlab: wrote {flags.out}")
     return 0
 
 
@@ -269,24 +202,19 @@ def _announce(line: str, rank: int, local_rank: int) -> None:
         print(f"shardlab: {line}", flush=True)
 
 
-def _export(source: str, args: list[str]) -> int:
+def _export(flags: ExportFlags) -> int:
     from pathlib import Path
 
     from shardlab.train.checkpoint import export_to_hf
 
-    given = " ".join(["export", source, *args])
-    recipe_path = _pop_flag(args, "--recipe")
-    out = _pop_flag(args, "--to-hf")
-    if not out or args or recipe_path == "":
-        raise ValueError(f"export: expected `export RUN_DIR --to-hf OUT [--recipe RECIPE]`, got {given!r}")
     model = None
-    if recipe_path is not None:
+    if flags.recipe is not None:
         from shardlab.cli.recipe import load_recipe
 
-        recipe = load_recipe(recipe_path)
+        recipe = load_recipe(flags.recipe)
         model = recipe.model(recipe.config)
-    step = export_to_hf(Path(source), Path(out), model)
-    print(f"shardlab: wrote {step} as a Hugging Face directory {out}")
+    step = export_to_hf(Path(flags.run_dir), Path(flags.to_hf), model)
+    print(f"shardlab: wrote {step} as a Hugging Face directory {flags.to_hf}")
     return 0
 
 
@@ -344,7 +272,7 @@ def run() -> None:
     """`python -m shardlab`: main, then the exit; a failed rank of a world that `relaunch` started leaves its
     one line for the launching process instead of exiting with a traceback."""
     code = main()
-    from shardlab.cli.torchrun import ERROR_FILE_ENV, leave
+    from shardlab.cli.torchrun import leave
 
     if code != 0 and os.environ.get(ERROR_FILE_ENV):
         leave(code)

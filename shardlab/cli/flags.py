@@ -1,0 +1,190 @@
+"""The verbs' own flags (`--world N`, `--top K`, ...) as structs, and the one tyro call that reads them.
+
+Each verb's flags are a frozen struct; its docstring and its fields' docstrings are what the verb's `--help` prints.
+With a recipe, one tyro call reads the flags and the recipe's config together, both without a prefix: the flags
+read `--world N`, the config's fields `--section.field VALUE` with the recipe's values as defaults, in any order.
+A flag's value it cannot take fails as one line, `--flag 'VALUE': expected ...`, not in tyro's box.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Annotated, Generic, TypeVar
+
+import tyro
+from tyro.constructors import PrimitiveConstructorSpec
+
+from shardlab._base import Frozen, deferred_checks
+from shardlab.config import Config
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Frozen)
+
+
+class FlagError(Exception):
+    """A flag given a value it cannot take. Not a ValueError: tyro draws its box around those; `parse` re-raises
+    this one as a one-line ValueError."""
+
+
+def _flag(name: str, metavar: str, read: Callable[[str], T | None], expected: str) -> PrimitiveConstructorSpec:
+    """How tyro reads flag `name`: `read` returns None for a value the flag cannot take, which fails as one line
+    naming the flag and what it expects."""
+
+    def instance_from_str(args: list[str]) -> T:
+        value = read(args[0])
+        if value is None:
+            raise FlagError(f"{name} {args[0]!r}: expected {expected}")
+        return value
+
+    return PrimitiveConstructorSpec(
+        nargs=1, metavar=metavar, instance_from_str=instance_from_str, is_instance=lambda _: True,
+        str_from_instance=lambda value: [str(value)],
+    )  # fmt: skip
+
+
+def _integer(least: int) -> Callable[[str], int | None]:
+    """A reader of whole numbers >= least (digits only: `-1` and `2.0` are refused)."""
+    return lambda text: int(text) if text.isdigit() and int(text) >= least else None
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _gib(text: str) -> float | None:
+    value = _number(text)
+    return value if value is not None and value > 0 else None
+
+
+def _seconds(text: str) -> float | None:
+    value = _number(text)
+    return value if value is not None and 0 <= value < math.inf else None
+
+
+def _path(text: str) -> str | None:
+    return text or None
+
+
+class _World(Frozen):
+    """The flag of every verb that lays a recipe out on ranks."""
+
+    world: Annotated[
+        int | None,
+        _flag("--world", "N", _integer(1), "a positive integer number of ranks"),
+        tyro.conf.arg(help_behavior_hint="(default: the launcher's WORLD_SIZE, else the product of the fixed axes)"),
+    ] = None
+    """World size: the size of the mesh's -1 axis."""
+
+
+class TrainFlags(_World):
+    """Train the recipe's model: check everything before any rank starts, then train on --world ranks (several
+    through torch.distributed.run, one in this process; under torchrun or srun this process is one of the ranks)."""
+
+    max_restarts: Annotated[
+        int, _flag("--max-restarts", "N", _integer(0), "how many times to restart, an integer >= 0")
+    ] = 0
+    """Start the ranks again, up to N times, when one dies (torch.distributed.run's restarts); each restart resumes
+    from the run's last checkpoint; an error a restart would meet again (a ValueError: a bad value) is not retried;
+    ignored under an outside launcher (torchrun, srun)."""
+
+
+class PlanFlags(_World):
+    """Print the layout (per-parameter specs, placements, bytes per rank) and exit; no processes."""
+
+
+class EstimateFlags(_World):
+    """Per-rank memory, communication per mesh axis, FLOPs and a roofline step time (worst rank), from the plan and
+    one micro batch run on fake tensors in a fake world of --world ranks; no devices."""
+
+    device: Annotated[str, tyro.conf.arg(metavar="D")] = "h100"
+    """The accelerator to predict step time for: h100, h200, a100, b200; cpu: this machine, measured once (matmul,
+    memory and gloo bandwidth with --world ranks sharing its cores) and cached."""
+
+
+class SearchFlags(EstimateFlags):
+    """Every layout of the recipe's model and batch on --world ranks (needed here): mesh, checkpointing, micro
+    batches, pipeline schedule, resharding; a --mesh.AXIS override pins that axis. Those that fit --memory are ranked
+    by estimated step time. Probes are kept in SHARDLAB_CACHE/probes (~/.cache/shardlab/probes) for later searches of
+    the model."""
+
+    memory: Annotated[
+        float | None,
+        _flag("--memory", "GiB", _gib, "GiB per rank, a number > 0"),
+        tyro.conf.arg(help_behavior_hint="(default: the device's)"),
+    ] = None
+    """Memory per rank a layout must fit, in GiB."""
+    top: Annotated[int, _flag("--top", "K", _integer(1), "how many layouts to show, an integer >= 1")] = 5
+    """How many layouts to show."""
+    out: Annotated[
+        str | None,
+        _flag("--out", "FILE", _path, "the path of the recipe file to write"),
+        tyro.conf.arg(help_behavior_hint="(optional)"),
+    ] = None
+    """Write the fastest layout as a recipe file here (same model and batch), which `python -m shardlab FILE` runs."""
+    json: tyro.conf.FlagCreatePairsOff[bool] = False
+    """Print the ranking as JSON, for scripts."""
+    budget: Annotated[
+        float, _flag("--budget", "SECONDS", _seconds, "seconds the search may take, a number >= 0 (0: no limit)")
+    ] = 600.0
+    """Stop after this many seconds once a layout fits (0: no limit), and say how far from the fastest the pick may
+    be."""
+
+
+class ExportFlags(Frozen):
+    """Write the newest checkpoint of RUN_DIR (or a step directory) as a Hugging Face directory (config.json and
+    safetensors)."""
+
+    run_dir: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR")]
+    """The run directory, or one of its step directories."""
+    to_hf: Annotated[str, _flag("--to-hf", "OUT", _path, "the directory to write the Hugging Face model to")]
+    """The directory to write."""
+    recipe: Annotated[
+        str | None,
+        _flag("--recipe", "RECIPE", _path, "the recipe file of the run"),
+        tyro.conf.arg(help_behavior_hint="(optional)"),
+    ] = None
+    """The run's recipe, needed for a recipe's own model: it names the transformers class (HFExport)."""
+
+
+class _Command(Frozen, Generic[F]):
+    """A verb's flags and a recipe's config, read by one tyro call; `name=""` keeps both free of a prefix."""
+
+    flags: Annotated[F, tyro.conf.arg(name="")]
+    config: Annotated[Config, tyro.conf.arg(name="")]
+
+
+def parse(
+    verb: type[F], args: list[str], prog: str, config: Config | None = None, console_outputs: bool = True
+) -> tuple[F, Config | None]:
+    """Read a verb's flags from `args`, and given a recipe's `config`, the overrides of its fields too; `--help`
+    prints them (tyro exits 0). The config is built without its checks (`Config.validated` runs them, as one line).
+    """
+    description = inspect.cleandoc(verb.__doc__ or "")
+    if config is None and issubclass(verb, _World):
+        description += (
+            f"\n\nThe config's fields (--section.field VALUE) come with a RECIPE: `{prog} --help` lists them with "
+            "the recipe's values as defaults."
+        )
+    try:
+        with deferred_checks():
+            if config is None:
+                return tyro.cli(
+                    verb, args=args, prog=prog, description=description, console_outputs=console_outputs
+                ), None
+            both = tyro.cli(
+                _Command[verb],
+                default=_Command(flags=verb(), config=config),
+                args=args,
+                prog=prog,
+                description=description,
+                console_outputs=console_outputs,
+                config=(tyro.conf.AvoidSubcommands,),  # a recipe's model.moe / rope_scaling: plain --flags
+            )
+    except FlagError as err:
+        raise ValueError(str(err)) from None
+    return both.flags, both.config
