@@ -8,7 +8,9 @@ A flag's value it cannot take fails as one line, `--flag 'VALUE': expected ...`,
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import math
 from collections.abc import Callable
 from typing import Annotated, Generic, TypeVar
@@ -170,8 +172,9 @@ def parse(
             f"\n\nThe config's fields (--section.field VALUE) come with a RECIPE: `{prog} --help` lists them with "
             "the recipe's values as defaults."
         )
+    drawn = io.StringIO()  # tyro draws a malformed command line's error as a box on stderr: it becomes one line
     try:
-        with deferred_checks():
+        with deferred_checks(), contextlib.redirect_stderr(drawn):
             if config is None:
                 return tyro.cli(
                     verb, args=args, prog=prog, description=description, console_outputs=console_outputs
@@ -187,4 +190,24 @@ def parse(
             )
     except FlagError as err:
         raise ValueError(str(err)) from None
+    except SystemExit as done:
+        if done.code in (0, None):  # --help
+            raise
+        raise ValueError(one_line(drawn.getvalue(), prog)) from None
     return both.flags, both.config
+
+
+def one_line(box: str, prog: str) -> str:
+    """tyro's error box as one line: its message, the flag it suggests, where the help is."""
+    lines = [line.strip().strip("│|╭╮╰╯+").strip() for line in box.splitlines()]  # unicode or ASCII borders
+    lines = [line for line in lines if line and set(line) - set("─-+ ")]
+    body = lines[1:]
+    body = body[: next((i for i, line in enumerate(body) if line.startswith("For full helptext")), len(body))]
+    if not body:
+        return f"{prog}: a malformed command line; see `{prog} --help`"
+    message = body[0].rstrip(".")
+    if message.endswith(":") and len(body) > 1:  # "Missing from PROG:", then the flags
+        message = f"{message[:-1]}: {body[1]}"
+    if "Perhaps you meant:" in body and body.index("Perhaps you meant:") + 1 < len(body):
+        message += f" (did you mean {body[body.index('Perhaps you meant:') + 1]}?)"
+    return f"{message}; see `{prog} --help`"
