@@ -43,7 +43,7 @@ def relaunch_command(
     """The torchrun command line that re-runs `python -m <module> <argv>` as `nproc` processes on this node.
 
     One node (env NNODES unset or 1) uses `--standalone`; several use c10d rendezvous at MASTER_ADDR:MASTER_PORT
-    (port default 29500), with NODE_RANK naming this node. torchrun runs as `shardlab/_torchrun.py` (by path: the
+    (port default 29500), with NODE_RANK naming this node. torchrun runs as `shardlab/cli/torchrun.py` (by path: the
     agent needs torch's launcher, not all of shardlab), which takes torchrun's arguments and keeps its logs quiet.
     max_restarts: torchrun's own `--max-restarts` (see `shardlab.cli.torchrun` for what is not retried).
     """
