@@ -6,8 +6,11 @@ The pure tests pass an env dict; the real runs start torchrun with 2 CPU ranks (
 
 import os
 import signal
+import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from shardlab.cli.launch import TORCHRUN, nproc_for, relaunch, relaunch_command,
 from shardlab.cli.torchrun import EXIT_PEER_LOST, TRACEBACK_ENV, describe, report
 from shardlab.parallel.world import init_distributed, under_launcher
 
+ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS")
 
 
@@ -288,3 +292,52 @@ def test_relaunch_returns_the_failure_exit_code(tiny_module, capfd):
 def test_a_killed_rank_is_one_line_and_its_peers_echo_is_not(tiny_module, capfd):
     assert relaunch(2, [], module="tiny_kill") == 1
     assert capfd.readouterr().err.splitlines() == ["error: rank 1: killed by SIGKILL (often the out-of-memory killer)"]
+
+
+def _processes_naming(token: str) -> list[int]:
+    """The live processes whose command line holds `token` (zombies have none)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if token.encode() in f.read():
+                    found.append(int(entry))
+        except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.world
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+@pytest.mark.parametrize(
+    "restarts,training", [([], True), (["--max-restarts", "1"], False)], ids=["training", "starting-restartable"]
+)
+def test_kill_9_of_the_users_process_leaves_no_rank(tmp_path, no_launcher, restarts, training):
+    """`kill -9` of `python -m shardlab RECIPE` ends torchrun's agent and every rank within seconds: once they train
+    (the agent dies with the user's process, each rank with its agent), and while the ranks are still starting (a
+    rank checks at start that the user's process lives)."""
+    run_dir = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "shardlab", "recipes/llama_debug.py", "--mesh.dp-shard", "2", "--train.steps",
+           "100000", "--train.run-dir", run_dir, *restarts]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    user = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < 120:
+            others = [p for p in _processes_naming(run_dir) if p != user.pid]
+            metrics = os.path.join(run_dir, "metrics.jsonl")
+            if len(others) >= 3 and (not training or (os.path.isfile(metrics) and os.path.getsize(metrics))):
+                break  # torchrun's agent and both ranks (training, when asked)
+            assert user.poll() is None, f"the run ended early with code {user.returncode}"
+            time.sleep(0.2)
+        else:
+            pytest.fail("the ranks did not start within 120 s")
+    finally:
+        user.kill()
+        user.wait()
+    deadline = time.monotonic() + 15
+    while (left := _processes_naming(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{len(left)} processes outlived the user's: {left}"

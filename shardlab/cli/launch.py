@@ -8,6 +8,7 @@ imports no torch, so the relaunching parent stays light. A failure on the ranks 
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from shardlab.cli._parent_death import LAUNCHER_ENV, die_with_parent
 from shardlab.cli.torchrun import ERROR_FILE_ENV, EXIT_STOPPED, STOPPED_FILE_ENV
 from shardlab.parallel.world import env_number
 
@@ -95,7 +97,9 @@ def relaunch(nproc_per_node: int, argv: list[str], module: str = "shardlab", max
             # restarted rank can read the address of a rank that died (gloo: "connectFullMesh failed ... Connection
             # refused", in 5 of 8 restarts of 2 ranks here). Unshared, each attempt's rank 0 hosts a fresh store.
             env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        proc = subprocess.Popen(cmd, env=env)
+        launcher = os.getpid()
+        env[LAUNCHER_ENV] = str(launcher)  # each rank dies with torchrun's agent, and checks this at start
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=functools.partial(die_with_parent, launcher))
         forwarded = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
         previous = {sig: signal.signal(sig, lambda signum, _: proc.send_signal(signum)) for sig in forwarded}
         try:

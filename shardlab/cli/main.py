@@ -12,6 +12,7 @@ import os
 import sys
 
 from shardlab._version import version
+from shardlab.cli._parent_death import LAUNCHER_ENV, die_with_parent
 from shardlab.cli.flags import EstimateFlags, ExportFlags, PlanFlags, SearchFlags, TrainFlags, parse
 from shardlab.cli.torchrun import ERROR_FILE_ENV, EXIT_STOPPED, STOPPED_FILE_ENV
 
@@ -270,7 +271,11 @@ def _check_data(cfg, vocab_size: int) -> None:
 
 def run() -> None:
     """`python -m shardlab`: main, then the exit; a failed rank of a world that `relaunch` started leaves its
-    one line for the launching process instead of exiting with a traceback."""
+    one line for the launching process instead of exiting with a traceback. A rank `relaunch` started dies with its
+    agent (which dies with the process the user started)."""
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher is not None and "LOCAL_RANK" in os.environ:
+        die_with_parent(int(launcher))
     code = main()
     from shardlab.cli.torchrun import leave
 
