@@ -102,10 +102,24 @@ def test_keeps_the_newest_k(tmp_path):
     assert [p.name for p in complete(tmp_path / "checkpoints")] == ["step-00000005", "step-00000006"]
 
 
-def test_resume_none_starts_fresh_and_auto_finds_nothing_to_do(tmp_path):
+def test_resume_none_starts_fresh_and_auto_finds_nothing_to_do(tmp_path, capsys):
     train(tiny(tmp_path), write=False)
-    assert train(tiny(tmp_path), write=False) == []  # auto: step 6 of 6 is already done
+    assert "resum" not in capsys.readouterr().out
+    assert train(tiny(tmp_path), write=False) == []  # auto: step 6 of 6 is already done, and it says so
+    assert capsys.readouterr().out == (
+        f"shardlab: {tmp_path / 'checkpoints' / 'step-00000006'} is at step 6, at or past train.steps=6: nothing to "
+        "train (raise --train.steps to train on)\n"
+    )
     assert len(train(tiny(tmp_path, resume="none"), write=False)) == 6
+
+
+def test_a_resumed_run_says_from_where_and_how_far(tmp_path, capsys):
+    train(tiny(tmp_path), write=False, until=2)
+    capsys.readouterr()
+    assert len(train(tiny(tmp_path), write=False, until=5)) == 3
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"shardlab: resuming from {tmp_path / 'checkpoints' / 'step-00000002'} at step 2; 3 steps to go, to step 5"
+    )
 
 
 def test_a_run_started_over_replaces_the_later_checkpoints_of_the_one_before(tmp_path):

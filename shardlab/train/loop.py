@@ -187,6 +187,8 @@ def _train(
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     history: list[Metrics] = []
     last = cfg.train.steps if until is None else min(until, cfg.train.steps)
+    if resume_from is not None and rank == 0:
+        print(_resuming(resume_from, state.step, last, cfg.train.steps), flush=True)
     every = cfg.checkpoint.every
     pending: checkpoint.PendingSave | None = None
     save_group = checkpoint.checkpoint_group() if every is not None and cfg.checkpoint.async_save else None
@@ -236,6 +238,16 @@ def _train(
         if pending is not None:
             pending.commit()
     return history
+
+
+def _resuming(source: Path, step: int, last: int, steps: int) -> str:
+    """The line a resumed run starts with: where from, and how many steps it will run (or that it has none to)."""
+    if step >= steps:
+        return (
+            f"shardlab: {source} is at step {step}, at or past train.steps={steps}: nothing to train (raise "
+            "--train.steps to train on)"
+        )
+    return f"shardlab: resuming from {source} at step {step}; {last - step} steps to go, to step {last}"
 
 
 def _elsewhere(plan: Plan, mesh: DeviceMesh | None) -> list[tuple[str, tuple[int, ...]]]:
