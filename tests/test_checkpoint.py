@@ -13,10 +13,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from shardlab._faults import EXIT_FAULT, FAULT_ENV
 from shardlab.cli.main import main
 from shardlab.config import CheckpointConfig, Config, DataConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
 from shardlab.config import MoEConfig as MoE
-from shardlab.train._faults import EXIT_FAULT, FAULT_ENV
 from shardlab.train._manifest import MANIFEST_FILE
 from shardlab.train.checkpoint import complete, resolve_resume, step_dir
 from shardlab.train.loop import train

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from shardlab._faults import FAULT_ENV
 from shardlab.cli.torchrun import EXIT_STOPPED
 from shardlab.config import CheckpointConfig, Config, DataConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
 from shardlab.train import loop
-from shardlab.train._faults import FAULT_ENV
 from shardlab.train._preemption import Preempted
 from shardlab.train.checkpoint import complete
 

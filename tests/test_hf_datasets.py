@@ -7,13 +7,18 @@ Run: pytest tests/test_hf_datasets.py (one process, a few seconds).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from shardlab._faults import EXIT_FAULT, FAULT_ENV
 from shardlab.config import Config, DataConfig, TrainConfig
 from shardlab.data import loader as data_module
+from shardlab.data.datasets import PARTIAL
 from shardlab.data.loader import make_loader, run_data
 
 datasets = pytest.importorskip("datasets")
@@ -69,6 +74,29 @@ def test_tokenized_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.Monke
 
     monkeypatch.setattr(data_module, "byte_encode", refuse)
     assert all(torch.equal(a, b) for a, b in zip(batches(data, steps=2), first, strict=True))
+
+
+def test_a_tokenization_killed_midway_leaves_nothing_the_next_start_keeps(tmp_path: Path):
+    """A process killed while it tokenizes (as kill -9 would, at the `tokenize` fault point) leaves its partial cache
+    in its own folder; the next start removes it, tokenizes whole, and the cache holds the finished file alone."""
+    path = tmp_path / "texts.parquet"
+    datasets.Dataset.from_dict({"text": TEXTS * 30}).to_parquet(path)  # two batches of rows: it dies in the second
+    cache = tmp_path / "cache"
+    script = (
+        "from shardlab.config import DataConfig\n"
+        "from shardlab.data.loader import make_loader\n"
+        f"data = DataConfig(source='files', paths=({str(path)!r},), cache_dir={str(cache)!r})\n"
+        f"make_loader(data, seq_len={SEQ}, global_batch={G}, vocab_size=300, dp_rank=0, dp_size=1)\n"
+    )
+    env = {**os.environ, FAULT_ENV: "tokenize", "PYTHONPATH": os.pathsep.join(sys.path)}
+    killed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert killed.returncode == EXIT_FAULT, killed.stderr[-2000:]
+    left = [p for p in cache.glob(f"{PARTIAL}*/*")]
+    assert left and not list(cache.glob("tokens-*.arrow"))  # what the kill left: a partial file, no cache file
+    want = batches(files(path, tmp_path / "never-killed"))
+    assert all(torch.equal(a, b) for a, b in zip(batches(files(path, cache)), want, strict=True))
+    assert not list(cache.glob(f"{PARTIAL}*")) and len(list(cache.glob("tokens-*.arrow"))) == 1
+    assert sorted(p.name for p in cache.iterdir() if not p.name.startswith("tokens-")) == ["datasets"]
 
 
 def test_layout_and_resume(tmp_path: Path):

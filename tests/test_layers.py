@@ -11,6 +11,8 @@ FOLDERS = [
     "_base",
     "_glob",
     "_version",
+    "_faults",
+    "_process",
     "sharding",
     "config",
     "data",
@@ -21,7 +23,7 @@ FOLDERS = [
     "estimate",
     "cli",
 ]
-"""shardlab's folders (and its three private foundation modules) in the order of the flow."""
+"""shardlab's folders (and its private foundation modules: structs, globs, the version, fault points, processes) in the order of the flow."""
 TOP = {"__init__", "__main__"}
 """The public API and `python -m shardlab`: they may import anything."""
 PACKAGE = Path(__file__).resolve().parents[1] / "shardlab"

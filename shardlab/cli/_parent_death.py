@@ -11,6 +11,8 @@ import os
 import signal
 import sys
 
+from shardlab._process import alive
+
 LAUNCHER_ENV = "SHARDLAB_LAUNCHER_PID"
 """The process the user started (which `relaunch` ran torchrun from), for the ranks to check at start."""
 _PR_SET_PDEATHSIG = 1
@@ -26,15 +28,5 @@ def die_with_parent(launcher: int) -> None:
         return
     if _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if not _alive(launcher):
+    if not alive(launcher):
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, under another user
-        return True
-    return True

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from shardlab._faults import fault_point
+from shardlab._process import alive
 
 BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json"}
 """File suffix -> the `datasets` builder that reads it."""
@@ -79,15 +84,23 @@ def dataset_documents(
     fingerprint = key.hexdigest()
 
     def tokenize(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[np.ndarray]]:
+        if indices[0] > 0:  # a batch after the first, which datasets has written
+            fault_point("tokenize")
         return records(batch[field], lambda j: where(indices[j]))
 
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    cache = Path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(cache)
+    final = cache / f"tokens-{fingerprint}.arrow"
+    # datasets writes a temporary file beside its cache file and renames it when done: made in this process's own
+    # folder, what a killed tokenization leaves is found and removed by the next start (`remove_leftovers`)
+    partial = final if final.exists() else cache / f"{PARTIAL}{os.getpid()}" / final.name
+    partial.parent.mkdir(exist_ok=True)
     try:
         with _quiet(_datasets(name)):
             ids = rows.map(
                 tokenize, batched=True, with_indices=True, remove_columns=rows.column_names,
-                cache_file_name=str(Path(cache_dir) / f"tokens-{fingerprint}.arrow"),
-                new_fingerprint=fingerprint,
+                cache_file_name=str(partial), new_fingerprint=fingerprint,
             )  # fmt: skip
     except UnicodeDecodeError as err:  # pyarrow's JSON reader passes bytes that are not UTF-8 on to the rows
         if BUILDERS[files[0].suffix] == "json":
@@ -95,12 +108,29 @@ def dataset_documents(
         raise ValueError(
             f"data.paths: {name} holds text that is not UTF-8 ({err.reason} at byte {err.start}); fix or re-encode it"
         ) from None
+    finally:
+        if partial != final:
+            if partial.exists():
+                os.replace(partial, final)  # the memory map stays valid: it holds the file, not its name
+            shutil.rmtree(partial.parent, ignore_errors=True)
     out = {}
     for key in ids.column_names:  # list arrays: flat values and row offsets, memory-mapped
         column = ids.data.column(key).combine_chunks()
         flat, offsets = column.values.to_numpy(zero_copy_only=False), column.offsets.to_numpy()
         out[key] = [flat[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
     return out, where
+
+
+PARTIAL = "partial-"
+"""The folder (PARTIAL + process id) a tokenization writes its cache file in until it is whole."""
+
+
+def remove_leftovers(cache: Path) -> None:
+    """Remove the folders that tokenizations killed before they finished left in `cache` (their process is gone)."""
+    for folder in cache.glob(f"{PARTIAL}*"):
+        pid = folder.name.removeprefix(PARTIAL)
+        if pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def row_names(name: str, files: list[Path]) -> Callable[[int], str]:

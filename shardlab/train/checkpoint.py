@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardlab._base import to_json
+from shardlab._faults import fault_point
 from shardlab.config import Config
 from shardlab.data.loader import TokenLoader
 from shardlab.data.tokenizer import FILES as TOKENIZER_FILES
@@ -41,7 +42,6 @@ from shardlab.models import provider_for
 from shardlab.models.llama.provider import LlamaProvider
 from shardlab.models.provider import ModelProvider, first_difference
 from shardlab.train import _manifest
-from shardlab.train._faults import fault_point
 from shardlab.train.step import TrainState
 
 STEP_PREFIX = "step-"

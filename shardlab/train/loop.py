@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardlab._base import to_json
+from shardlab._faults import fault_point
 from shardlab.config import Config
 from shardlab.data.loader import make_loader, run_data
 from shardlab.data.tokenizer import run_tokenizer
@@ -34,7 +35,6 @@ from shardlab.parallel.world import resolve_device
 from shardlab.sharding.plan import Plan, make_plan
 from shardlab.sharding.rules import Rules
 from shardlab.train import checkpoint
-from shardlab.train._faults import fault_point
 from shardlab.train._malloc import keep_freed_memory
 from shardlab.train._preemption import Preempted, Preemption
 from shardlab.train.evaluate import eval_loader, make_eval, train_split

@@ -14,8 +14,8 @@ from typing import Any, TextIO
 
 import torch
 
+from shardlab._faults import fault_point
 from shardlab.config import LogConfig
-from shardlab.train._faults import fault_point
 
 _LINE_FORMATS = {
     "loss": "loss {:.4f}",

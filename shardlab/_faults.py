@@ -7,6 +7,7 @@ env SHARDLAB_FAULT_AT=<point>:<step>[@<rank>] arms one moment; `fault_point` end
     step:N   step N has updated the weights; nothing of it is saved or logged yet
     save:N   rank 0 has written step N's checkpoint files and manifest, not yet committed (renamed) them
     log:N    rank 0 has written half of step N's line of metrics.jsonl
+    tokenize a dataset's tokenization has written its first batch of rows (1,000) to its cache and not the rest
 """
 
 from __future__ import annotations
