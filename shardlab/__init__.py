@@ -4,6 +4,7 @@ Config -> MeshSpec -> make_plan (rules, logical axes, PartitionSpecs) -> apply -
 """
 
 from shardlab import _version
+from shardlab._errors import ShardlabError
 from shardlab.config import (
     CheckpointConfig,
     Config,
@@ -59,6 +60,7 @@ __all__ = [
     "PlanConfig",
     "Rule",
     "Rules",
+    "ShardlabError",
     "TrainConfig",
     "TrainState",
     "apply",

@@ -15,6 +15,8 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from shardlab._errors import ShardlabError
+
 T = TypeVar("T", bound="Frozen")
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -54,7 +56,7 @@ def revalidate(value: T) -> T:
     try:
         return msgspec.convert(msgspec.to_builtins(value), type(value))
     except msgspec.ValidationError as err:
-        raise ValueError(str(err)) from None
+        raise ShardlabError(str(err)) from None
 
 
 def to_json(value: Any) -> bytes:

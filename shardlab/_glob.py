@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import re
 
+from shardlab._errors import ShardlabError
+
 
 @functools.lru_cache(maxsize=4096)
 def glob_regex(pattern: str) -> re.Pattern[str]:
     """`layers.*.attn.q_proj.weight`: `*` never crosses a dot (as torch's parallelize_module), `**` does."""
     if not pattern or pattern.startswith(".") or pattern.endswith(".") or ".." in pattern:
-        raise ValueError(
+        raise ShardlabError(
             f"rule pattern {pattern!r} is not a dotted name glob; write e.g. 'model.layers.*.mlp.up_proj.weight'"
         )
     out = []

@@ -98,10 +98,10 @@ def help_of(args: list[str], capsys) -> str:
 @pytest.mark.parametrize(
     ("args", "usage", "named"),
     [
-        (["plan", "--help"], "python -m shardlab plan RECIPE [-h] [--world N]", ["come with a RECIPE"]),
-        (["estimate", "--help"], "python -m shardlab estimate RECIPE [-h] [--world N] [--device D]", ["cpu"]),
+        (["plan", "--help"], "python -m shardlab plan RECIPE [-h] [--debug] [--world N]", ["come with a RECIPE"]),
+        (["estimate", "--help"], "python -m shardlab estimate RECIPE [-h] [--debug] [--world N] [--device D]", ["cpu"]),
         (["search", "-h"], "python -m shardlab search RECIPE [-h] [OPTIONS]", SEARCH_FLAGS),
-        (["export", "--help"], "python -m shardlab export [-h] RUN_DIR --to-hf OUT [--recipe RECIPE]", ["HFExport"]),
+        (["export", "--help"], "python -m shardlab export [-h] RUN_DIR [--debug] --to-hf OUT [--recipe RECIPE]", ["HFExport"]),
         (
             ["recipes/llama_fsdp_tp.py", "--help"],
             "python -m shardlab recipes/llama_fsdp_tp.py [-h] [OPTIONS]",
@@ -226,10 +226,11 @@ def test_a_launched_rank_leaves_its_error_for_the_first_process(tmp_path, capsys
 
 
 FAILS_ON_RANK_1 = """
+import os
 from pathlib import Path
 
 import torch.distributed as dist
-from shardlab import Config, DataConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
+from shardlab import Config, DataConfig, LogConfig, MeshSpec, ModelConfig, ShardlabError, TrainConfig
 
 config = Config(
     mesh=MeshSpec(dp_shard=2),
@@ -244,30 +245,43 @@ def rules(cfg):
     if dist.is_initialized() and dist.get_rank() == 1:  # after launch, on one rank: rank 0 waits in a barrier
         with open(Path(__file__).with_name("attempts"), "a") as f:
             f.write("rank 1\\n")
-        raise ValueError("rules: rank 1 cannot lay out this model")
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            raise {error}("rules: rank 1 cannot lay out this model")
     return None
 """
 
 
 @pytest.mark.slow
 @pytest.mark.world  # launches gloo ranks
-def test_an_error_after_launch_is_one_line_and_not_retried(tmp_path):
+@pytest.mark.parametrize("error", ["ShardlabError", "RuntimeError"])
+def test_an_error_after_launch_is_one_line_and_retried_unless_a_bad_value(tmp_path, error):
     """An error one rank raises after launch: one line from that rank, no traceback, no torchrun report, and no
-    "Connection closed by peer" from the rank that waited for it; a ValueError (a bad value) is not retried though
-    restarts are allowed: the rank ran once and no restart was announced (~15 s)."""
+    "Connection closed by peer" from the rank that waited for it. A ShardlabError (a bad value) is not retried though
+    restarts are allowed: the rank ran once. Any other error is a fault, named with its type and place: the ranks
+    start again, and the run finishes (~15 s each)."""
     recipe = tmp_path / "fails.py"
-    recipe.write_text(FAILS_ON_RANK_1)
-    env = {k: v for k, v in os.environ.items() if k != "SHARDLAB_TRACEBACK"}
+    source = FAILS_ON_RANK_1.replace("{error}", error)
+    recipe.write_text(source)
+    raised = next(n for n, line in enumerate(source.splitlines(), 1) if "raise " in line)
+    env = {k: v for k, v in os.environ.items() if k not in ("SHARDLAB_TRACEBACK", "SHARDLAB_DEBUG")}
     run = subprocess.run(
         [sys.executable, "-m", "shardlab", str(recipe), "--train.run-dir", str(tmp_path / "run"), "--max-restarts", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
-    assert run.returncode == 1
-    assert run.stdout.splitlines() == [
+    assert run.stdout.splitlines()[0] == (
         "shardlab: launching 2 ranks (dp_shard=2 (2 ranks)) through torch.distributed.run, restarting them up to 2 times"
-    ]
-    assert run.stderr.splitlines() == ["error: rank 1: rules: rank 1 cannot lay out this model"]
-    assert (tmp_path / "attempts").read_text() == "rank 1\n"
+    )
+    if error == "ShardlabError":
+        assert run.returncode == 1
+        assert run.stderr.splitlines() == ["error: rank 1: rules: rank 1 cannot lay out this model"]
+        assert (tmp_path / "attempts").read_text() == "rank 1\n"
+    else:
+        assert run.returncode == 0, run.stderr
+        assert run.stderr.splitlines() == [
+            f"warning: rank 1: RuntimeError: rules: rank 1 cannot lay out this model (at {recipe}:{raised} in rules); rerun "
+            "with SHARDLAB_DEBUG=1 for the traceback; restart 1 of 2, from the last checkpoint"
+        ]
+        assert (tmp_path / "attempts").read_text() == "rank 1\nrank 1\n"
 
 
 def test_max_restarts_under_an_outside_launcher_is_ignored_with_a_note(tmp_path, capsys, monkeypatch):
@@ -502,3 +516,36 @@ def test_search_ranks_the_layouts_that_fit_and_writes_the_winner(tmp_path, capsy
     assert re.match(
         r"Stopped at the budget after \d+ s: \d+ layouts not looked at, each at least .* s per step", stopped
     )
+
+
+@pytest.mark.parametrize("verb", ["plan", "estimate", "search", "export"])
+def test_any_error_is_one_line_unless_debugging(verb, tmp_path, capsys, monkeypatch):
+    """An error that is not a bad value (here a RuntimeError from deep inside) is one line too: its type, message and
+    place, and how to see the traceback; --debug or SHARDLAB_DEBUG=1 raises it with its traceback instead."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("SHARDLAB_DEBUG", "0")  # off; and restored after the test, which --debug sets
+    monkeypatch.delenv("SHARDLAB_TRACEBACK", raising=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("something broke\nwith details")
+
+    from shardlab.cli import recipe
+    from shardlab.train import checkpoint
+
+    monkeypatch.setattr(recipe, "load_recipe", broken)
+    monkeypatch.setattr(checkpoint, "export_to_hf", broken)
+    args = [verb, str(tmp_path)] if verb == "export" else [verb, "recipes/llama_debug.py", "--world", "1"]
+    if verb == "export":
+        args += ["--to-hf", str(tmp_path / "out")]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"error: RuntimeError: something broke \(at tests/test_cli\.py:\d+ in broken\); rerun with SHARDLAB_DEBUG=1 "
+        r"for the traceback\n",
+        err,
+    ), err
+    with pytest.raises(RuntimeError, match="something broke"):
+        main([*args, "--debug"])
+    monkeypatch.setenv("SHARDLAB_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="something broke"):
+        main(args)

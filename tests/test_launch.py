@@ -5,6 +5,7 @@ The pure tests pass an env dict; the real runs start torchrun with 2 CPU ranks (
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from shardlab._errors import DEBUG_ENV, ShardlabError
 from shardlab.cli.launch import TORCHRUN, nproc_for, relaunch, relaunch_command, relaunch_env
 from shardlab.cli.torchrun import EXIT_PEER_LOST, TRACEBACK_ENV, describe, report
 from shardlab.parallel.world import init_distributed, under_launcher
@@ -184,15 +186,27 @@ def test_auto_picks_cuda(no_launcher):
 
 
 def test_the_first_failing_rank_writes_the_line(tmp_path, monkeypatch):
-    """A ValueError is its first line (exit 2, as before launch); anything else is named, with the traceback hint
-    (exit 1); a later rank's failure does not overwrite the first."""
+    """A ShardlabError is its first line (exit 2, as before launch: never retried); anything else, a ValueError of
+    torch's or numpy's too, is named with the place it was raised and the traceback hint (exit 1: a restart may help);
+    a later rank's failure does not overwrite the first."""
     monkeypatch.delenv(TRACEBACK_ENV, raising=False)
-    first, other = tmp_path / "first", tmp_path / "other"
-    assert report(ValueError("train.steps: bad\nwhy it is bad"), str(first), 3) == 2
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    first, other, third = tmp_path / "first", tmp_path / "other", tmp_path / "third"
+    assert report(ShardlabError("train.steps: bad\nwhy it is bad"), str(first), 3) == 2
     assert report(RuntimeError("later"), str(first), 0) == 1
     assert first.read_text() == "rank 3: train.steps: bad\n"
     assert report(KeyError("w1"), str(other), 1) == 1
-    assert other.read_text() == "rank 1: KeyError: 'w1'; rerun with SHARDLAB_TRACEBACK=1 for the traceback\n"
+    assert other.read_text() == "rank 1: KeyError: 'w1'; rerun with SHARDLAB_DEBUG=1 for the traceback\n"
+    try:
+        torch.zeros(2).view(3)
+    except RuntimeError as err:
+        assert report(err, str(third), 0) == 1
+    assert re.fullmatch(
+        r"rank 0: RuntimeError: shape '\[3\]' is invalid for input of size 2 \(at tests/test_launch\.py:\d+ in "
+        r"test_the_first_failing_rank_writes_the_line\); rerun with SHARDLAB_DEBUG=1 for the traceback\n",
+        third.read_text(),
+    )
+    assert report(ValueError("numpy's"), str(tmp_path / "fourth"), 0) == 1
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import ast
 from pathlib import Path
 
 FOLDERS = [
+    "_errors",
     "_base",
     "_glob",
     "_version",
@@ -23,7 +24,7 @@ FOLDERS = [
     "estimate",
     "cli",
 ]
-"""shardlab's folders (and its private foundation modules: structs, globs, the version, fault points, processes) in the order of the flow."""
+"""shardlab's folders (and its private foundation modules: errors, structs, globs, the version, fault points, processes) in the order of the flow."""
 TOP = {"__init__", "__main__"}
 """The public API and `python -m shardlab`: they may import anything."""
 PACKAGE = Path(__file__).resolve().parents[1] / "shardlab"

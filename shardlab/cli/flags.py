@@ -19,6 +19,7 @@ import tyro
 from tyro.constructors import PrimitiveConstructorSpec
 
 from shardlab._base import Frozen, deferred_checks
+from shardlab._errors import ShardlabError
 from shardlab.config import Config
 
 T = TypeVar("T")
@@ -27,7 +28,7 @@ F = TypeVar("F", bound=Frozen)
 
 class FlagError(Exception):
     """A flag given a value it cannot take. Not a ValueError: tyro draws its box around those; `parse` re-raises
-    this one as a one-line ValueError."""
+    this one as a one-line ShardlabError."""
 
 
 def _flag(name: str, metavar: str, read: Callable[[str], T | None], expected: str) -> PrimitiveConstructorSpec:
@@ -72,7 +73,15 @@ def _path(text: str) -> str | None:
     return text or None
 
 
-class _World(Frozen):
+class _Debug(Frozen):
+    """The flag every verb has."""
+
+    debug: tyro.conf.FlagCreatePairsOff[bool] = False
+    """Show any error with its traceback, on every rank, instead of one line (sets SHARDLAB_DEBUG=1 for this process
+    and the ranks it starts)."""
+
+
+class _World(_Debug):
     """The flag of every verb that lays a recipe out on ranks."""
 
     world: Annotated[
@@ -91,7 +100,7 @@ class TrainFlags(_World):
         int, _flag("--max-restarts", "N", _integer(0), "how many times to restart, an integer >= 0")
     ] = 0
     """Start the ranks again, up to N times, when one dies (torch.distributed.run's restarts); each restart resumes
-    from the run's last checkpoint; an error a restart would meet again (a ValueError: a bad value) is not retried;
+    from the run's last checkpoint; an error a restart would meet again (a bad value: a ShardlabError) is not retried;
     ignored under an outside launcher (torchrun, srun)."""
 
 
@@ -137,7 +146,7 @@ class SearchFlags(EstimateFlags):
     be."""
 
 
-class ExportFlags(Frozen):
+class ExportFlags(_Debug, kw_only=True):
     """Write the newest checkpoint of RUN_DIR (or a step directory) as a Hugging Face directory (config.json and
     safetensors)."""
 
@@ -189,15 +198,15 @@ def parse(
                 config=(tyro.conf.AvoidSubcommands,),  # a recipe's model.moe / rope_scaling: plain --flags
             )
     except FlagError as err:
-        raise ValueError(str(err)) from None
+        raise ShardlabError(str(err)) from None
     except SystemExit as done:
         if done.code in (0, None):  # --help
             raise
-        raise ValueError(one_line(drawn.getvalue(), prog)) from None
+        raise ShardlabError(box_line(drawn.getvalue(), prog)) from None
     return both.flags, both.config
 
 
-def one_line(box: str, prog: str) -> str:
+def box_line(box: str, prog: str) -> str:
     """tyro's error box as one line: its message, the flag it suggests, where the help is."""
     lines = [line.strip().strip("│|╭╮╰╯+").strip() for line in box.splitlines()]  # unicode or ASCII borders
     lines = [line for line in lines if line and set(line) - set("─-+ ")]

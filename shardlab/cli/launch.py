@@ -18,6 +18,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from shardlab._errors import ShardlabError
 from shardlab.cli._parent_death import LAUNCHER_ENV, die_with_parent
 from shardlab.cli.torchrun import ERROR_FILE_ENV, EXIT_STOPPED, STOPPED_FILE_ENV
 from shardlab.parallel.world import env_number
@@ -33,7 +34,7 @@ def nproc_for(world_size: int, env: Mapping[str, str] | None = None) -> int:
     """Processes per node for `world_size` ranks spread over env NNODES nodes (default 1)."""
     nnodes = env_number(os.environ if env is None else env, "NNODES", 1)
     if world_size % nnodes:
-        raise ValueError(
+        raise ShardlabError(
             f"world_size={world_size} is not divisible by NNODES={nnodes}; make the mesh a multiple of NNODES ranks"
         )
     return world_size // nnodes
@@ -50,7 +51,7 @@ def relaunch_command(
     max_restarts: torchrun's own `--max-restarts` (see `shardlab.cli.torchrun` for what is not retried).
     """
     if nproc < 1:
-        raise ValueError(f"nproc={nproc} must be at least 1")
+        raise ShardlabError(f"nproc={nproc} must be at least 1")
     cmd = [sys.executable, TORCHRUN, f"--nproc-per-node={nproc}"]
     if max_restarts:
         cmd.append(f"--max-restarts={max_restarts}")
@@ -60,13 +61,13 @@ def relaunch_command(
     else:
         missing = [name for name in ("NODE_RANK", "MASTER_ADDR") if name not in env]
         if missing:
-            raise ValueError(
+            raise ShardlabError(
                 f"NNODES={nnodes} needs {' and '.join(missing)} in the environment; "
                 f"export NODE_RANK=<0..{nnodes - 1}> and MASTER_ADDR=<address of node 0> on every node"
             )
         node_rank = env_number(env, "NODE_RANK", 0)
         if node_rank >= nnodes:
-            raise ValueError(f"NODE_RANK={node_rank} but NNODES={nnodes}; NODE_RANK counts nodes from 0")
+            raise ShardlabError(f"NODE_RANK={node_rank} but NNODES={nnodes}; NODE_RANK counts nodes from 0")
         endpoint = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
         cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"]
     return [*cmd, "-m", module, *argv]

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 
+from shardlab._errors import DEBUG_ENV, ShardlabError, debugging, one_line
 from shardlab._version import version
 from shardlab.cli._parent_death import LAUNCHER_ENV, die_with_parent
 from shardlab.cli.flags import EstimateFlags, ExportFlags, PlanFlags, SearchFlags, TrainFlags, parse
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardlab {version()}")
         return 0
     command = args.pop(0) if args[0] in VERBS else "train"
+    if "--debug" in args:  # tyro reads it with the verb's flags; seen here too, for an error before they are read
+        os.environ[DEBUG_ENV] = "1"
     try:
         if command == "export":
             return _export(parse(ExportFlags, args, "python -m shardlab export")[0])
@@ -56,17 +59,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(err: Exception) -> int:
-    """A rank that `relaunch` started leaves one line for the first process to print and exits quietly; any
-    other process prints a ValueError as one line (a bad value) and lets anything else raise."""
+    """A rank that `relaunch` started leaves one line for the first process to print and exits quietly; any other
+    process prints one line: a ShardlabError's message (a bad value: exit 2), or any other error's type, message and
+    place (exit 1). SHARDLAB_DEBUG=1 (or --debug) raises the error instead, with its traceback."""
     from shardlab.cli.torchrun import report
 
     error_file = os.environ.get(ERROR_FILE_ENV)
     if error_file and "LOCAL_RANK" in os.environ:
         return report(err, error_file, int(os.environ.get("RANK", "0")))
-    if isinstance(err, ValueError):
+    if isinstance(err, ShardlabError):
         print(f"error: {err}", file=sys.stderr)
         return 2
-    raise err
+    if debugging():
+        raise err
+    print(f"error: {one_line(err)}", file=sys.stderr)
+    return 1
 
 
 def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
@@ -78,7 +85,7 @@ def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
     prog = f"python -m shardlab{'' if command == 'train' else ' ' + command}"
     if recipe_path is None:
         parse(verb, args, f"{prog} RECIPE")  # --help lists the verb's flags here; a bad value fails as one line
-        raise ValueError(f"{command}: expected a RECIPE first, e.g. `{prog} recipes/llama_fsdp_tp.py`")
+        raise ShardlabError(f"{command}: expected a RECIPE first, e.g. `{prog} recipes/llama_fsdp_tp.py`")
     recipe = load_recipe(recipe_path)
     launched = under_launcher()
     rank = int(os.environ.get("RANK", "0"))
@@ -155,7 +162,7 @@ def _pinned_axes(args: list[str], cfg) -> dict[str, int]:
     named = {a.split("=", 1)[0].removeprefix("--mesh.").replace("-", "_") for a in args if a.startswith("--mesh.")}
     pinned = {a: getattr(cfg.mesh, a) for a in (*AXES, "ep") if a in named}
     if any(size == -1 for size in pinned.values()):
-        raise ValueError("search: a pinned mesh axis is -1; pin axes to sizes, the search fills the rest")
+        raise ShardlabError("search: a pinned mesh axis is -1; pin axes to sizes, the search fills the rest")
     return pinned
 
 
@@ -170,7 +177,7 @@ def _search(cfg, recipe, flags: SearchFlags, pinned: dict[str, int]) -> int:
 
     world = flags.world
     if world is None:
-        raise ValueError("search: --world N is required (the number of ranks to lay the model out on)")
+        raise ShardlabError("search: --world N is required (the number of ranks to lay the model out on)")
     dev = device(flags.device, world)
     memory = round((flags.memory or dev.memory_gib) * 2**30)
     provider = provider_for(cfg, recipe.model(cfg))

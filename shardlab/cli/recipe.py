@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+from shardlab._errors import ShardlabError
 from shardlab.config import Config
 from shardlab.models.provider import ModelProvider
 from shardlab.sharding.rules import Rules
@@ -36,9 +37,9 @@ def load_recipe(path: str | Path) -> Recipe:
     """Import a recipe file by path; one-line errors for a missing file or a file without `config`."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"recipe: no file {str(path)!r}; pass the path of a recipe, e.g. recipes/llama_fsdp_tp.py")
+        raise ShardlabError(f"recipe: no file {str(path)!r}; pass the path of a recipe, e.g. recipes/llama_fsdp_tp.py")
     if path.suffix != ".py":
-        raise ValueError(
+        raise ShardlabError(
             f"recipe {str(path)!r} is not a Python file; a recipe is a .py file holding `config = Config(...)`, e.g. "
             "recipes/llama_fsdp_tp.py"
         )
@@ -47,19 +48,19 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         spec.loader.exec_module(module)
     except Exception as err:  # a user's file: any error in it is reported as one line naming the file
-        raise ValueError(f"recipe {str(path)!r}: {type(err).__name__}: {err}") from err
+        raise ShardlabError(f"recipe {str(path)!r}: {type(err).__name__}: {err}") from err
     config = getattr(module, "config", None)
     if not isinstance(config, Config):
         got = "nothing" if config is None else type(config).__name__
-        raise ValueError(
+        raise ShardlabError(
             f"recipe {str(path)!r}: `config` must be a shardlab.Config, found {got}; add `config = Config(...)`"
         )
     rules = getattr(module, "rules", None)
     if rules is not None and not (isinstance(rules, Rules) or callable(rules)):
-        raise ValueError(f"recipe {str(path)!r}: `rules` must be a shardlab.Rules or a function Config -> Rules")
+        raise ShardlabError(f"recipe {str(path)!r}: `rules` must be a shardlab.Rules or a function Config -> Rules")
     model = getattr(module, "model", None)
     if model is not None and not (isinstance(model, ModelProvider) or callable(model)):
-        raise ValueError(
+        raise ShardlabError(
             f"recipe {str(path)!r}: `model` must be a shardlab model provider (e.g. shardlab.CustomModel(...)) or a "
             "function Config -> provider"
         )

@@ -24,8 +24,11 @@ if TYPE_CHECKING:
 
 ERROR_FILE_ENV = "SHARDLAB_ERROR_FILE"
 """Where the ranks of one node write their first failure; set by `relaunch` for the ranks it starts."""
+DEBUG_ENV = "SHARDLAB_DEBUG"
+"""Set to 1 to see every failing rank's full traceback and torch.distributed.run's own report (as in
+shardlab._errors, which this file, run by path in the agent, does not import)."""
 TRACEBACK_ENV = "SHARDLAB_TRACEBACK"
-"""Set to 1 to see every failing rank's full traceback and torch.distributed.run's own report."""
+"""The older name of DEBUG_ENV, still read."""
 PEER_LOST = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -34,7 +37,7 @@ PEER_LOST = (
 )
 """Message fragments of the RuntimeErrors gloo and NCCL raise on a rank whose peer died: echoes, never the cause."""
 EXIT_BAD_VALUE = 2
-"""A rank's exit code for a ValueError: a bad value (as before launch), which a restart would meet again."""
+"""A rank's exit code for a ShardlabError: a bad value (as before launch), which a restart would meet again."""
 EXIT_PEER_LOST = 3
 """A rank's exit code when it failed only because a peer died."""
 STOPPED_FILE_ENV = "SHARDLAB_STOPPED_FILE"
@@ -44,17 +47,12 @@ EXIT_STOPPED = 75
 "try again later", since starting it again resumes where it stopped."""
 EXIT_FINAL = (EXIT_BAD_VALUE, EXIT_STOPPED)
 """Rank exit codes that end a run however many restarts are left: a restart would fail the same way, or stop again."""
-HINT = f"; rerun with {TRACEBACK_ENV}=1 for the traceback"
 
 
 def tracebacks_wanted(env: Mapping[str, str] | None = None) -> bool:
-    return (os.environ if env is None else env).get(TRACEBACK_ENV, "") not in ("", "0")
-
-
-def first_line(err: BaseException) -> str:
-    """The first line of an exception's message (a shardlab error's summary; a longer explanation follows it)."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[0] if lines else ""
+    """shardlab._errors.debugging, for the agent, which runs this file without shardlab."""
+    env = os.environ if env is None else env
+    return any(env.get(name, "") not in ("", "0") for name in (DEBUG_ENV, TRACEBACK_ENV))
 
 
 def write_first(path: str, line: str) -> bool:
@@ -70,16 +68,16 @@ def write_first(path: str, line: str) -> bool:
 
 def report(err: Exception, path: str, rank: int) -> int:
     """On a launched rank: record `err` as this node's one line (unless a rank was first); return the exit code:
-    2 for a ValueError (a bad value, as before launch), 1 for anything else, EXIT_PEER_LOST for an echo."""
-    if tracebacks_wanted():
+    EXIT_BAD_VALUE for a ShardlabError (a bad value, as before launch: never retried), 1 for anything else (named,
+    with the place it was raised; retried under --max-restarts), EXIT_PEER_LOST for an echo."""
+    from shardlab._errors import ShardlabError, debugging, first_line, one_line
+
+    if debugging():
         traceback.print_exception(err, file=sys.stderr)
-    message = first_line(err)
-    if isinstance(err, RuntimeError) and any(fragment in message for fragment in PEER_LOST):
+    if isinstance(err, RuntimeError) and any(fragment in first_line(err) for fragment in PEER_LOST):
         return EXIT_PEER_LOST
-    if not isinstance(err, ValueError):
-        message = f"{type(err).__name__}: {message}{'' if tracebacks_wanted() else HINT}"
-    write_first(path, f"rank {rank}: {message}")
-    return EXIT_BAD_VALUE if isinstance(err, ValueError) else 1
+    write_first(path, f"rank {rank}: {one_line(err)}")
+    return EXIT_BAD_VALUE if isinstance(err, ShardlabError) else 1
 
 
 def leave(code: int) -> None:

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from shardlab._base import Frozen, Positive
+from shardlab._errors import ShardlabError
 
 
 class RopeScaling(Frozen):
@@ -24,9 +25,9 @@ class RopeScaling(Frozen):
 
     def check(self) -> None:
         if self.factor < 1:
-            raise ValueError(f"model.rope_scaling.factor={self.factor}: must be >= 1")
+            raise ShardlabError(f"model.rope_scaling.factor={self.factor}: must be >= 1")
         if not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ValueError(
+            raise ShardlabError(
                 f"model.rope_scaling: low_freq_factor={self.low_freq_factor} and high_freq_factor={self.high_freq_factor} "
                 "need 0 < low_freq_factor < high_freq_factor"
             )
@@ -63,13 +64,15 @@ class MoEConfig(Frozen):
 
     def check(self) -> None:
         if self.top_k > self.n_experts:
-            raise ValueError(
+            raise ShardlabError(
                 f"model.moe.top_k={self.top_k} exceeds model.moe.n_experts={self.n_experts}; pick top_k <= n_experts"
             )
         if self.capacity_factor is not None and self.capacity_factor <= 0:
-            raise ValueError(f"model.moe.capacity_factor={self.capacity_factor}: must be > 0, or None to drop nothing")
+            raise ShardlabError(
+                f"model.moe.capacity_factor={self.capacity_factor}: must be > 0, or None to drop nothing"
+            )
         if self.aux_loss_coef < 0 or self.bias_rate < 0:
-            raise ValueError("model.moe: aux_loss_coef and bias_rate must be >= 0")
+            raise ShardlabError("model.moe: aux_loss_coef and bias_rate must be >= 0")
 
 
 class ModelConfig(Frozen):
@@ -115,23 +118,25 @@ class ModelConfig(Frozen):
                 None,
             )  # fmt: skip
             if changed is not None:
-                raise ValueError(
+                raise ShardlabError(
                     f"model.{changed} is set but model.hf_path is too: a transformers model takes its shape from "
                     f"{self.hf_path}/config.json; drop --model.{changed.replace('_', '-')}"
                 )
         elif self.from_scratch:
-            raise ValueError("model.from_scratch is set without model.hf_path; it only applies to transformers models")
+            raise ShardlabError(
+                "model.from_scratch is set without model.hf_path; it only applies to transformers models"
+            )
         if self.dim % self.n_heads:
-            raise ValueError(
+            raise ShardlabError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; pick n_heads dividing dim"
             )
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            raise ShardlabError(
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
                 "grouped-query attention needs n_kv_heads dividing n_heads"
             )
         if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"model: head_dim={self.dim // self.n_heads} is odd; RoPE needs an even head_dim")
+            raise ShardlabError(f"model: head_dim={self.dim // self.n_heads} is odd; RoPE needs an even head_dim")
 
     @property
     def head_dim(self) -> int:
@@ -175,4 +180,4 @@ def check_tp_divisors(divisors: dict[str, int], tp: int) -> None:
     """Each model size that tensor parallelism splits (`name -> size`) must be a multiple of tp."""
     for name, value in divisors.items():
         if tp > 1 and value % tp:
-            raise ValueError(f"{name}={value} is not divisible by mesh.tp={tp}; pick a tp that divides it")
+            raise ShardlabError(f"{name}={value} is not divisible by mesh.tp={tp}; pick a tp that divides it")

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from shardlab._base import Frozen, Positive, revalidate
+from shardlab._errors import ShardlabError
 from shardlab._glob import glob_regex
 from shardlab.config.model import ModelConfig as ModelConfig  # the run's model, re-exported with its parts
 from shardlab.config.model import MoEConfig as MoEConfig
@@ -49,26 +50,26 @@ class OptimConfig(Frozen):
 
     def check(self) -> None:
         if self.lr <= 0:
-            raise ValueError(f"optim.lr={self.lr}: must be > 0")
+            raise ShardlabError(f"optim.lr={self.lr}: must be > 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio}: must be within [0, 1]")
+            raise ShardlabError(f"optim.min_lr_ratio={self.min_lr_ratio}: must be within [0, 1]")
         if not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"optim.betas={self.betas}: each must be within [0, 1)")
+            raise ShardlabError(f"optim.betas={self.betas}: each must be within [0, 1)")
         if self.eps <= 0:
-            raise ValueError(f"optim.eps={self.eps}: must be > 0")
+            raise ShardlabError(f"optim.eps={self.eps}: must be > 0")
         if self.weight_decay < 0:
-            raise ValueError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
+            raise ShardlabError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
         if self.max_norm is not None and self.max_norm <= 0:
-            raise ValueError(f"optim.max_norm={self.max_norm}: must be > 0, or None to disable clipping")
+            raise ShardlabError(f"optim.max_norm={self.max_norm}: must be > 0, or None to disable clipping")
         for glob, factor in self.lr_scales:
             if factor < 0:
-                raise ValueError(f"optim.lr_scales: {glob!r} has factor {factor}; factors must be >= 0")
+                raise ShardlabError(f"optim.lr_scales: {glob!r} has factor {factor}; factors must be >= 0")
         for field, globs in (("no_decay", self.no_decay), ("lr_scales", tuple(g for g, _ in self.lr_scales))):
             for glob in globs:
                 try:
                     glob_regex(glob)
                 except ValueError as e:
-                    raise ValueError(f"optim.{field}: {e}") from None
+                    raise ShardlabError(f"optim.{field}: {e}") from None
 
 
 class DataConfig(Frozen):
@@ -108,23 +109,23 @@ class DataConfig(Frozen):
 
     def check(self) -> None:
         if self.format == "chat" and self.source != "files":
-            raise ValueError(
+            raise ShardlabError(
                 f"data.format='chat' reads chat files, not data.source={self.source!r}; set --data.source files"
             )
         if self.document_masks and self.source == "synthetic":
-            raise ValueError(
+            raise ShardlabError(
                 "data.document_masks is set but data.source='synthetic' has no documents; drop --data.document-masks"
             )
         if self.source == "files" and not self.paths:
-            raise ValueError("data.paths is empty but data.source='files'; pass --data.paths FILE [FILE ...]")
+            raise ShardlabError("data.paths is empty but data.source='files'; pass --data.paths FILE [FILE ...]")
         if self.source != "files" and self.paths:
-            raise ValueError(f"data.paths is set but data.source={self.source!r}; set --data.source files")
+            raise ShardlabError(f"data.paths is set but data.source={self.source!r}; set --data.source files")
         if self.tokenizer is not None and self.source == "synthetic":
-            raise ValueError(
+            raise ShardlabError(
                 "data.tokenizer is set but data.source='synthetic' draws random ids; drop --data.tokenizer"
             )
         if self.tokenizer is not None and self.paths and all(p.endswith(".bin") for p in self.paths):
-            raise ValueError(
+            raise ShardlabError(
                 "data.tokenizer is set but every file in data.paths is pre-tokenized .bin; drop --data.tokenizer"
             )
 
@@ -211,9 +212,9 @@ class CheckpointConfig(Frozen):
 
     def check(self) -> None:
         if self.async_save and self.every is None:
-            raise ValueError("checkpoint.async_save is set but checkpoint.every is not; set --checkpoint.every N")
+            raise ShardlabError("checkpoint.async_save is set but checkpoint.every is not; set --checkpoint.every N")
         if not self.resume:
-            raise ValueError("checkpoint.resume is empty; use auto, none, or a step directory")
+            raise ShardlabError("checkpoint.resume is empty; use auto, none, or a step directory")
 
 
 class Config(Frozen):
@@ -245,64 +246,64 @@ class Config(Frozen):
         if m.hf_path is None:  # a transformers model is checked when its directory is read (provider_for)
             check_tp_divisors(m.tp_divisors(), tp)
         if tp > 1 and self.plan.sequence_parallel and self.train.seq_len % tp:
-            raise ValueError(
+            raise ShardlabError(
                 f"train.seq_len={self.train.seq_len} is not divisible by mesh.tp={tp}; sequence parallel shards the "
                 "sequence over tp: change seq_len, or set plan.sequence_parallel=False"
             )
         ep, experts = self.mesh.ep, m.moe.n_experts if m.moe is not None else 0
         if ep > 1 and m.hf_path is None and (not experts or experts % ep):  # a transformers model's: its provider
-            raise ValueError(
+            raise ShardlabError(
                 f"mesh.ep={ep} needs model.moe with n_experts divisible by it (each ep rank holds n_experts / ep of "
                 f"them), not {experts}; set model.moe, or pick an ep that divides n_experts"
             )
         if m.moe is not None and self.data.format == "chat":
-            raise ValueError(
+            raise ShardlabError(
                 "data.format='chat' with model.moe: the padding that ends chat rows would be routed, counted in the "
                 "routers' balancing statistics and take expert capacity; fine-tune a dense model, or a transformers "
                 "MoE model (model.hf_path)"
             )
         if m.moe is not None and self.plan.compile:
-            raise ValueError(
+            raise ShardlabError(
                 "plan.compile with model.moe: the experts' token counts change with every batch, so torch.compile "
                 "recompiles the expert loop until its recompile limit (minutes on CPU) and then runs it eagerly; set "
                 "plan.compile=False"
             )
         if self.plan.compile and self.plan.activation_checkpoint == "op" and (self.mesh.tp > 1 or self.mesh.cp > 1):
-            raise ValueError(
+            raise ShardlabError(
                 "plan.compile with plan.activation_checkpoint='op' under mesh.tp or mesh.cp: with collectives inside "
                 "the compiled block, torch 2.13 computes wrong gradients (the loss was 0.9 off after 4 steps on TP 2); "
                 "use activation_checkpoint='full' or 'selective' with compile, or plan.compile=False"
             )
         if m.moe is not None and self.mesh.pp > 1 and self.plan.pp_balance == "flops":
-            raise ValueError(
+            raise ShardlabError(
                 "plan.pp_balance='flops' with model.moe: FLOPs are counted on the meta device, where tokens cannot be "
                 "routed; use pp_balance='blocks' or 'params', or plan.pp_split"
             )
         cp = self.mesh.cp
         if cp > 1:
             if self.train.seq_len % (2 * cp):
-                raise ValueError(
+                raise ShardlabError(
                     f"train.seq_len={self.train.seq_len} is not divisible by 2 x mesh.cp = {2 * cp}: context parallelism "
                     "gives each cp rank two chunks of the sequence; change seq_len or cp"
                 )
             if tp > 1 and self.plan.sequence_parallel and (self.train.seq_len // cp) % tp:
-                raise ValueError(
+                raise ShardlabError(
                     f"train.seq_len / mesh.cp = {self.train.seq_len // cp} tokens per cp rank are not divisible by "
                     f"mesh.tp={tp} for sequence parallelism; change seq_len, or set plan.sequence_parallel=False"
                 )
         if self.mesh.is_resolved:
             self._check_batch(self.mesh.size("dp"))
         if self.log.profile_step is not None and self.log.profile_step > self.train.steps:
-            raise ValueError(
+            raise ShardlabError(
                 f"log.profile_step={self.log.profile_step} is after the run's last step (train.steps="
                 f"{self.train.steps}); pick a step in 1..{self.train.steps}, past the first (warm-up) one"
             )
         if self.plan.cpu_offload:
-            raise ValueError(
+            raise ShardlabError(
                 "plan.cpu_offload: FSDP CPU offload is not supported yet (no GPU test covers it); leave it False"
             )
         if self.train.init == "sharded" and m.tie_embeddings:
-            raise ValueError(
+            raise ShardlabError(
                 "train.init='sharded' with model.tie_embeddings=True is not supported yet (the tie must be made before "
                 "FSDP wraps the weights); use train.init='full'"
             )
@@ -310,25 +311,25 @@ class Config(Frozen):
     def _check_batch(self, dp: int) -> None:
         t = self.train
         if t.global_batch % dp:
-            raise ValueError(
+            raise ShardlabError(
                 f"train.global_batch={t.global_batch} is not divisible by the data-parallel size dp_replicate x dp_shard = {dp}; "
                 "pick a global_batch that is a multiple of it"
             )
         per_rank = t.global_batch // dp
         if self.mesh.pp > 1:
             if t.micro_batch is not None:
-                raise ValueError(
+                raise ShardlabError(
                     f"train.micro_batch with mesh.pp={self.mesh.pp}: the pipeline splits each batch into "
                     "plan.pp_microbatches; leave train.micro_batch unset"
                 )
             m = self.micro_batches
             if per_rank % m:
-                raise ValueError(
+                raise ShardlabError(
                     f"plan.pp_microbatches={m} does not divide the {per_rank} sequences each data-parallel rank gets per "
                     f"step (global_batch {t.global_batch} / dp {dp}); pick pp_microbatches dividing {per_rank}"
                 )
         if t.micro_batch is not None and per_rank % t.micro_batch:
-            raise ValueError(
+            raise ShardlabError(
                 f"train.micro_batch={t.micro_batch} does not divide the {per_rank} sequences each data-parallel rank gets "
                 f"per step (global_batch {t.global_batch} / dp {dp}); pick a micro_batch dividing {per_rank}"
             )
@@ -340,7 +341,7 @@ class Config(Frozen):
         if self.mesh.pp > 1:
             return self.plan.pp_microbatches or self.mesh.pp * self.plan.pp_stages_per_rank
         if not self.mesh.is_resolved:
-            raise ValueError("Config.micro_batches: the mesh has a -1 axis; call cfg.resolve(world_size) first")
+            raise ShardlabError("Config.micro_batches: the mesh has a -1 axis; call cfg.resolve(world_size) first")
         return self.train.grad_accum(self.mesh.size("dp"))
 
     def resolve(self, world_size: int) -> Config:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from shardlab._errors import ShardlabError
 from shardlab.data.tokenizer import Tokenizer
 
 FIELD = "messages"
@@ -30,7 +31,7 @@ class ChatEncoder:
     def __init__(self, tokenizer: Tokenizer) -> None:
         template = tokenizer.backend.chat_template
         if not isinstance(template, str) or not template:
-            raise ValueError(
+            raise ShardlabError(
                 f"data.format='chat': the tokenizer {tokenizer.path!r} has no chat template; use a tokenizer whose "
                 "tokenizer_config.json or chat_template.jinja holds one"
             )
@@ -46,7 +47,7 @@ class ChatEncoder:
             try:
                 tokens, mask = self.encode(check_messages(messages))
             except ValueError as err:
-                raise ValueError(f"{where(j)}: {err}") from None
+                raise ShardlabError(f"{where(j)}: {err}") from None
             ids.append(tokens)
             trainable.append(mask)
         return {"ids": ids, "trainable": trainable}
@@ -68,7 +69,7 @@ class ChatEncoder:
             start = len(tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)) if i else 0
             upto = tok.apply_chat_template(messages[: i + 1], tokenize=False)
             if not whole.startswith(upto) or start > len(upto):
-                raise ValueError(
+                raise ShardlabError(
                     f"the chat template renders the conversation differently from its first {i + 1} messages, "
                     "so the assistant's turns cannot be found; use a template with {% generation %} marks"
                 )
@@ -82,10 +83,10 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
     """`messages` as a list of {"role": str, "content": str} with an assistant turn, else a one-line error (which
     the caller prefixes with the record's name)."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"no {FIELD!r} list; a chat record is {{{FIELD!r}: [{{role, content}}, ...]}}")
+        raise ShardlabError(f"no {FIELD!r} list; a chat record is {{{FIELD!r}: [{{role, content}}, ...]}}")
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f"{FIELD}[{j}] needs a string 'role' and a string 'content'")
+            raise ShardlabError(f"{FIELD}[{j}] needs a string 'role' and a string 'content'")
     if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{FIELD} has no 'assistant' message, so nothing to learn; drop the record")
+        raise ShardlabError(f"{FIELD} has no 'assistant' message, so nothing to learn; drop the record")
     return [{"role": m["role"], "content": m["content"]} for m in messages]

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from shardlab._errors import ShardlabError
 from shardlab.config import DataConfig
 from shardlab.data.chat import FIELD
 from shardlab.data.datasets import dataset_documents, is_dataset
@@ -63,7 +64,7 @@ def hold_out(docs: list[np.ndarray], split: Split) -> list[np.ndarray]:
     (doc,) = docs
     cut = int(doc.size * (1 - HELD_OUT))
     if cut < 1 or doc.size - cut < 2:
-        raise ValueError(
+        raise ShardlabError(
             f"data: one document of {doc.size} tokens is too short to hold out an evaluation slice; pass "
             "--eval.paths with held-out files"
         )
@@ -90,7 +91,7 @@ def stdlib_texts() -> tuple[list[str], list[str]]:
         names.append(path)
         total += len(texts[-1].encode("utf-8")) + 2
     if not texts:
-        raise ValueError(f"data.source='stdlib': no *.py files under {root}; use data.source='synthetic' or 'files'")
+        raise ShardlabError(f"data.source='stdlib': no *.py files under {root}; use data.source='synthetic' or 'files'")
     return texts, names
 
 
@@ -108,15 +109,17 @@ def file_documents(
     for name in data.paths:
         path = Path(name)
         if not path.exists():
-            raise ValueError(f"data.paths: {name} does not exist; check the path")
+            raise ShardlabError(f"data.paths: {name} does not exist; check the path")
         if chat and not (is_dataset(path) or path.suffix == ".jsonl"):
-            raise ValueError(f"data.paths: {name} is not chat data; data.format='chat' reads .jsonl files or datasets")
+            raise ShardlabError(
+                f"data.paths: {name} is not chat data; data.format='chat' reads .jsonl files or datasets"
+            )
         if is_dataset(path) or (chat and path.is_file()):
             if data.cache_dir is None:
-                raise ValueError(f"data.paths: {name} is tokenized once into data.cache_dir, which is unset; set it")
+                raise ShardlabError(f"data.paths: {name} is tokenized once into data.cache_dir, which is unset; set it")
             columns, where = dataset_documents(name, field, records, key, data.cache_dir)
         elif not path.is_file():
-            raise ValueError(f"data.paths: {name} is not a file; check the path")
+            raise ShardlabError(f"data.paths: {name} is not a file; check the path")
         elif path.suffix == ".bin":
             docs.append(_bin_tokens(path, data.bin_dtype, vocab_size))
             continue
@@ -125,7 +128,7 @@ def file_documents(
                 text = path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as err:
                 why = f"{err.reason} at byte {err.start}" if isinstance(err, UnicodeDecodeError) else err.strerror
-                raise ValueError(
+                raise ShardlabError(
                     f"data.paths: {name} cannot be read as UTF-8 text ({why}); fix or re-encode it"
                 ) from None
             values, wheres = (
@@ -135,13 +138,13 @@ def file_documents(
             values, wheres = [values[k] for k in kept], [wheres[k] for k in kept]
             columns, where = records(values, wheres.__getitem__), wheres.__getitem__
         else:
-            raise ValueError(
+            raise ShardlabError(
                 f"data.paths: {name} has suffix {path.suffix!r}; use .txt, .jsonl, .bin, .parquet, .arrow or a directory"
             )
         if chat:
             for k, ids in enumerate(columns["ids"]):
                 if ids.size > seq_len and not data.truncate:
-                    raise ValueError(
+                    raise ShardlabError(
                         f"{where(k)}: the conversation is {ids.size} tokens, longer than train.seq_len={seq_len}; raise "
                         "train.seq_len, drop the record, or set data.truncate to cut it"
                     )
@@ -150,7 +153,7 @@ def file_documents(
         else:
             docs += columns["ids"]
     if not docs:
-        raise ValueError(f"data.paths: {', '.join(data.paths)} hold no documents; add a non-empty file")
+        raise ShardlabError(f"data.paths: {', '.join(data.paths)} hold no documents; add a non-empty file")
     return docs, masks if chat else None
 
 
@@ -163,7 +166,7 @@ def _jsonl_values(name: str, text: str, field: str) -> tuple[list[Any], list[str
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(
+            raise ShardlabError(
                 f"data.paths: {name}:{lineno} is not valid JSON ({err.msg}); fix or drop the line"
             ) from None
         values.append(record.get(field) if isinstance(record, dict) else None)
@@ -177,7 +180,7 @@ def text_records(encoder: Encoder, field: str) -> RecordEncoder:
     def records(values: list[Any], where: Callable[[int], str]) -> dict[str, list[np.ndarray]]:
         for j, value in enumerate(values):
             if not isinstance(value, str):
-                raise ValueError(
+                raise ShardlabError(
                     f"{where(j)} has no string field {field!r}; set data.jsonl_field to the field holding the text"
                 )
         return {"ids": encoder(values)}
@@ -189,13 +192,13 @@ def _bin_tokens(path: Path, dtype: str, vocab_size: int) -> np.ndarray:
     itemsize = np.dtype(dtype).itemsize
     size = path.stat().st_size
     if size == 0 or size % itemsize:
-        raise ValueError(
+        raise ShardlabError(
             f"data.paths: {path} is {size} bytes, not a positive multiple of {itemsize} (data.bin_dtype={dtype}); "
             "check data.bin_dtype"
         )
     tokens = np.memmap(path, dtype=dtype, mode="r")
     if vocab_size <= np.iinfo(tokens.dtype).max and (top := int(tokens.max())) >= vocab_size:
-        raise ValueError(
+        raise ShardlabError(
             f"data.paths: {path} holds token id {top} but model.vocab_size={vocab_size}; "
             f"set model.vocab_size > {top} or re-tokenize with a smaller vocabulary"
         )

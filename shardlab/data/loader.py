@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from shardlab._errors import ShardlabError
 from shardlab.config import Config, DataConfig
 from shardlab.data.chat import ChatEncoder
 from shardlab.data.documents import (
@@ -91,7 +92,7 @@ class TokenLoader:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         if self.rows % micro_batches:
-            raise ValueError(
+            raise ShardlabError(
                 f"make_loader: micro_batches={micro_batches} does not divide the {self.rows} rows each of {dp_size} "
                 "data-parallel ranks gets; pass Config.micro_batches of a resolved config"
             )
@@ -143,24 +144,24 @@ class TokenLoader:
             ("global_batch", "train.global_batch"),
         ):
             if state.get(key) != getattr(self, key):
-                raise ValueError(
+                raise ShardlabError(
                     f"data: the checkpoint's loader has {field}={state.get(key)!r} but this run has {getattr(self, key)!r}; "
                     f"resume with {field}={state.get(key)!r}"
                 )
         if "document_masks" in state and state["document_masks"] != self.document_masks:  # older states lack it
             flag = "--data.document-masks" if state["document_masks"] else "--data.no-document-masks"
-            raise ValueError(
+            raise ShardlabError(
                 f"data: the checkpoint's loader has data.document_masks={state['document_masks']} but this run has "
                 f"{self.document_masks}; resume with {flag}"
             )
         if state.get("fingerprint") != self.fingerprint:
-            raise ValueError(
+            raise ShardlabError(
                 f"data: the checkpoint's token stream (fingerprint {state.get('fingerprint')}) differs from this run's "
                 f"({self.fingerprint}); resume with the same data files, data.seed, data.tokenizer and model.vocab_size"
             )
         step = state.get("step")
         if not isinstance(step, int) or step < 0:
-            raise ValueError(
+            raise ShardlabError(
                 f"data: the checkpoint's loader step={step!r} is not an int >= 0; the state_dict is corrupt"
             )
         self.step = step
@@ -183,12 +184,12 @@ def make_loader(
     what turns text into ids (`shardlab.data.tokenizer`; None: byte-level tokens). split: every document ("all"), all
     but the held-out ones ("train"), or only those ("held_out": `hold_out`)."""
     if global_batch % dp_size:
-        raise ValueError(
+        raise ShardlabError(
             f"train.global_batch={global_batch} is not divisible by the data-parallel size {dp_size}; "
             "pick a global_batch that is a multiple of it"
         )
     if not 0 <= dp_rank < dp_size:
-        raise ValueError(
+        raise ShardlabError(
             f"make_loader: dp_rank={dp_rank} is outside [0, {dp_size}); pass this rank's index on the dp axes"
         )
     seed = data.seed % 2**64  # numpy seeds must be >= 0
@@ -205,19 +206,19 @@ def make_loader(
     else:
         texts = data.source == "stdlib" or any(not p.endswith(".bin") for p in data.paths)
         if tokenizer is None and vocab_size < BYTE_VOCAB and texts:
-            raise ValueError(
+            raise ShardlabError(
                 f"model.vocab_size={vocab_size} is too small for the byte-level tokens of data.source={data.source!r} "
                 f"(256 bytes + BOS + EOS); set model.vocab_size >= {BYTE_VOCAB}"
             )
         if tokenizer is not None and tokenizer.vocab_size > vocab_size:
-            raise ValueError(
+            raise ShardlabError(
                 f"data.tokenizer={tokenizer.path!r} has {tokenizer.vocab_size} tokens but model.vocab_size is "
                 f"{vocab_size}; use the model's own tokenizer"
             )
         key = f"tokenizer {tokenizer.fingerprint()}" if tokenizer is not None else "bytes"
         if data.format == "chat":
             if tokenizer is None:
-                raise ValueError(
+                raise ShardlabError(
                     "data.format='chat' needs a tokenizer with a chat template; set data.tokenizer or model.hf_path"
                 )
             records: RecordEncoder = ChatEncoder(tokenizer)

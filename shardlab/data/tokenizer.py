@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shardlab._errors import ShardlabError
+
 if TYPE_CHECKING:
     from shardlab.config import Config
 
@@ -97,16 +99,16 @@ def _load(path: str) -> Any:
     try:
         import transformers
     except ImportError:
-        raise ValueError(
+        raise ShardlabError(
             f"data.tokenizer={path!r} needs the transformers package: pip install 'shardlab[hf]'"
         ) from None
     p = Path(path)
     if not p.exists():
-        raise ValueError(
+        raise ShardlabError(
             f"data.tokenizer={path!r}: no such file or directory; pass a local tokenizer directory or tokenizer.json"
         )
     if p.is_dir() and not (p / FILES[0]).is_file():
-        raise ValueError(
+        raise ShardlabError(
             f"data.tokenizer={path!r}: no {FILES[0]} in the directory; pass a transformers tokenizer directory "
             "(save_pretrained) or a tokenizer.json file"
         )
@@ -116,4 +118,4 @@ def _load(path: str) -> Any:
         return transformers.PreTrainedTokenizerFast(tokenizer_file=str(p))
     except Exception as e:  # whatever transformers or tokenizers raise on a user's file
         first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"data.tokenizer={path!r}: not a readable tokenizer ({first})") from None
+        raise ShardlabError(f"data.tokenizer={path!r}: not a readable tokenizer ({first})") from None

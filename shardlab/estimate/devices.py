@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shardlab._errors import ShardlabError
 from shardlab.estimate.cpu import cpu_device
 from shardlab.estimate.device import Device
 from shardlab.estimate.kernels import MEASURED
@@ -26,6 +27,6 @@ def device(name: str, world: int = 1) -> Device:
     if name == "cpu":
         return cpu_device(world)
     if name not in DEVICES:
-        raise ValueError(f"--device {name!r} is unknown; choose one of {', '.join(DEVICES)}, cpu")
+        raise ShardlabError(f"--device {name!r} is unknown; choose one of {', '.join(DEVICES)}, cpu")
     dev = DEVICES[name]
     return dev if name not in MEASURED else msgspec.structs.replace(dev, kernels=MEASURED[name])

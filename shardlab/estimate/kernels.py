@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from shardlab._base import Frozen
+from shardlab._errors import ShardlabError
 
 Curve = tuple[tuple[float, float], ...]
 """(size, achieved / peak) points, sizes ascending."""
@@ -60,7 +61,7 @@ class Kernels(Frozen):
         for name in ("matmul", "attention", "memory"):
             curve = getattr(self, name)
             if not curve or any(e <= 0 for _, e in curve) or [s for s, _ in curve] != sorted(s for s, _ in curve):
-                raise ValueError(f"Kernels.{name}: give (size, efficiency > 0) points, sizes ascending; got {curve}")
+                raise ShardlabError(f"Kernels.{name}: give (size, efficiency > 0) points, sizes ascending; got {curve}")
 
     def seconds(self, kind: str, flops: int, moved: int, peak_flops: float, bandwidth: float) -> float:
         """One op of `kind` doing `flops` and moving `moved` bytes on a device of `peak_flops` and `bandwidth`."""

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from shardlab._base import Frozen
+from shardlab._errors import ShardlabError
 from shardlab.estimate._fake import forget_dtensor_dispatch, inferring_dtensor_shapes
 from shardlab.parallel._activation_checkpoint import in_backward
 from shardlab.parallel.device_mesh import _experts_of, flat_view
@@ -246,7 +247,7 @@ def _group(args: tuple) -> tuple[str, int]:
         if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith("ProcessGroup"):
             pg = dist.ProcessGroup.unbox(a)
             return pg.group_name, pg.size()
-    raise ValueError(f"probe: no process group among the collective's arguments {args!r}")
+    raise ShardlabError(f"probe: no process group among the collective's arguments {args!r}")
 
 
 def _flops(packet: Any, args: tuple, kwargs: dict, out: Any) -> int:

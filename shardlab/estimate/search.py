@@ -34,6 +34,7 @@ import msgspec
 import torch
 
 from shardlab._base import Frozen
+from shardlab._errors import ShardlabError
 from shardlab.config import Config
 from shardlab.estimate import Estimate, estimate_memory, fsdp_buffer_bytes
 from shardlab.estimate.device import Device
@@ -155,8 +156,8 @@ def search(
     if not layouts:
         pinned = " x ".join(f"mesh.{a}={s}" for a, s in (fixed or {}).items())
         if not refused:
-            raise ValueError(f"search: {pinned} = {math.prod(fixed.values())} ranks does not divide --world {world}")
-        raise ValueError(
+            raise ShardlabError(f"search: {pinned} = {math.prod(fixed.values())} ranks does not divide --world {world}")
+        raise ShardlabError(
             f"search: no valid layout of {world} ranks{' with ' + pinned if pinned else ''}: {len(refused)} "
             f"mesh(es) tried, none fits the model and batch; the first: {refused[0]}"
         )
@@ -297,7 +298,7 @@ def search(
             if closest is None or candidate.peak < closest.peak:
                 closest = candidate
     if not fits:
-        raise ValueError(
+        raise ShardlabError(
             _nothing_fits(world, memory, len(layouts), over, len(estimates), closest, closest_state, refused)
         )
     fits.sort(key=lambda f: f[:2])

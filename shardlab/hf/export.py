@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardlab._errors import ShardlabError
 from shardlab.config import ModelConfig
 from shardlab.hf.io import _reshard
 from shardlab.models.hf_dir import INDEX, SINGLE
@@ -47,10 +48,10 @@ def to_hf(
     if provider is None:
         config = config or getattr(model, "cfg", None)
         if not isinstance(config, ModelConfig):
-            raise ValueError("to_hf: `model` has no ModelConfig in .cfg; pass config=ModelConfig(...) or a provider")
+            raise ShardlabError("to_hf: `model` has no ModelConfig in .cfg; pass config=ModelConfig(...) or a provider")
         provider = LlamaProvider(config)
     if max_shard_bytes < 1:
-        raise ValueError(f"to_hf: max_shard_bytes={max_shard_bytes}; must be >= 1")
+        raise ShardlabError(f"to_hf: max_shard_bytes={max_shard_bytes}; must be >= 1")
     hf_config = provider.hf_config()  # a model without a Hugging Face mapping fails here, before any collective
     tensors = _export_tensors(model, provider)
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
@@ -132,13 +133,13 @@ def _export_tensors(
     extra = [n for n in source if n not in want and not (provider.hf_tied() and n == "lm_head.weight")]
     for names, what in ((missing, "is missing"), (extra, "is not a parameter of this config")):
         if names:
-            raise ValueError(
+            raise ShardlabError(
                 f"to_hf: tensor {names[0]!r} (and {len(names) - 1} more) {what}; pass the state of a {provider.name} "
                 f"model built from this config ({provider.describe()})"
             )
     for name, shape in want.items():
         if tuple(source[name].shape) != shape:
-            raise ValueError(
+            raise ShardlabError(
                 f"to_hf: tensor {name!r} has shape {tuple(source[name].shape)} but the config gives {shape}; "
                 "pass the config the model was built from"
             )
@@ -160,4 +161,4 @@ def _raise_on_every_rank(error: str | None) -> None:
         dist.broadcast_object_list(box, src=0)
         error = box[0]
     if error is not None:
-        raise ValueError(error)
+        raise ShardlabError(error)

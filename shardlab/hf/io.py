@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from shardlab._errors import ShardlabError
 from shardlab.config import Config, ModelConfig
 from shardlab.models.hf_dir import INDEX, SINGLE, has_weights
 from shardlab.models.llama.hf_names import llama_names
@@ -40,22 +41,22 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
     """The ModelConfig of a Hugging Face Llama directory (its config.json)."""
     file = _dir(path) / "config.json"
     if not file.is_file():
-        raise ValueError(f"{file}: no such file; a Hugging Face model directory holds config.json")
+        raise ShardlabError(f"{file}: no such file; a Hugging Face model directory holds config.json")
     try:
         d = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file}: not readable JSON ({e}); re-download or re-export the checkpoint") from None
+        raise ShardlabError(f"{file}: not readable JSON ({e}); re-download or re-export the checkpoint") from None
     if d.get("model_type", "llama") not in ("llama", "mixtral"):
-        raise ValueError(
+        raise ShardlabError(
             f"{file}: model_type={d['model_type']!r}; only Llama and Mixtral checkpoints (model_type 'llama', "
             "'mixtral') load"
         )
     try:
         return from_hf_config(d)
     except ValueError as e:
-        raise ValueError(f"{file}: {str(e).removeprefix('from_hf_config: ')}") from None
+        raise ShardlabError(f"{file}: {str(e).removeprefix('from_hf_config: ')}") from None
     except (KeyError, TypeError) as e:
-        raise ValueError(f"{file}: field {e} is missing or of the wrong type; is it a Llama config.json?") from None
+        raise ShardlabError(f"{file}: field {e} is missing or of the wrong type; is it a Llama config.json?") from None
 
 
 def from_hf(path: str | os.PathLike, device: torch.device | str = "cpu") -> Llama:
@@ -84,7 +85,7 @@ def initial_weights(cfg: Config, provider: ModelProvider) -> Path | None:
         now = provider.identity()
         diff = first_difference(saved, now)
         if diff is not None:
-            raise ValueError(
+            raise ShardlabError(
                 f"checkpoint.init_from_hf: the checkpoint has {diff}={saved.get(diff)!r} but the config says "
                 f"{now.get(diff)!r}; set the model fields to the checkpoint's"
             )
@@ -146,7 +147,9 @@ def _reshard(model: nn.Module) -> None:
 def _dir(path: str | os.PathLike) -> Path:
     root = Path(path)
     if not root.is_dir():
-        raise ValueError(f"{root}: no such directory; pass a Hugging Face model directory (config.json + safetensors)")
+        raise ShardlabError(
+            f"{root}: no such directory; pass a Hugging Face model directory (config.json + safetensors)"
+        )
     return root
 
 
@@ -157,34 +160,34 @@ def _stored_tensors(root: Path) -> dict[str, _Stored]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a safetensors index ({e!r}); re-export the checkpoint") from None
+            raise ShardlabError(f"{index}: not a safetensors index ({e!r}); re-export the checkpoint") from None
         files = sorted({root / f for f in weight_map.values()})
     elif (root / SINGLE).is_file():
         weight_map, files = None, [root / SINGLE]
     else:
         pickled = sorted(p.name for pattern in PICKLED for p in root.glob(pattern))
         if pickled:
-            raise ValueError(
+            raise ShardlabError(
                 f"{root}: has {', '.join(pickled)} but no {SINGLE} or {INDEX}; only safetensors are read "
                 "(pickle can run code): convert it, e.g. save_pretrained(dir, safe_serialization=True)"
             )
-        raise ValueError(f"{root}: no {SINGLE} or {INDEX}; pass a Hugging Face directory saved as safetensors")
+        raise ShardlabError(f"{root}: no {SINGLE} or {INDEX}; pass a Hugging Face directory saved as safetensors")
     stored: dict[str, _Stored] = {}
     for file in files:
         if not file.is_file():
-            raise ValueError(f"{file}: listed in {INDEX} but missing; re-download or re-export the checkpoint")
+            raise ShardlabError(f"{file}: listed in {INDEX} but missing; re-download or re-export the checkpoint")
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
                     s = f.get_slice(name)
                     stored[name] = _Stored(file, tuple(s.get_shape()), s.get_dtype())
         except (SafetensorError, OSError) as e:
-            raise ValueError(
+            raise ShardlabError(
                 f"{file}: not a readable safetensors file ({e}); it may be truncated, re-download it"
             ) from None
     for name, file in (weight_map or {}).items():
         if name not in stored or stored[name].file != root / file:
-            raise ValueError(
+            raise ShardlabError(
                 f"{root / file}: has no tensor {name!r} although {INDEX} says so; re-export the checkpoint"
             )
     return stored
@@ -226,21 +229,21 @@ def _match(
                 if names == ("lm_head.weight",) and "model.embed_tokens.weight" in stored
                 else "load a checkpoint of this architecture"
             )
-            raise ValueError(f"{root}: no tensor {names[0]!r} in the checkpoint ({len(stored)} tensors); {hint}")
+            raise ShardlabError(f"{root}: no tensor {names[0]!r} in the checkpoint ({len(stored)} tensors); {hint}")
         name, s = found[0], stored[found[0]]
         if s.shape != tuple(param.shape):
-            raise ValueError(
+            raise ShardlabError(
                 f"{s.file}: tensor {name!r} has shape {s.shape} but the model's is {tuple(param.shape)}; "
                 "the checkpoint is of another model size, build the model from its config.json (read_hf_config)"
             )
         if param.is_floating_point() and not s.dtype.startswith(("F", "BF")):
-            raise ValueError(
+            raise ShardlabError(
                 f"{s.file}: tensor {name!r} is {s.dtype} but the model's is {param.dtype}; expected floating-point weights"
             )
         jobs.append((tuple(found), False, param))
     extra = sorted(n for n in stored if n not in known and not n.endswith(IGNORED_SUFFIXES))
     if extra:
-        raise ValueError(
+        raise ShardlabError(
             f"{stored[extra[0]].file}: tensor {extra[0]!r} (and {len(extra) - 1} more) matches no model parameter; "
             "load a checkpoint of this architecture (for a tied checkpoint, set tie_embeddings=True)"
         )
@@ -254,7 +257,7 @@ def _match_experts(
     several whose rows, concatenated, make it (transformers' gate_up_proj: each expert's gate and up)."""
     missing = [n for e in experts for n in _pieces(e) if n not in stored]
     if missing:
-        raise ValueError(
+        raise ShardlabError(
             f"{root}: no tensor {missing[0]!r} for {name} ({len(experts)} experts); load a checkpoint of this "
             "architecture (as many experts as the checkpoint's config.json says)"
         )
@@ -263,7 +266,7 @@ def _match_experts(
         want = (param.shape[1] // len(parts), *param.shape[2:])
         bad = next((n for n in parts if stored[n].shape != tuple(want)), None)
         if bad is not None:
-            raise ValueError(
+            raise ShardlabError(
                 f"{stored[bad].file}: tensor {bad!r} has shape {stored[bad].shape} but each expert of {name} needs "
                 f"{tuple(want)} from it; build the model from the checkpoint's config.json (read_hf_config)"
             )
@@ -301,7 +304,7 @@ def _check_tied_copies(stored: dict[str, _Stored], jobs: list) -> None:
         for other in others:
             with safe_open(stored[other].file, framework="pt") as f:
                 if not torch.equal(f.get_slice(other)[slices].to(want.dtype), want):
-                    raise ValueError(
+                    raise ShardlabError(
                         f"{stored[other].file}: {other!r} differs from {first!r} but the model ties them; "
                         "load it into an untied model (tie_embeddings=False)"
                     )
@@ -320,7 +323,7 @@ def _local_block(param: torch.Tensor) -> tuple[torch.Tensor | None, tuple[slice,
     slices = _nested_block(spec, spec_mesh, tuple(param.shape), coord)
     local = param.to_local()
     if tuple(s.stop - s.start for s in slices) != tuple(local.shape):
-        raise ValueError(
+        raise ShardlabError(
             f"load_hf_weights: local shard {tuple(local.shape)} is not the block {slices} that placements "
             f"{param.placements} give; this layout is not supported, please report it"
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from shardlab._errors import ShardlabError
 from shardlab.models.llama.provider import LlamaProvider
 from shardlab.models.provider import ModelProvider
 from shardlab.models.transformers.provider import HFCausalLM
@@ -20,7 +21,7 @@ def provider_for(cfg: Config, custom: ModelProvider | None = None) -> ModelProvi
     shardlab's Llama."""
     if custom is not None:
         if cfg.model.hf_path is not None:
-            raise ValueError(
+            raise ShardlabError(
                 "model.hf_path is set but the recipe defines its own model; use one of them (drop --model.hf-path)"
             )
         return custom

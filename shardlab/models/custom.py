@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from shardlab._errors import ShardlabError
 from shardlab.config import PlanConfig
 from shardlab.models.flops import module_flops
 from shardlab.models.provider import ModelProvider, param_seed
@@ -72,7 +73,7 @@ class CustomModel(ModelProvider):
                     continue
                 reset = getattr(module, "reset_parameters", None)
                 if reset is None:
-                    raise ValueError(
+                    raise ShardlabError(
                         f"{self.name}: module {name or '(root)'} ({type(module).__name__}) holds parameters but has "
                         "no reset_parameters(); give it one (it draws that module's initial weights)"
                     )
@@ -100,7 +101,7 @@ class CustomModel(ModelProvider):
     def _embedding(self) -> nn.Embedding:
         embed = next((m for m in self.meta_model().modules() if isinstance(m, nn.Embedding)), None)
         if embed is None:
-            raise ValueError(f"{self.name}: no nn.Embedding found; shardlab trains token models (tokens -> logits)")
+            raise ShardlabError(f"{self.name}: no nn.Embedding found; shardlab trains token models (tokens -> logits)")
         return embed
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -117,14 +118,14 @@ class CustomModel(ModelProvider):
     def check(self, cfg: Config) -> None:
         for axis in ("cp", "pp", "ep"):
             if getattr(cfg.mesh, axis) > 1:
-                raise ValueError(
+                raise ShardlabError(
                     f"{self.name}: mesh.{axis}={getattr(cfg.mesh, axis)} is not supported for a recipe's own model "
                     "yet; use dp_replicate, dp_shard and tp"
                 )
 
     def with_layers(self, n_layers: int) -> CustomModel:
         if self.layers_arg not in self.kwargs:
-            raise ValueError(
+            raise ShardlabError(
                 f"{self.name}: no argument {self.layers_arg!r} sets the number of blocks; pass it to CustomModel "
                 "(or name it with layers_arg=)"
             )
@@ -142,7 +143,7 @@ class CustomModel(ModelProvider):
 
     def hf_config(self) -> dict[str, Any]:
         if self.hf is None:
-            raise ValueError(
+            raise ShardlabError(
                 f"{self.name}: no transformers class is named for this model, so it cannot be exported to Hugging "
                 "Face; pass CustomModel(..., hf=HFExport(architecture, config, tensors))"
             )
@@ -154,11 +155,13 @@ class CustomModel(ModelProvider):
 
     def hf_tensors(self, name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         if self.hf is None:
-            raise ValueError(f"{self.name}: no transformers class is named for this model (CustomModel(..., hf=...))")
+            raise ShardlabError(
+                f"{self.name}: no transformers class is named for this model (CustomModel(..., hf=...))"
+            )
         return list(self.hf.tensors(name, full, **self.kwargs))
 
     def hf_names(self, name: str, shape: Sequence[int]) -> str:
-        raise ValueError(
+        raise ShardlabError(
             f"{self.name}: reading Hugging Face weights into a recipe's own model is not supported; start it from "
             "its own initialisation or from a shardlab checkpoint (checkpoint.resume)"
         )
@@ -168,10 +171,10 @@ def _transformers_class(architecture: str) -> type:
     try:
         import transformers
     except ImportError:
-        raise ValueError("exporting to Hugging Face needs transformers: pip install 'shardlab[hf]'") from None
+        raise ShardlabError("exporting to Hugging Face needs transformers: pip install 'shardlab[hf]'") from None
     cls = getattr(transformers, architecture, None)
     if not isinstance(cls, type) or getattr(cls, "config_class", None) is None:
-        raise ValueError(
+        raise ShardlabError(
             f"HFExport.architecture={architecture!r} is not a transformers model class; name one such as "
             "'GPT2LMHeadModel'"
         )
@@ -189,15 +192,17 @@ def _check_export(provider: CustomModel, hf: HFExport, cls: type, config: dict[s
     where, cls_name = f"HFExport({hf.architecture!r})", hf.architecture
     for name, shape in got.items():
         if name not in want:
-            raise ValueError(f"{where}: `tensors` writes {name!r}, which {cls_name} has no parameter of; fix `tensors`")
+            raise ShardlabError(
+                f"{where}: `tensors` writes {name!r}, which {cls_name} has no parameter of; fix `tensors`"
+            )
         if want[name] != shape:
-            raise ValueError(
+            raise ShardlabError(
                 f"{where}: `tensors` writes {name!r} with shape {shape}; {cls_name} built from `config` has "
                 f"{want[name]}; fix `tensors` or `config`"
             )
     missing = [n for n in want if n not in got]
     if missing:
-        raise ValueError(
+        raise ShardlabError(
             f"{where}: `tensors` writes no {missing[0]!r} (and {len(missing) - 1} more of {cls_name}'s parameters); "
             "fix `tensors`"
         )

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from shardlab._errors import ShardlabError
 from shardlab.config import MoEConfig, PlanConfig, check_tp_divisors
 from shardlab.sharding.rules import Rules
 
@@ -118,7 +119,7 @@ class ModelProvider(abc.ABC):
 
     def hf_config(self) -> dict[str, Any]:
         """A transformers config.json for this model, or a ValueError saying why it has none."""
-        raise ValueError(f"{self.name}: no Hugging Face mapping; this model cannot be exported to transformers")
+        raise ShardlabError(f"{self.name}: no Hugging Face mapping; this model cannot be exported to transformers")
 
     def hf_names(self, name: str, shape: Sequence[int]) -> HFNames:
         """The checkpoint tensor(s) of parameter `name` (its shape: a stacked weight is one tensor per slice)."""
@@ -166,7 +167,7 @@ def check_layout(cfg: Config, provider: ModelProvider) -> None:
     """The model facts tensor parallelism splits must divide by mesh.tp; then the provider's own checks."""
     check_tp_divisors(provider.tp_divisors(), cfg.mesh.tp)
     if cfg.data.document_masks and not provider.packs_documents:
-        raise ValueError(
+        raise ShardlabError(
             f"data.document_masks: {provider.name} does not say its attention keeps packed documents apart "
             "(ModelProvider.packs_documents); drop --data.document-masks"
         )

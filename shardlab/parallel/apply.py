@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement
 
+from shardlab._errors import ShardlabError
 from shardlab.parallel._activation_checkpoint import checkpoint as checkpoint_module
 from shardlab.parallel._compile import compile_block
 from shardlab.parallel.context import all_gather_attention
@@ -51,7 +52,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
     """
     if mesh is None:
         if plan.mesh.world_size > 1 or plan.fsdp is not None:
-            raise ValueError(
+            raise ShardlabError(
                 "apply: this plan shards over tp, FSDP, pipeline stages or cp and needs the mesh from "
                 "make_mesh(plan.mesh)"
             )
@@ -161,7 +162,7 @@ def _fsdp_mesh(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
 def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
     names = tuple(mesh.mesh_dim_names or ())
     if names != AXES:
-        raise ValueError(f"apply: the DeviceMesh has axes {names}, not {AXES}; build it with make_mesh(plan.mesh)")
+        raise ShardlabError(f"apply: the DeviceMesh has axes {names}, not {AXES}; build it with make_mesh(plan.mesh)")
     plan.check_mesh(mesh_spec_of(mesh))
 
 
@@ -172,10 +173,10 @@ def _check_model(model: nn.Module, plan: Plan, stages: tuple[StagePlan, ...] | N
     want = {p.fqn: p.shape for p in plan.params if held is None or p.stage in held}
     for fqn in sorted(have.keys() ^ want.keys()):
         where = "the model" if fqn in have else "the plan"
-        raise ValueError(f"apply: parameter {fqn!r} is only in {where}; make the plan from this model (make_plan)")
+        raise ShardlabError(f"apply: parameter {fqn!r} is only in {where}; make the plan from this model (make_plan)")
     for fqn, shape in want.items():
         if have[fqn] != shape:
-            raise ValueError(
+            raise ShardlabError(
                 f"apply: {fqn} has shape {have[fqn]} but the plan says {shape}; make the plan from this model"
             )
 
@@ -220,7 +221,7 @@ def _tp_style(m: ModulePlan) -> ParallelStyle:
             ),
             use_local_output=m.local_output,
         )
-    raise ValueError(f"{m.fqn}: unknown style {m.style!r} in the plan; re-run make_plan")
+    raise ShardlabError(f"{m.fqn}: unknown style {m.style!r} in the plan; re-run make_plan")
 
 
 def _retie(model: nn.Module, plan: Plan) -> None:
@@ -280,7 +281,7 @@ def shard_map(
 
     def run(*args: Any) -> Any:
         if len(args) != len(in_specs):
-            raise ValueError(
+            raise ShardlabError(
                 f"shard_map: {len(args)} arguments but {len(in_specs)} in_specs; give one spec per argument"
             )
         args = tuple(  # a plain tensor with a spec is this rank's block of a global tensor with that spec

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor import DTensor, Replicate
 
+from shardlab._errors import ShardlabError
 from shardlab.sharding.mesh import AXES, EXPERT_AXES, FLAT_VIEWS, ExpertMeshSpec, MeshSpec
 from shardlab.sharding.spec import Mesh, P, spec_from_placements
 
@@ -19,11 +20,11 @@ def mesh_spec_of(mesh) -> MeshSpec | ExpertMeshSpec:
     if {"ep", "dp_shard_mod_ep"} & set(names):
         unknown = [n for n in names if n not in EXPERT_AXES]
         if unknown:
-            raise ValueError(f"mesh dims {unknown} are not expert mesh axes ({', '.join(EXPERT_AXES)})")
+            raise ShardlabError(f"mesh dims {unknown} are not expert mesh axes ({', '.join(EXPERT_AXES)})")
         return ExpertMeshSpec(**{a: sizes.get(a, 1) for a in EXPERT_AXES})
     unknown = [n for n in names if n not in AXES]
     if unknown:
-        raise ValueError(
+        raise ShardlabError(
             f"mesh dims {unknown} are not shardlab axes ({', '.join(AXES)}); use a mesh from make_mesh or a slice of it"
         )
     experts = _experts_of(mesh)
@@ -40,7 +41,7 @@ def make_mesh(spec: MeshSpec, device_type: str = "cpu"):
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
-        raise ValueError(
+        raise ShardlabError(
             "make_mesh: no process group; start under torchrun (or call torch.distributed.init_process_group)"
         )
     world = dist.get_world_size()
@@ -65,7 +66,7 @@ def expert_mesh(mesh, axes: tuple[str, ...]):
 
     experts = _experts_of(mesh)
     if experts is None:
-        raise ValueError("expert_mesh: this mesh has no expert axes; build it with make_mesh(spec) with spec.ep > 1")
+        raise ShardlabError("expert_mesh: this mesh has no expert axes; build it with make_mesh(spec) with spec.ep > 1")
     parts = [experts[a] if a in experts.mesh_dim_names else mesh[a] for a in axes]
     if len(parts) == 1:
         return parts[0]
@@ -85,7 +86,7 @@ def flat_view(mesh, name: str):
     torch keeps flattened meshes on the root mesh; slicing them from the root by name is deprecated.
     """
     if name not in FLAT_VIEWS:
-        raise ValueError(f"unknown flattened view {name!r}; valid views are {', '.join(FLAT_VIEWS)}")
+        raise ShardlabError(f"unknown flattened view {name!r}; valid views are {', '.join(FLAT_VIEWS)}")
     return mesh._get_root_mesh()._flatten_mapping[name]
 
 

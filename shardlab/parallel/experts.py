@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from shardlab._errors import ShardlabError
 from shardlab.models.llama.moe import Compute, Dispatch
 
 
@@ -107,7 +108,7 @@ def stacked_experts(module: nn.Module, ep: DeviceMesh | None, tp: DeviceMesh | N
     experts = module.num_experts
     ranks = (ep.size() if ep is not None else 1) * (tp.size() if tp is not None else 1)
     if experts % ranks:
-        raise ValueError(
+        raise ShardlabError(
             f"{type(module).__name__}: {experts} experts do not split over ep x tp = {ranks} ranks; pick ep and tp "
             "whose product divides them"
         )

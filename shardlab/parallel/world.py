@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from shardlab._errors import ShardlabError
+
 if TYPE_CHECKING:
     import torch
 
@@ -41,12 +43,12 @@ def env_number(env: Mapping[str, str], name: str, default: int | float, kind: ty
     try:
         value = kind(text)
     except ValueError:
-        raise ValueError(
+        raise ShardlabError(
             f"{name}={text!r} in the environment is not {'an integer' if kind is int else 'a number'}"
         ) from None
     low = 0 if name in ("RANK", "LOCAL_RANK", "NODE_RANK") else 1
     if value < low:
-        raise ValueError(f"{name}={text!r} in the environment must be >= {low}")
+        raise ShardlabError(f"{name}={text!r} in the environment must be >= {low}")
     return value
 
 
@@ -82,10 +84,10 @@ def resolve_device(device: str = "auto", local_rank: int | None = None) -> torch
     if device == "cpu":
         return torch.device("cpu")
     if device != "cuda":
-        raise ValueError(f"train.device={device!r} is not one of 'auto', 'cuda', 'cpu'")
+        raise ShardlabError(f"train.device={device!r} is not one of 'auto', 'cuda', 'cpu'")
     count = torch.cuda.device_count()
     if local_rank >= count:
-        raise ValueError(
+        raise ShardlabError(
             f"train.device='cuda' needs cuda:{local_rank} (LOCAL_RANK) but {count} CUDA devices are visible; "
             "use device='cpu' or fewer processes per node"
         )
@@ -117,7 +119,7 @@ def init_distributed(device: str = "auto") -> Dist:
         return Dist(0, 1, 0, dev, None)
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
     if missing:
-        raise ValueError(
+        raise ShardlabError(
             f"init_distributed: WORLD_SIZE={world_size} needs {' and '.join(missing)} in the environment; "
             "start through torchrun, or export the address and port of rank 0"
         )

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from shardlab._base import Frozen
+from shardlab._errors import ShardlabError
 from shardlab.sharding.mesh import MeshSpec
 from shardlab.sharding.rules import Rules, matches
 
@@ -40,13 +41,13 @@ def context_plan(modules: dict[str, nn.Module], mesh: MeshSpec, rules: Rules) ->
         return None
     attention = tuple(f for f in modules if any(matches(g, f) for g in rules.attention))
     if not attention:
-        raise ValueError(
+        raise ShardlabError(
             f"mesh.cp={mesh.cp} needs rules.attention to name the attention modules whose `attend` context "
             "parallelism replaces (e.g. 'model.layers.*.self_attn')"
         )
     missing = [f for f in attention if not hasattr(modules[f], "attend")]
     if missing:
-        raise ValueError(
+        raise ShardlabError(
             f"mesh.cp={mesh.cp}: {missing[0]} has no `attend(q, k, v, positions)` to replace; context "
             "parallelism needs the model's attention to call it"
         )
@@ -56,7 +57,9 @@ def context_plan(modules: dict[str, nn.Module], mesh: MeshSpec, rules: Rules) ->
 def cp_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The sequence positions cp rank `rank` holds, in order: chunk `rank`, then chunk 2 cp - 1 - rank."""
     if seq_len % (2 * cp):
-        raise ValueError(f"train.seq_len={seq_len} must be divisible by 2 x mesh.cp = {2 * cp} (two chunks per rank)")
+        raise ShardlabError(
+            f"train.seq_len={seq_len} must be divisible by 2 x mesh.cp = {2 * cp} (two chunks per rank)"
+        )
     chunk = seq_len // (2 * cp)
     head, tail = rank * chunk, (2 * cp - 1 - rank) * chunk
     return torch.cat((torch.arange(head, head + chunk), torch.arange(tail, tail + chunk))).to(device)

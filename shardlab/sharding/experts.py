@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from shardlab._base import Frozen
+from shardlab._errors import ShardlabError
 from shardlab.sharding.mesh import MeshSpec
 from shardlab.sharding.spec import P, Spec
 
@@ -56,7 +57,7 @@ def expert_plan(modules: dict[str, nn.Module], expert_specs: dict[str, Spec], me
     if mesh.ep == 1 and not tensor_parallel:
         return None
     if not expert_specs:
-        raise ValueError(
+        raise ShardlabError(
             f"mesh.ep={mesh.ep} but no rule shards a parameter over ep; map the expert dim to ep "
             "(logical ('experts', 'ep') or spec ('ep', None, None)), or set mesh.ep=1"
         )
@@ -66,12 +67,12 @@ def expert_plan(modules: dict[str, nn.Module], expert_specs: dict[str, Spec], me
         module = modules[owner]
         others = [n for n, _ in module.named_parameters() if f"{owner}.{n}" not in expert_specs]
         if others:
-            raise ValueError(
+            raise ShardlabError(
                 f"{owner}.{others[0]}: {owner} holds expert weights (rules name ep on them), so each of its parameters "
                 "needs its expert dim over ep too; shard it over ep or move it to another module"
             )
         if not stacked and (not hasattr(module, "dispatch") or not hasattr(module, "hidden_dims")):
-            raise ValueError(
+            raise ShardlabError(
                 f"{owner}: holds ep-sharded weights but has no `dispatch` and `hidden_dims` to run them "
                 "(shardlab.models.llama.moe.Experts has both) and is not transformers' stacked experts (`num_experts`, "
                 "weights stacked on dim 0); replicate its parameters over ep"
@@ -80,7 +81,7 @@ def expert_plan(modules: dict[str, nn.Module], expert_specs: dict[str, Spec], me
         p = P(*spec)
         if stacked:  # split by experts alone: ep, then tp, on dim 0
             if p.axes(0) not in (("ep",), ("ep", "tp")) or any(p.axes(d) for d in range(1, len(p))):
-                raise ValueError(
+                raise ShardlabError(
                     f"{fqn}: {p!r}; transformers' stacked experts split by experts only, over ep then tp on dim 0 "
                     "(spec (('ep', 'tp'), None, ...)): fix the rule"
                 )
@@ -91,13 +92,13 @@ def expert_plan(modules: dict[str, nn.Module], expert_specs: dict[str, Spec], me
             or any("ep" in p.axes(d) for d in range(1, len(p)))
             or tp_dims[fqn] not in (None, hidden)
         ):
-            raise ValueError(
+            raise ShardlabError(
                 f"{fqn}: {p!r} shards it where its dispatch cannot compute; an expert weight splits its expert dim "
                 f"(0) over ep alone and only its hidden dim ({hidden}) over tp: fix the rule"
             )
     if tensor_parallel and None in tp_dims.values():
         fqn = next(f for f, d in tp_dims.items() if d is None)
-        raise ValueError(f"{fqn}: some expert weights are sharded over tp and this one is not; shard all or none")
+        raise ShardlabError(f"{fqn}: some expert weights are sharded over tp and this one is not; shard all or none")
     e = mesh.experts
     fsdp_axes = ("dp_replicate", "dp_shard_mod_ep") if e.dp_replicate > 1 else ("dp_shard_mod_ep",)
     return ExpertPlan(

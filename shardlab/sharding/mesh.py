@@ -12,6 +12,7 @@ from typing import Annotated
 import msgspec
 
 from shardlab._base import Frozen
+from shardlab._errors import ShardlabError
 
 AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The real mesh axes, outermost first; `ep` borrows ranks from `dp_shard x cp`."""
@@ -50,16 +51,16 @@ class MeshSpec(Frozen):
         sizes = {a: getattr(self, a) for a in AXES}
         for axis, size in sizes.items():
             if size == 0 or size < -1:
-                raise ValueError(f"mesh.{axis}={size}: an axis size is >= 1, or -1 for the rest of the world")
+                raise ShardlabError(f"mesh.{axis}={size}: an axis size is >= 1, or -1 for the rest of the world")
         free = [a for a, s in sizes.items() if s == -1]
         if len(free) > 1:
-            raise ValueError(
+            raise ShardlabError(
                 f"mesh: {' and '.join('mesh.' + a for a in free)} are all -1; at most one axis can fill the rest of the world"
             )
         if self.ep < 1:
-            raise ValueError(f"mesh.ep={self.ep}: must be >= 1")
+            raise ShardlabError(f"mesh.ep={self.ep}: must be >= 1")
         if not free and self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
-            raise ValueError(
+            raise ShardlabError(
                 f"mesh.ep={self.ep} does not divide dp_shard x cp = {self.dp_shard * self.cp}; "
                 "ep borrows its ranks from dp_shard x cp, so pick an ep that divides it"
             )
@@ -77,7 +78,7 @@ class MeshSpec(Frozen):
     def experts(self) -> ExpertMeshSpec:
         """The expert mesh over the same ranks (EXPERT_AXES): dp_shard x cp = dp_shard_mod_ep x ep."""
         if not self.is_resolved:
-            raise ValueError("mesh: has a -1 axis; call MeshSpec.resolve(world_size) first")
+            raise ShardlabError("mesh: has a -1 axis; call MeshSpec.resolve(world_size) first")
         return ExpertMeshSpec(
             pp=self.pp, dp_replicate=self.dp_replicate, dp_shard_mod_ep=self.dp_shard * self.cp // self.ep,
             ep=self.ep, tp=self.tp,
@@ -95,7 +96,7 @@ class MeshSpec(Frozen):
     @property
     def world_size(self) -> int:
         if not self.is_resolved:
-            raise ValueError("mesh: has a -1 axis; call MeshSpec.resolve(world_size) first")
+            raise ShardlabError("mesh: has a -1 axis; call MeshSpec.resolve(world_size) first")
         return math.prod(self.axis_sizes)
 
     def size(self, axis: str) -> int:
@@ -103,7 +104,7 @@ class MeshSpec(Frozen):
         if axis in FLAT_VIEWS:
             return math.prod(self.size(a) for a in FLAT_VIEWS[axis])
         if axis not in AXES and axis != "ep":
-            raise ValueError(
+            raise ShardlabError(
                 f"unknown mesh axis {axis!r}; valid axes are {', '.join(AXES + ('ep',) + tuple(FLAT_VIEWS))}"
             )
         return getattr(self, axis)
@@ -114,14 +115,14 @@ class MeshSpec(Frozen):
         described = " x ".join(f"{a}={s}" for a, s in zip(AXES, self.axis_sizes) if s != 1)
         if self.is_resolved:
             if fixed != world_size:
-                raise ValueError(
+                raise ShardlabError(
                     f"mesh: {described or 'all axes 1'} = {fixed} rank{'s' if fixed > 1 else ''} but world_size is {world_size}; "
                     "change the axis sizes, or set one axis to -1 to fill the rest"
                 )
             return self
         free = AXES[self.axis_sizes.index(-1)]
         if world_size % fixed:
-            raise ValueError(
+            raise ShardlabError(
                 f"mesh: {described} fixes {fixed} ranks, which does not divide world_size {world_size}; "
                 f"change the axis sizes so that mesh.{free}=-1 can fill the rest"
             )
@@ -135,12 +136,12 @@ class MeshSpec(Frozen):
         """Global rank at a coordinate; omitted axes are 0."""
         unknown = set(coordinate) - set(AXES)
         if unknown:
-            raise ValueError(f"unknown mesh axes {sorted(unknown)}; valid axes are {', '.join(AXES)}")
+            raise ShardlabError(f"unknown mesh axes {sorted(unknown)}; valid axes are {', '.join(AXES)}")
         rank = 0
         for axis, size in zip(AXES, self.axis_sizes):
             c = coordinate.get(axis, 0)
             if not 0 <= c < size:
-                raise ValueError(f"coordinate {axis}={c} is outside mesh.{axis}={size}")
+                raise ShardlabError(f"coordinate {axis}={c} is outside mesh.{axis}={size}")
             rank = rank * size + c
         return rank
 
@@ -188,7 +189,7 @@ class ExpertMeshSpec(Frozen):
 
     def size(self, axis: str) -> int:
         if axis not in EXPERT_AXES:
-            raise ValueError(f"unknown expert mesh axis {axis!r}; valid axes are {', '.join(EXPERT_AXES)}")
+            raise ShardlabError(f"unknown expert mesh axis {axis!r}; valid axes are {', '.join(EXPERT_AXES)}")
         return getattr(self, axis)
 
     @property
@@ -208,7 +209,7 @@ class ExpertMeshSpec(Frozen):
 def _row_major(rank: int, names: tuple[str, ...], sizes: tuple[int, ...]) -> dict[str, int]:
     world = math.prod(sizes)
     if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is outside the mesh of {world} ranks")
+        raise ShardlabError(f"rank {rank} is outside the mesh of {world} ranks")
     coord = {}
     for axis, size in reversed(list(zip(names, sizes))):
         rank, coord[axis] = divmod(rank, size)

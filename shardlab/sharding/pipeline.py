@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 from shardlab._base import Frozen
+from shardlab._errors import ShardlabError
 
 Schedule = Literal[
     "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
@@ -81,9 +82,9 @@ def pipeline_plan(
     goes to the first stage, what follows them to the last. `flops`: training FLOPs per token of each module
     (by fqn), needed for balance="flops". `call`: how a stage calls the model (rules.stage_call)."""
     if not blocks:
-        raise ValueError(f"mesh.pp={pp} needs rules.blocks to name the repeated blocks the stages are cut from")
+        raise ShardlabError(f"mesh.pp={pp} needs rules.blocks to name the repeated blocks the stages are cut from")
     if call == "transformers" and stages_per_rank > 1:
-        raise ValueError(
+        raise ShardlabError(
             f"plan.pp_stages_per_rank={stages_per_rank}: a transformers model's forward runs whole, so each pp rank "
             "runs one stage; set pp_stages_per_rank=1 with pp_schedule='1f1b' or 'gpipe'"
         )
@@ -99,7 +100,7 @@ def pipeline_plan(
 
     for fqn, aliases, _ in params:
         if len({place(n) for n in (fqn, *aliases)}) > 1:
-            raise ValueError(
+            raise ShardlabError(
                 f"mesh.pp={pp}: {fqn} is tied to {aliases[0]}, which another pipeline stage holds; untie them "
                 "(model.tie_embeddings=False; tie_word_embeddings: false in a transformers config.json)"
             )
@@ -107,7 +108,7 @@ def pipeline_plan(
     ends: dict[str, float] = {"first": 0, "last": 0}
     if balance == "flops" and not split:
         if flops is None:
-            raise ValueError("plan.pp_balance='flops' needs each module's FLOPs: pass make_plan(..., flops=...)")
+            raise ShardlabError("plan.pp_balance='flops' needs each module's FLOPs: pass make_plan(..., flops=...)")
         outside = dict.fromkeys(fqn.rpartition(".")[0] for fqn, _, _ in params if owner[fqn] is None)
         sizes = [flops.get(b, 0.0) for b in blocks]
         for module in outside:
@@ -150,17 +151,17 @@ def pipeline_plan(
 def check_schedule(schedule: Schedule, stages_per_rank: int) -> None:
     """A schedule's shape needs its number of stages per rank: one, several (looped), or exactly two (V)."""
     if schedule in ONE_STAGE and stages_per_rank != 1:
-        raise ValueError(
+        raise ShardlabError(
             f"plan.pp_schedule={schedule!r} runs one stage per rank but plan.pp_stages_per_rank={stages_per_rank}; "
             "set pp_stages_per_rank=1, or pick a looped schedule (interleaved_1f1b, looped_bfs, interleaved_zero_bubble)"
         )
     if schedule in LOOPED and stages_per_rank < 2:
-        raise ValueError(
+        raise ShardlabError(
             f"plan.pp_schedule={schedule!r} loops over several stages per rank but plan.pp_stages_per_rank="
             f"{stages_per_rank}; set pp_stages_per_rank >= 2, or use 1f1b or gpipe"
         )
     if schedule in V_SHAPED and stages_per_rank != 2:
-        raise ValueError(
+        raise ShardlabError(
             f"plan.pp_schedule={schedule!r} is V-shaped (two stages per rank) but plan.pp_stages_per_rank="
             f"{stages_per_rank}; set pp_stages_per_rank=2"
         )
@@ -190,18 +191,18 @@ def split_stages(
     """
     n = len(block_costs)
     if n_stages > n:
-        raise ValueError(
+        raise ShardlabError(
             f"mesh.pp x plan.pp_stages_per_rank = {n_stages} stages but the model has {n} blocks; every stage needs "
             "at least one block: lower pp or pp_stages_per_rank"
         )
     if split:
         if len(split) != n_stages - 1:
-            raise ValueError(
+            raise ShardlabError(
                 f"plan.pp_split={list(split)} gives {len(split) + 1} stages but mesh.pp x plan.pp_stages_per_rank = "
                 f"{n_stages}; give {n_stages - 1} first blocks"
             )
         if list(split) != sorted(set(split)) or split[0] < 1 or split[-1] > n - 1:
-            raise ValueError(
+            raise ShardlabError(
                 f"plan.pp_split={list(split)} must be strictly increasing block indices in 1..{n - 1} (the first block "
                 "of each stage after the first)"
             )

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from shardlab._base import Frozen, to_json
+from shardlab._errors import ShardlabError
 from shardlab.sharding import plan_text
 from shardlab.sharding.context import ContextPlan, context_plan
 from shardlab.sharding.experts import ExpertPlan, expert_plan, module_of, strip_ep
@@ -160,14 +161,14 @@ class Plan(Frozen):
     def from_json(data: bytes | str) -> Plan:
         plan = msgspec.json.decode(data, type=Plan)
         if plan.version != PLAN_VERSION:
-            raise ValueError(
+            raise ShardlabError(
                 f"plan: version {plan.version} is not supported (this shardlab reads {PLAN_VERSION}); re-run make_plan"
             )
         return plan
 
     def check_mesh(self, mesh: MeshSpec) -> None:
         if mesh != self.mesh:
-            raise ValueError(
+            raise ShardlabError(
                 f"plan: made for mesh {self.mesh.describe()} but used with {mesh.describe()}; re-run make_plan for this mesh"
             )
 
@@ -195,7 +196,7 @@ def make_plan(
 
     flops: training FLOPs per token of each module (`metrics.module_flops`), for plan.pp_balance="flops"."""
     if not mesh.is_resolved:
-        raise ValueError("make_plan: the mesh has a -1 axis; call MeshSpec.resolve(world_size) first")
+        raise ShardlabError("make_plan: the mesh has a -1 axis; call MeshSpec.resolve(world_size) first")
     modules = dict(model.named_modules())
     params, aliases = _unique_params(model)
     _check_module_globs(modules, rules)
@@ -224,7 +225,7 @@ def make_plan(
         out.append(_param_plan(fqn, t, spec, match, mesh, unit, aliases.get(fqn, ()), expert))
     if uncovered and not options.allow_uncovered:
         more = f" (and {len(uncovered) - 1} more)" if len(uncovered) > 1 else ""
-        raise ValueError(
+        raise ShardlabError(
             f"{uncovered[0]}{more}: no rule covers this parameter; add a rule for it "
             "(spec=(None,) * ndim replicates) or set plan.allow_uncovered=True"
         )
@@ -236,15 +237,15 @@ def make_plan(
         pattern = rules.params[i].pattern
         alias = next(((a, f) for f, names in aliases.items() for a in names if matches(pattern, a)), None)
         if alias is not None:
-            raise ValueError(
+            raise ShardlabError(
                 f"rules[{i}] {pattern!r} matches only {alias[0]!r}, a tied alias of {alias[1]!r} (tied parameters are "
                 "planned under their first name); drop the rule or set plan.allow_unused_rules=True"
             )
-        raise ValueError(
+        raise ShardlabError(
             f"rules[{i}] {pattern!r} matched no parameter; fix the glob or set plan.allow_unused_rules=True"
         )
     if mesh.tp > 1 and not options.allow_unused_axes and all(p.tp_dim is None for p in out):
-        raise ValueError(
+        raise ShardlabError(
             f"mesh.tp={mesh.tp} but no rule shards a parameter over tp, so every tp rank would repeat the same work; "
             "use tp in the rules, set mesh.tp=1, or set plan.allow_unused_axes=True"
         )
@@ -265,7 +266,7 @@ def make_plan(
         )  # fmt: skip
         out = [msgspec.structs.replace(p, stage=stage_of[p.fqn]) for p in out]
         if fsdp is not None and fsdp.reshard_after_forward and options.pp_schedule in ZERO_BUBBLE:
-            raise ValueError(
+            raise ShardlabError(
                 f"plan.pp_schedule={options.pp_schedule!r} computes weight gradients after FSDP has resharded the "
                 "weights (wrong gradients); set plan.reshard_after_forward=False, or use a schedule without zero bubble"
             )
@@ -275,7 +276,7 @@ def make_plan(
         ("compile", options.compile),
     ):
         if on and not blocks:
-            raise ValueError(
+            raise ShardlabError(
                 f"plan.{option} is set but rules.blocks matched no module; add the block glob (e.g. 'model.layers.*')"
             )
     return Plan(
@@ -317,7 +318,7 @@ def _check_model_axes(fqn: str, rule: int, rules: Rules, spec: Spec, mesh: MeshS
     expand(P(*spec), mesh, name=fqn)  # unknown axes and an axis used twice are errors
     for axis in P(*spec).used_axes:
         if axis in DATA_AXES:
-            raise ValueError(
+            raise ShardlabError(
                 f"{fqn}: rules[{rule}] {rules.params[rule].pattern!r} puts {axis!r} in a parameter spec; FSDP shards "
                 "parameters over the data-parallel axes itself: use model-parallel axes (tp) in rules"
             )
@@ -382,7 +383,7 @@ def _fsdp_plan(modules, params, aliases, mesh: MeshSpec, rules: Rules, options: 
         names = (fqn, *aliases.get(fqn, ()))
         owners = {next((" + ".join(u) for u in reversed(units) for m in u if n.startswith(m + ".")), "") for n in names}
         if len(owners) > 1:
-            raise ValueError(
+            raise ShardlabError(
                 f"{fqn}: this tied parameter lies in FSDP units {sorted(owners)}; leave those modules to the root "
                 "(drop them from rules.fsdp_units)"
             )
@@ -404,8 +405,8 @@ def _check_module_globs(modules: dict[str, nn.Module], rules: Rules) -> None:
     """Globs over modules must match at any mesh, not only at the one where they are used."""
     for i, a in enumerate(rules.activations):
         if not any(matches(a.pattern, f) for f in modules):
-            raise ValueError(f"rules.activations[{i}] {a.pattern!r} matched no module; fix the glob")
+            raise ShardlabError(f"rules.activations[{i}] {a.pattern!r} matched no module; fix the glob")
     for i, group in enumerate(rules.fsdp_units):
         for g in group:
             if not any(matches(g, f) for f in modules):
-                raise ValueError(f"rules.fsdp_units[{i}] {g!r} matched no module; fix the glob")
+                raise ShardlabError(f"rules.fsdp_units[{i}] {g!r} matched no module; fix the glob")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 from shardlab._base import Frozen
+from shardlab._errors import ShardlabError
 from shardlab._glob import glob_regex as glob_regex
 from shardlab._glob import matches as matches
 from shardlab.sharding.pipeline import StageCall
@@ -31,7 +32,9 @@ class Rule(Frozen):
 
     def check(self) -> None:
         if (self.spec is None) == (self.axes is None):
-            raise ValueError(f"rule {self.pattern!r}: give exactly one of spec= (mesh axes) or axes= (logical names)")
+            raise ShardlabError(
+                f"rule {self.pattern!r}: give exactly one of spec= (mesh axes) or axes= (logical names)"
+            )
         glob_regex(self.pattern)
 
 
@@ -106,7 +109,7 @@ def resolve(fqn: str, ndim: int, rules: Rules) -> Match | None:
     else:
         spec, fallbacks = logical_to_spec(rule.axes or (), rules.logical, name=fqn)
     if len(spec) > ndim:
-        raise ValueError(
+        raise ShardlabError(
             f"{fqn}: rule {hits[0]} {rule.pattern!r} gives {len(spec)} entries for a {ndim}-dim parameter; fix the rule"
         )
     return Match(
@@ -138,7 +141,7 @@ def logical_to_spec(
     try:
         return spec_of(*key)
     except _NoEntry as missing:
-        raise ValueError(
+        raise ShardlabError(
             f"{name}: logical axis {missing.args[0]!r} has no entry in the logical table; add "
             f"({missing.args[0]!r}, None) to replicate it"
         ) from None

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from shardlab._errors import ShardlabError
 from shardlab.sharding import _strided
 from shardlab.sharding.mesh import ExpertMeshSpec, MeshSpec
 
@@ -82,7 +83,7 @@ def expand(spec: P, mesh: Mesh, *, name: str = "spec") -> P:
             elif a in names:
                 axes.append(a)
             else:
-                raise ValueError(
+                raise ShardlabError(
                     f"{name}: unknown mesh axis {a!r} in {spec!r}; valid axes are {', '.join(names + tuple(views))}"
                 )
         entries.append(tuple(axes))
@@ -90,7 +91,7 @@ def expand(spec: P, mesh: Mesh, *, name: str = "spec") -> P:
     seen = [a for a in out.used_axes]
     twice = sorted({a for a in seen if seen.count(a) > 1})
     if twice:
-        raise ValueError(f"{name}: mesh axis {twice[0]!r} is used twice in {spec!r}; an axis can shard one dim once")
+        raise ShardlabError(f"{name}: mesh axis {twice[0]!r} is used twice in {spec!r}; an axis can shard one dim once")
     return out
 
 
@@ -99,14 +100,14 @@ def check_shape(
 ) -> None:
     """Raise when the spec has more entries than dims, or a dim is not divisible by its axes' sizes."""
     if len(spec) > len(shape):
-        raise ValueError(
+        raise ShardlabError(
             f"{name}: {spec!r} has {len(spec)} entries but the tensor has {len(shape)} dims {tuple(shape)}"
         )
     for d in range(len(spec)):
         n = math.prod(mesh.size(a) for a in spec.axes(d))
         if d not in skip_dims and shape[d] % n:
             axes = " x ".join(f"{a}={mesh.size(a)}" for a in spec.axes(d))
-            raise ValueError(
+            raise ShardlabError(
                 f"{name}: dim {d} (size {shape[d]}) is not divisible by {axes}; pick axis sizes that divide it"
             )
 
@@ -141,7 +142,7 @@ def spec_from_placements(placements_: Sequence[Placement], mesh: Mesh, ndim: int
         if dim is not None:
             by_dim.setdefault(dim % ndim, []).append(axis)
         elif not p.is_replicate():
-            raise ValueError(f"placement {p} on axis {axis!r} has no PartitionSpec form (only Shard/Replicate do)")
+            raise ShardlabError(f"placement {p} on axis {axis!r} has no PartitionSpec form (only Shard/Replicate do)")
     entries: list[Entry] = [None] * ndim
     for dim, axes in by_dim.items():
         for order in itertools.permutations(axes):
@@ -153,7 +154,9 @@ def spec_from_placements(placements_: Sequence[Placement], mesh: Mesh, ndim: int
                 entries[dim] = order
                 break
         else:
-            raise ValueError(f"placements {tuple(placements_)} split dim {dim} in no order a PartitionSpec can state")
+            raise ShardlabError(
+                f"placements {tuple(placements_)} split dim {dim} in no order a PartitionSpec can state"
+            )
     return P(*entries)
 
 

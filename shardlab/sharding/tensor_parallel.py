@@ -9,6 +9,7 @@ from typing import Literal
 from torch import nn
 
 from shardlab._base import Frozen
+from shardlab._errors import ShardlabError
 from shardlab.sharding.rules import Activation, Rules, logical_to_spec, matches
 from shardlab.sharding.spec import P, Spec
 
@@ -72,7 +73,7 @@ def module_plans(modules: dict[str, nn.Module], tp_dims: dict[str, int | None], 
             if (f"{fqn}.{n}" if fqn else n) in tp_dims
         }
         if desired_output is not None and (output is None or not inputs or any(d is not None for d in own.values())):
-            raise ValueError(
+            raise ShardlabError(
                 f"rules.activations: {fqn} declares desired_output, which needs its inputs and output declared too "
                 "and a module without tp-sharded weights of its own (its code runs on local tensors)"
             )
@@ -120,7 +121,7 @@ def _parallel_style(fqn: str, module: nn.Module, own: dict[str, int | None], inp
     kind = next((v for k, v in kinds.items() if isinstance(module, k)), None)
     if kind is None or weight is None:
         where = ", ".join(f"{fqn}.{n}" if fqn else n for n, d in own.items() if d is not None)
-        raise ValueError(
+        raise ShardlabError(
             f"{where}: tp-sharded parameters of a {type(module).__name__}; shardlab derives TP styles "
             "for nn.Linear and nn.Embedding weights only: replicate these parameters over tp"
         )
@@ -129,7 +130,7 @@ def _parallel_style(fqn: str, module: nn.Module, own: dict[str, int | None], inp
     style = kind[0] if colwise else kind[1]
     bias = own.get("bias")
     if "bias" in own and (bias == 0) != (style == "colwise"):
-        raise ValueError(
+        raise ShardlabError(
             f"{fqn}.bias: a {style} Linear needs its bias {'sharded' if style == 'colwise' else 'replicated'} over tp; fix its rule"
         )
     # Only a colwise output declared split over tp stays a DTensor (vocab-split logits for loss parallel).

@@ -14,6 +14,8 @@ import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from shardlab._errors import ShardlabError
+
 MANIFEST_FILE = "manifest.json"
 CHUNK_BYTES = 16 << 20
 """Read size for checksums: large enough to run at CRC-32's speed, small enough to stay out of the way."""
@@ -48,7 +50,7 @@ def read(directory: Path) -> dict[str, dict[str, int]] | None:
         files = json.loads(file.read_text())["files"]
         return {name: {"size": int(e["size"]), "crc32": int(e["crc32"])} for name, e in files.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"{MANIFEST_FILE} is unreadable ({type(err).__name__}: {err})") from None
+        raise ShardlabError(f"{MANIFEST_FILE} is unreadable ({type(err).__name__}: {err})") from None
 
 
 def _what(name: str) -> str:

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardlab._base import to_json
+from shardlab._errors import ShardlabError
 from shardlab._faults import fault_point
 from shardlab.config import Config
 from shardlab.data.loader import TokenLoader
@@ -99,19 +100,19 @@ def resolve_resume(resume: str, checkpoints: Path, *, checksums: bool = True) ->
                 return path
             skipped.append(f"{path.name}: {problem}")
         if skipped:
-            raise ValueError(
+            raise ShardlabError(
                 f"checkpoint.resume=auto: no intact checkpoint in {str(checkpoints)!r} (newest {skipped[0]}); "
                 "set checkpoint.resume=none to start fresh"
             )
         return None
     path = Path(resume)
     if not (path / ".metadata").is_file() or not (path / STATE_FILE).is_file():
-        raise ValueError(
+        raise ShardlabError(
             f"checkpoint.resume={resume!r}: not a complete shardlab checkpoint (no .metadata or {STATE_FILE}); give a step directory"
         )
     problem = damage(path, checksums)
     if problem is not None:
-        raise ValueError(f"checkpoint.resume={resume!r}: {problem}; resume from another step")
+        raise ShardlabError(f"checkpoint.resume={resume!r}: {problem}; resume from another step")
     return path
 
 
@@ -225,7 +226,7 @@ def save(
     step's values (JSON-able), kept in train_state.json so a resume can restore a log line a kill cut short.
     """
     if async_save and dist.is_initialized() and group is None:
-        raise ValueError("checkpoint.save: an async save needs its own process group; pass group=checkpoint_group()")
+        raise ShardlabError("checkpoint.save: an async save needs its own process group; pass group=checkpoint_group()")
     final = step_dir(checkpoints, state.step)
     tmp = final.with_name(final.name + TMP_SUFFIX)
     if _rank() == 0:
@@ -316,7 +317,7 @@ def load(
     now = (provider or provider_for(cfg)).identity()
     diff = None if saved is None else first_difference(saved, now)
     if diff is not None:
-        raise ValueError(
+        raise ShardlabError(
             f"checkpoint {str(path)!r}: saved for another model ({diff}={saved.get(diff)!r}, "
             f"now {now.get(diff)!r}); resume with the saved model config or set checkpoint.resume=none"
         )
@@ -353,18 +354,18 @@ def verify(path: Path, model_state: dict) -> None:
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # torch raises several kinds for an unreadable .metadata
-        raise ValueError(
+        raise ShardlabError(
             f"checkpoint {str(path)!r}: unreadable .metadata ({type(err).__name__}: {err}); resume from another step"
         ) from None
     saved = metadata.state_dict_metadata
     for fqn, tensor in model_state.items():
         entry = saved.get(f"model.{fqn}")
         if entry is None:
-            raise ValueError(
+            raise ShardlabError(
                 f"checkpoint {str(path)!r}: no tensor for parameter {fqn!r}; it was saved from another model"
             )
         if tuple(entry.size) != tuple(tensor.shape):
-            raise ValueError(
+            raise ShardlabError(
                 f"checkpoint {str(path)!r}: {fqn} has shape {tuple(entry.size)} there but {tuple(tensor.shape)} here"
             )
     needed: dict[str, int] = {}
@@ -373,9 +374,9 @@ def verify(path: Path, model_state: dict) -> None:
     for name, size in sorted(needed.items()):
         file = path / name
         if not file.is_file():
-            raise ValueError(f"checkpoint {str(path)!r}: data file {name} is missing; resume from another step")
+            raise ShardlabError(f"checkpoint {str(path)!r}: data file {name} is missing; resume from another step")
         if file.stat().st_size < size:
-            raise ValueError(
+            raise ShardlabError(
                 f"checkpoint {str(path)!r}: data file {name} is truncated ({file.stat().st_size} of {size} bytes); "
                 "resume from another step"
             )
@@ -392,14 +393,14 @@ def export_to_hf(source: Path, out: Path, model: ModelProvider | None = None) ->
 
     step = source if (source / STATE_FILE).is_file() else resolve_resume("auto", source / "checkpoints")
     if step == source and (problem := damage(step)) is not None:
-        raise ValueError(f"export: {str(step)!r}: {problem}; export another step")
+        raise ShardlabError(f"export: {str(step)!r}: {problem}; export another step")
     if step is None:
-        raise ValueError(
+        raise ShardlabError(
             f"export: {str(source)!r} holds no committed checkpoint (no checkpoints/step-*); give a run or step directory"
         )
     config_file = step / "config.json"
     if not config_file.is_file():
-        raise ValueError(f"export: {str(step)!r} has no config.json; it is not a shardlab checkpoint")
+        raise ShardlabError(f"export: {str(step)!r} has no config.json; it is not a shardlab checkpoint")
     cfg = msgspec.json.decode(config_file.read_bytes(), type=Config)
     provider = saved_provider(step, cfg, model)
     provider.hf_config()  # a model without a transformers mapping fails here, before anything is read
@@ -422,12 +423,12 @@ def saved_provider(step: Path, cfg: Config, model: ModelProvider | None = None) 
     identity = saved_identity(step) or {}
     if "model.factory" in identity:
         if model is None:
-            raise ValueError(
+            raise ShardlabError(
                 f"export: {str(step)!r} holds a recipe's own model ({identity['model.factory']}); pass its recipe: "
                 "`export RUN_DIR --to-hf OUT --recipe RECIPE`"
             )
         if (key := first_difference(identity, model.identity())) is not None:
-            raise ValueError(
+            raise ShardlabError(
                 f"export: the recipe's model differs from the checkpoint's in {key} (checkpoint "
                 f"{identity.get(key)!r}, recipe {model.identity().get(key)!r}); pass the recipe the run was trained with"
             )
@@ -435,7 +436,7 @@ def saved_provider(step: Path, cfg: Config, model: ModelProvider | None = None) 
     transformers = any(k.startswith("config.json:") for k in identity)
     if model is not None:
         held = "a transformers model" if transformers else "shardlab's Llama"
-        raise ValueError(f"export: {str(step)!r} holds {held}, not a recipe's own model; leave out --recipe")
+        raise ShardlabError(f"export: {str(step)!r} holds {held}, not a recipe's own model; leave out --recipe")
     if transformers:
         from shardlab.models.transformers.provider import HFCausalLM
 

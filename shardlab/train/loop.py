@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardlab._base import to_json
+from shardlab._errors import ShardlabError
 from shardlab._faults import fault_point
 from shardlab.config import Config
 from shardlab.data.loader import make_loader, run_data
@@ -63,12 +64,12 @@ def check_init(cfg: Config, device: torch.device | None = None) -> None:
     """The limits of train.init='sharded' (checked by the CLI before launch, and again here for library use);
     device: where the model goes (None: cfg.train.device)."""
     if cfg.train.init == "sharded" and cfg.mesh.pp > 1:
-        raise ValueError(
+        raise ShardlabError(
             "train.init='sharded' with mesh.pp > 1 is not supported yet; use train.init='full', which with pp "
             "allocates and draws only this rank's stages"
         )
     if cfg.train.init == "sharded" and (device or resolve_device(cfg.train.device)).type != "cuda":
-        raise ValueError(
+        raise ShardlabError(
             "train.init='sharded' needs CUDA: torch coordinates DTensor random init across ranks only on CUDA "
             "meshes (on CPU every shard would draw the same numbers); use train.init='full'"
         )

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 import torch
 
+from shardlab._errors import ShardlabError
 from shardlab._faults import fault_point
 from shardlab.config import LogConfig
 
@@ -101,7 +102,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         if values.get("loss") is None:
-            raise ValueError(
+            raise ShardlabError(
                 f"MetricsWriter.record: values has no 'loss' (keys: {sorted(values)}); pass the step's loss"
             )
         floats = {key: float(value) for key, value in values.items() if isinstance(value, int | float)}

@@ -20,6 +20,7 @@ from torch.distributed.pipelining.microbatch import _Replicate  # every micro ba
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor.parallel import loss_parallel
 
+from shardlab._errors import ShardlabError
 from shardlab.parallel.stages import stage_modules
 from shardlab.sharding.pipeline import PipelinePlan
 from shardlab.sharding.plan import Plan
@@ -43,7 +44,7 @@ class PipelineRun:
     def __init__(self, plan: Plan, mesh: DeviceMesh) -> None:
         pipeline = plan.pipeline
         if pipeline is None:
-            raise ValueError("PipelineRun: the plan has no pipeline stages (mesh.pp is 1)")
+            raise ShardlabError("PipelineRun: the plan has no pipeline stages (mesh.pp is 1)")
         self.pipeline = pipeline
         self.pp_mesh = mesh["pp"]
         self.pp_rank = self.pp_mesh.get_local_rank()
@@ -73,7 +74,7 @@ class PipelineRun:
             m = self.pipeline.microbatches
             modules = stage_modules(model)
             if len(modules) != len(self.stages):
-                raise ValueError(
+                raise ShardlabError(
                     f"PipelineRun: the model runs {len(modules)} stage(s) but the plan gives pp rank {self.pp_rank} "
                     f"{len(self.stages)}; parallelize it with apply(model, plan, mesh) first"
                 )
@@ -92,7 +93,7 @@ class PipelineRun:
         """The schedule's keyword inputs: a context-parallel rank's sequence positions [s] go whole to every micro
         batch; packed rows' positions [rows, s] are split with the rows."""
         if (positions is None) == self.context_parallel and (positions is None or positions.dim() == 1):
-            raise ValueError(
+            raise ShardlabError(
                 "PipelineRun: positions [s] are given under context parallelism (plan.context), and only then; "
                 "packed rows' positions [rows, s] in any layout"
             )

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from shardlab._errors import ShardlabError
 from shardlab.config import MoEConfig
 from shardlab.models.llama.moe import MoE, RouterStats
 from shardlab.parallel._activation_checkpoint import in_backward
@@ -106,7 +107,7 @@ class Routers:
     def _take(self, i: int) -> RouterStats:
         stats, self._stats[i] = self._stats[i], None
         if stats is None:
-            raise ValueError(
+            raise ShardlabError(
                 "moe: a MoE layer ran no forward inside router_stats since its statistics were read; run the "
                 "model's forward inside `with router_stats(routers.record):`"
             )
@@ -163,7 +164,7 @@ class Routers:
         self.remove_hooks()
         m = self.micro_batches
         if any(len(h) < m for h in self._history):
-            raise ValueError(f"moe: a MoE layer ran fewer than the pipeline's {m} micro batches this step")
+            raise ShardlabError(f"moe: a MoE layer ran fewer than the pipeline's {m} micro batches this step")
         for history in self._history:
             for b in history[-m:]:
                 self._count(b)

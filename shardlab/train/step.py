@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlab._base import Frozen
+from shardlab._errors import ShardlabError
 from shardlab._glob import matches
 from shardlab.config import Config, OptimConfig
 from shardlab.data.loader import Batch
@@ -50,7 +51,7 @@ class TrainState(Frozen):
     """Steps whose update was dropped for a non-finite loss or gradient (train.on_nonfinite='skip')."""
 
 
-class NonFiniteError(ValueError):
+class NonFiniteError(ShardlabError):
     """A step's loss or gradient norm is not finite and train.on_nonfinite is 'stop' (a ValueError: a value the
     run cannot go on with, reported in one line like a bad setting)."""
 
@@ -164,7 +165,9 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
         device = model_device(model)
         inputs, labels, at = local_tokens(batch, positions, device)
         if inputs.shape[0] % micro_batches:
-            raise ValueError(f"step: {inputs.shape[0]} rows per rank do not split into {micro_batches} micro batches")
+            raise ShardlabError(
+                f"step: {inputs.shape[0]} rows per rank do not split into {micro_batches} micro batches"
+            )
         tokens = all_reduce_sum(counted(labels), group)
         scale = holders / tokens  # stays on the device: the step reads the host once, after the backward
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -334,7 +337,7 @@ def clip_grad_norm(
             mesh, placements = key
             for dim, placement in enumerate(placements):
                 if placement.is_partial():
-                    raise ValueError(
+                    raise ShardlabError(
                         f"clip_grad_norm: a gradient is Partial over mesh dim {dim}; call match_param_layouts first"
                     )
                 if not placement.is_replicate() and mesh.size(dim) > 1:

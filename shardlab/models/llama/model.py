@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from shardlab._errors import ShardlabError
 from shardlab.config import ModelConfig, MoEConfig, RopeScaling
 from shardlab.data.packing import packed_mask
 from shardlab.models.llama.moe import MoE
@@ -53,7 +54,7 @@ SIZES: dict[str, ModelConfig] = {
 def llama_config(size: str, **overrides: Any) -> ModelConfig:
     """The named size, with `overrides` applied to its fields (validated like any ModelConfig)."""
     if size not in SIZES:
-        raise ValueError(f"model size {size!r} is unknown; choose one of {', '.join(SIZES)}")
+        raise ShardlabError(f"model size {size!r} is unknown; choose one of {', '.join(SIZES)}")
     return msgspec.structs.replace(SIZES[size], **overrides)
 
 
@@ -216,7 +217,7 @@ class Llama(nn.Module):
             cfg.tie_embeddings and both and self.lm_head.weight is not embed.weight
         ):  # to_empty / distribute_module untie
             if getattr(self.lm_head.weight, "placements", None) != getattr(embed.weight, "placements", None):
-                raise ValueError(
+                raise ShardlabError(
                     "Llama.init_weights: tied embed_tokens and lm_head are placed differently; give both the same layout"
                 )
             self.lm_head.weight = embed.weight
@@ -228,7 +229,7 @@ class Llama(nn.Module):
         draws = list(self._draws())
         missed = {name for name, _ in self.named_parameters()} - {name for name, _, _ in draws}
         if missed:
-            raise ValueError(f"Llama.init_weights: no initialiser for {sorted(missed)[0]}; add it to Llama._draws")
+            raise ShardlabError(f"Llama.init_weights: no initialiser for {sorted(missed)[0]}; add it to Llama._draws")
         for name, weight, draw in draws:
             draw(weight, torch.Generator(device=weight.device).manual_seed(param_seed(seed, name)))
 
@@ -335,7 +336,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "top_k=1 (Mixtral weighs a single expert by 1, shardlab by its score)" if m.top_k == 1 else None
     )  # fmt: skip
     if unmapped:
-        raise ValueError(
+        raise ShardlabError(
             f"to_hf: an MoE model exports as Mixtral, which cannot express {unmapped}; this model.moe has no "
             "Hugging Face mapping yet"
         )
@@ -359,17 +360,21 @@ def from_hf_config(d: dict[str, Any]) -> ModelConfig:
         if k not in d
     ]
     if missing:
-        raise ValueError(f"from_hf_config: config.json has no {', '.join(missing)}; is it a Llama config?")
+        raise ShardlabError(f"from_hf_config: config.json has no {', '.join(missing)}; is it a Llama config?")
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        raise ValueError(f"from_hf_config: rope_type={rope_type!r} is not supported; only 'default' and 'llama3' are")
+        raise ShardlabError(
+            f"from_hf_config: rope_type={rope_type!r} is not supported; only 'default' and 'llama3' are"
+        )
     if d.get("attention_bias") or d.get("mlp_bias") or d.get("hidden_act", "silu") != "silu":
-        raise ValueError("from_hf_config: biases or a non-silu activation are not Llama 3; use a plain Llama 3 config")
+        raise ShardlabError(
+            "from_hf_config: biases or a non-silu activation are not Llama 3; use a plain Llama 3 config"
+        )
     moe = None
     if d.get("model_type") == "mixtral":
         if d.get("sliding_window") is not None or d.get("num_experts_per_tok", 2) == 1:
-            raise ValueError(
+            raise ShardlabError(
                 "from_hf_config: a Mixtral with sliding-window attention or one expert per token is not supported "
                 "(shardlab attends to the whole sequence and weighs a single expert by its score)"
             )
@@ -382,7 +387,7 @@ def from_hf_config(d: dict[str, Any]) -> ModelConfig:
         )
     dim, n_heads = d["hidden_size"], d["num_attention_heads"]
     if d.get("head_dim") not in (None, dim // n_heads):
-        raise ValueError(
+        raise ShardlabError(
             f"from_hf_config: head_dim={d['head_dim']} != hidden_size / num_attention_heads = {dim // n_heads}; not supported"
         )
     scaling = None

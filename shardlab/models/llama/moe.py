@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardlab._errors import ShardlabError
 from shardlab.config import ModelConfig
 
 Compute = Callable[[torch.Tensor, list[int]], torch.Tensor]
@@ -128,7 +129,7 @@ class MoE(nn.Module):
         super().__init__()
         m = cfg.moe
         if m is None:
-            raise ValueError("MoE: model.moe is None; build the dense MLP instead")
+            raise ShardlabError("MoE: model.moe is None; build the dense MLP instead")
         self.cfg = m
         self.router = nn.Linear(cfg.dim, m.n_experts, bias=False)
         self.experts = Experts(m.n_experts, cfg.dim, m.expert_ffn_dim)

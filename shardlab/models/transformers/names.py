@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardlab._errors import ShardlabError
 from shardlab.models.provider import HFNames
 
 
@@ -27,11 +28,11 @@ def checkpoint_names(model: nn.Module, name: str, shape: Sequence[int]) -> HFNam
     try:
         out: dict[str, Any] = revert_weight_conversion(model, {name: marker})
     except Exception as e:  # transformers' own error on a conversion it cannot revert
-        raise ValueError(f"{name}: transformers cannot map it to its checkpoint names ({e})") from None
+        raise ShardlabError(f"{name}: transformers cannot map it to its checkpoint names ({e})") from None
     if list(out) == [name] or (len(out) == 1 and torch.equal(next(iter(out.values())), marker)):
         return next(iter(out))
     if len(shape) < 3:
-        raise ValueError(
+        raise ShardlabError(
             f"{name}: transformers converts it on load ({', '.join(sorted(out))}), which shardlab does not read yet"
         )
     return _stacked(name, shape, out)
@@ -69,7 +70,7 @@ def _stacked(name: str, shape: Sequence[int], out: dict[str, Any]) -> tuple[str 
 
 
 def _unreadable(name: str, out: dict[str, Any]) -> tuple[str, ...]:
-    raise ValueError(
+    raise ShardlabError(
         f"{name}: transformers stores it as {', '.join(sorted(out)[:3])}... in a way shardlab does not read yet "
         "(it reads experts stacked along dim 0, each from one tensor or from equal row blocks)"
     )

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from shardlab._errors import ShardlabError
 from shardlab.config import PlanConfig
 from shardlab.models.flops import flops_per_token
 from shardlab.models.hf_dir import has_weights
@@ -49,7 +50,7 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise ValueError("model.hf_path needs the transformers package: pip install 'shardlab[hf]'") from None
+        raise ShardlabError("model.hf_path needs the transformers package: pip install 'shardlab[hf]'") from None
     return transformers
 
 
@@ -78,7 +79,7 @@ def _attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     positions = kwargs.get("position_ids")
     if positions is None:
-        raise ValueError(
+        raise ShardlabError(
             f"{type(module).__name__}: context parallelism needs the tokens' positions, but transformers passed no "
             "position_ids to the attention"
         )
@@ -109,14 +110,14 @@ class HFCausalLM(ModelProvider):
         root = Path(path)
         file = root / "config.json"
         if not file.is_file():
-            raise ValueError(
+            raise ShardlabError(
                 f"model.hf_path={str(path)!r}: no {file}; pass a local transformers model directory (config.json, "
                 "safetensors)"
             )
         try:
             d = json.loads(file.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{file}: not readable JSON ({e}); re-download or re-export the model") from None
+            raise ShardlabError(f"{file}: not readable JSON ({e}); re-download or re-export the model") from None
         return cls.from_dict(d, source=str(file))
 
     @classmethod
@@ -130,7 +131,7 @@ class HFCausalLM(ModelProvider):
         model_type = d.get("model_type")
         mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
         if model_type not in mapping:
-            raise ValueError(
+            raise ShardlabError(
                 f"{source}: model_type={model_type!r} has no causal-LM class in transformers "
                 f"{transformers.__version__}; shardlab trains *ForCausalLM models"
             )
@@ -138,7 +139,7 @@ class HFCausalLM(ModelProvider):
         try:
             config = transformers.AutoConfig.for_model(model_type, **fields)
         except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"{source}: transformers cannot read this config ({e})") from None
+            raise ShardlabError(f"{source}: transformers cannot read this config ({e})") from None
         config.use_cache = False
         return cls(config, source)
 
@@ -152,7 +153,7 @@ class HFCausalLM(ModelProvider):
                 self.config, attn_implementation=ATTENTION, dtype=torch.float32
             )
         except (AssertionError, ValueError, TypeError, KeyError, AttributeError) as e:  # a user's config.json
-            raise ValueError(f"{self.source}: transformers cannot build {self.name} from it ({e})") from None
+            raise ShardlabError(f"{self.source}: transformers cannot build {self.name} from it ({e})") from None
         attention = Decoder(model).attention
         for fqn, module in model.named_modules():
             if any(matches(g, fqn) for g in attention):
@@ -237,28 +238,28 @@ class HFCausalLM(ModelProvider):
                 for name, p in self.meta_model().named_parameters():
                     self.hf_names(name, p.shape)
             except ValueError as e:
-                raise ValueError(f"{where}: {e}; or train it from the seed with --model.from-scratch") from None
+                raise ShardlabError(f"{where}: {e}; or train it from the seed with --model.from-scratch") from None
         t = self._text
         if getattr(t, "attn_logit_softcapping", None):
-            raise ValueError(
+            raise ShardlabError(
                 f"{where}: attn_logit_softcapping={t.attn_logit_softcapping}, which the attention shardlab builds the "
                 "model with (transformers' SDPA, or all-gather attention under cp) does not compute; this model "
                 "cannot train here as configured"
             )
         if cfg.mesh.cp > 1 and getattr(t, "attention_dropout", 0):
-            raise ValueError(
+            raise ShardlabError(
                 f"{where}: mesh.cp={cfg.mesh.cp} with attention dropout, which shardlab's context-parallel attention "
                 "does not compute; use mesh.cp=1 for this model"
             )
         if cfg.mesh.ep > 1:
             experts = [m.num_experts for m in self.meta_model().modules() if is_stacked_experts(m)]
             if not experts:
-                raise ValueError(
+                raise ShardlabError(
                     f"{where}: mesh.ep={cfg.mesh.ep}, but the model has no stacked experts to split over ep; set "
                     "mesh.ep=1"
                 )
             if experts[0] % (cfg.mesh.ep * cfg.mesh.tp):
-                raise ValueError(
+                raise ShardlabError(
                     f"{where}: {experts[0]} experts do not split over mesh.ep={cfg.mesh.ep} x mesh.tp={cfg.mesh.tp}; "
                     "pick ep and tp whose product divides them"
                 )
@@ -270,26 +271,26 @@ class HFCausalLM(ModelProvider):
         model = self.meta_model()
         whole = unsplittable(model)
         if whole:
-            raise ValueError(
+            raise ShardlabError(
                 f"{where}: mesh.tp={cfg.mesh.tp}, but {whole[0]} is a fused weight that tensor "
                 "parallelism cannot split by heads exactly; use mesh.tp=1 (FSDP/HSDP) for this model"
             )
         if not blocks_planned(model):
-            raise ValueError(
+            raise ShardlabError(
                 f"{where}: mesh.tp={cfg.mesh.tp}, but transformers ships no tensor-parallel plan for this model's "
                 "blocks (config base_model_tp_plan), so none of their weights would be split; use mesh.tp=1 "
                 "(FSDP/HSDP) for this model"
             )
         per_head = per_head_norms(model)
         if per_head:
-            raise ValueError(
+            raise ShardlabError(
                 f"{where}: mesh.tp={cfg.mesh.tp}, but {per_head[0]} normalises each head with weights of its "
                 "own, which shardlab keeps whole rather than split with the heads; use mesh.tp=1 (FSDP/HSDP) "
                 "for this model"
             )
         positional = attention_by_position(model) if cfg.plan.sequence_parallel else None
         if positional:
-            raise ValueError(
+            raise ShardlabError(
                 f"{where}: mesh.tp={cfg.mesh.tp} with sequence parallelism, but the blocks hand {positional} "
                 "its hidden states by position, where shardlab cannot gather the sequence for it; set "
                 "plan.sequence_parallel=False"
@@ -302,7 +303,7 @@ class HFCausalLM(ModelProvider):
 
         built = self.meta_model().config  # a causal class that is always a decoder (BART's) says so here
         if self._text.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(built, "is_decoder", False):
-            raise ValueError(
+            raise ShardlabError(
                 f"{where}: {self._text.model_type} is an encoder whose attention sees the whole sequence unless "
                 'config.json sets "is_decoder": true; set it to train the model as a causal LM'
             )
@@ -311,13 +312,13 @@ class HFCausalLM(ModelProvider):
         """A stage after the first feeds the model its hidden states as `inputs_embeds`, so whatever the forward
         does outside its modules must leave them as they are; and transformers sizes its masks by their length."""
         if cfg.mesh.tp > 1 and cfg.plan.sequence_parallel:
-            raise ValueError(
+            raise ShardlabError(
                 f"{where}: mesh.pp={cfg.mesh.pp} with sequence parallelism: transformers sizes its masks by the "
                 "hidden states a stage receives, which SP shards; set plan.sequence_parallel=False"
             )
         changed = self._changes_hidden_states()
         if changed:
-            raise ValueError(
+            raise ShardlabError(
                 f"{where}: mesh.pp={cfg.mesh.pp}, but the model's forward {changed} outside its modules, so a "
                 "pipeline stage cannot take the previous stage's hidden states; use mesh.pp=1 for this model"
             )
@@ -381,7 +382,7 @@ def _check_no_other_weights(root: Path, where: str) -> None:
         return
     other = sorted(f.name for f in root.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
     if other:
-        raise ValueError(
+        raise ShardlabError(
             f"{where}: the weights are in {other[0]}, but shardlab reads only model.safetensors (or "
             "model.safetensors.index.json and its shards): save them as safetensors (transformers' save_pretrained "
             "does), or train from the seed with --model.from-scratch"

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from shardlab._errors import ShardlabError
 from shardlab.config import PlanConfig
 from shardlab.models.llama.rules import FULL, RESIDUAL
 from shardlab.models.llama.rules import logical_table as llama_logical_table
@@ -56,14 +57,14 @@ class Decoder:
         head = model.get_output_embeddings()
         self.head = names.get(id(head)) if head is not None else None
         if self.embed is None or self.head is None:
-            raise ValueError(
+            raise ShardlabError(
                 f"{type(model).__name__}: no input embedding or output head found (get_input_embeddings / "
                 "get_output_embeddings); shardlab derives rules for causal LMs only, write rules for this model"
             )
         n = text.num_hidden_layers
         lists = [f for f, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n and f]
         if len(lists) != 1:
-            raise ValueError(
+            raise ShardlabError(
                 f"{type(model).__name__}: expected one ModuleList of num_hidden_layers={n} blocks, found "
                 f"{lists or 'none'}; write rules for this model"
             )
@@ -84,7 +85,7 @@ class Decoder:
             f"{self.blocks}.{n}" for n, m in block.named_children() if "attention" in type(m).__name__.lower()
         )
         if not self.attention:
-            raise ValueError(f"{type(model).__name__}: no attention module in {self.layers}.0; write rules for it")
+            raise ShardlabError(f"{type(model).__name__}: no attention module in {self.layers}.0; write rules for it")
 
     def style(self, module: str) -> str | None:
         """transformers' TP style of a module (its plan's globs use `*` for the block index)."""
@@ -132,7 +133,7 @@ def _param_axes(d: Decoder, model: nn.Module) -> Iterator[tuple[str, tuple[str |
         elif style is None or style in WHOLE_STYLES:
             yield pattern, whole
         else:
-            raise ValueError(
+            raise ShardlabError(
                 f"{pattern}: transformers' TP plan gives {owner} the style {style!r}, which shardlab does not map; "
                 "write rules for this model (a recipe's `rules`)"
             )

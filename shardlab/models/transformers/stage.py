@@ -9,6 +9,8 @@ import weakref
 import torch
 from torch import nn
 
+from shardlab._errors import ShardlabError
+
 
 def call_causal_lm(
     model: nn.Module, positions: torch.Tensor | None, output: str = "logits", **feed: torch.Tensor
@@ -35,7 +37,7 @@ class TransformersStage(nn.Module):
     def __init__(self, model: nn.Module, first: bool, last: bool) -> None:
         super().__init__()
         if next(model.parameters(recurse=False), None) is not None:
-            raise ValueError(
+            raise ShardlabError(
                 f"{type(model).__name__} holds parameters outside its submodules, which its pipeline stage cannot "
                 "own; use mesh.pp=1"
             )
