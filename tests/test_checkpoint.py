@@ -329,6 +329,37 @@ def test_a_checkpoint_without_a_manifest_is_trusted(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_garbage_train_state_without_a_manifest_is_damage_named_in_one_line(tmp_path, capsys):
+    """In checkpoints without a manifest, a train_state.json that is not JSON (or not shardlab's object) is damage
+    like any other: auto skips it naming the file, an explicit path and a read of it refuse it in one line naming
+    the file and what to do, and with every checkpoint so the run stops; never a bare JSON error."""
+    from shardlab.train.checkpoint import saved_metrics
+
+    older, newest = two_checkpoints(tmp_path)
+    for step in (older, newest):
+        (step / MANIFEST_FILE).unlink()
+    (newest / "train_state.json").write_text("garbage{")
+    why = r"train_state\.json is unreadable \(JSONDecodeError: Expecting value: line 1 column 1 \(char 0\)\)"
+    assert resolve_resume("auto", tmp_path / "checkpoints") == older
+    warning = capsys.readouterr().err
+    assert re.fullmatch(
+        rf"warning: checkpoint\.resume=auto skips step-00000004: {why}; resuming from step-00000002\n", warning
+    )
+    with pytest.raises(ValueError, match=rf"^checkpoint\.resume='.*step-00000004': {why}; resume from another step$"):
+        resolve_resume(str(newest), tmp_path / "checkpoints")
+    with pytest.raises(ValueError, match=rf"^checkpoint '.*step-00000004': {why}; resume from another step$"):
+        saved_metrics(newest)
+    (older / "train_state.json").write_text("[]")
+    with pytest.raises(
+        ValueError,
+        match=r"^checkpoint\.resume=auto: no intact checkpoint in '.*checkpoints' \(newest step-00000004: train_state"
+        r"\.json is unreadable .*\); set checkpoint\.resume=none to start fresh$",
+    ):
+        train(tiny(tmp_path, every=2), write=False)
+    with pytest.raises(ValueError, match=r"step-00000002': train_state\.json is unreadable \(not the object shardlab"):
+        resolve_resume(str(older), tmp_path / "checkpoints")
+
+
 def test_no_intact_checkpoint_is_an_error(tmp_path):
     older, newest = two_checkpoints(tmp_path)
     damage(older / "train_state.json", "flip")

@@ -127,15 +127,35 @@ def damage(path: Path, checksums: bool = True) -> str | None:
         files = _manifest.read(path)
     except ValueError as err:
         return str(err)
-    if files is None:
-        return None
+    if files is None:  # no manifest: its train_state.json, which the resume reads first, must at least be readable
+        return _state_problem(path)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     found = _manifest.problems(path, files, sorted(files)[rank::world] if checksums else ())
     if dist.is_initialized():
         every: list[dict[str, str]] = [{} for _ in range(world)]
         dist.all_gather_object(every, found)
         found = {name: why for part in every for name, why in part.items()}
-    return found[min(found)] if found else None
+    return found[min(found)] if found else _state_problem(path)
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's train_state.json; a ValueError saying what is wrong with it (the caller names the checkpoint)."""
+    try:
+        meta = json.loads((path / STATE_FILE).read_bytes())
+    except (OSError, ValueError) as err:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{STATE_FILE} is unreadable ({type(err).__name__}: {err})") from None
+    kinds = {"step": int, "data": dict, "rng": list}
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), t) for k, t in kinds.items()):
+        raise ValueError(f"{STATE_FILE} is unreadable (not the object shardlab writes: step, data, rng)")
+    return meta
+
+
+def _state_problem(path: Path) -> str | None:
+    try:
+        _read_state(path)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _warn(message: str) -> None:
@@ -321,7 +341,10 @@ def load(
             f"checkpoint {str(path)!r}: saved for another model ({diff}={saved.get(diff)!r}, "
             f"now {now.get(diff)!r}); resume with the saved model config or set checkpoint.resume=none"
         )
-    meta = json.loads((path / STATE_FILE).read_text())
+    try:
+        meta = _read_state(path)
+    except ValueError as err:
+        raise ValueError(f"checkpoint {str(path)!r}: {err}; resume from another step") from None
     loader.load_state_dict(meta["data"])
     tensors = _tensors(state)
     verify(path, tensors["model"])  # before anything is loaded: a damaged checkpoint changes nothing
@@ -334,7 +357,10 @@ def load(
 
 def saved_metrics(path: Path) -> dict[str, Any] | None:
     """The values of the step a checkpoint holds, as `save` got them (None when it got none, or is older)."""
-    return json.loads((path / STATE_FILE).read_text()).get("metrics")
+    try:
+        return _read_state(path).get("metrics")
+    except ValueError as err:
+        raise ValueError(f"checkpoint {str(path)!r}: {err}; resume from another step") from None
 
 
 def saved_identity(path: Path) -> dict | None:
