@@ -118,6 +118,21 @@ def test_the_cache_defaults_to_the_run_directory(tmp_path: Path):
     assert run_data(cfg).cache_dir == str(tmp_path / "r" / "data-cache")
 
 
+def test_a_directory_of_empty_jsonl_files_says_it_holds_no_documents(tmp_path: Path):
+    """Empty or blank .jsonl files in a directory are one line naming the directory and saying it holds no
+    documents, not datasets' StopIteration (empty) or its "corresponds to no data" (blank lines)."""
+    for name, text in (("empty", ""), ("blank", "\n  \n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.jsonl").write_text(text)
+        (tmp_path / name / "b.jsonl").write_text("")
+        with pytest.raises(ValueError) as err:
+            batches(files(tmp_path / name, tmp_path / "cache"))
+        assert str(err.value) == (
+            f"data.paths: {tmp_path / name} holds no documents: its .jsonl files are empty or blank; add one JSON "
+            "record per line"
+        )
+
+
 def test_bad_datasets_are_one_line(tmp_path: Path):
     path = tmp_path / "rows.parquet"
     datasets.Dataset.from_dict({"body": TEXTS}).to_parquet(path)

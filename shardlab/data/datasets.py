@@ -55,8 +55,10 @@ def dataset_rows(name: str, field: str, cache_dir: str) -> tuple[Any, list[Path]
                 cache_dir=str(Path(cache_dir) / "datasets"),
             )  # fmt: skip
     except Exception as e:  # whatever datasets or pyarrow raise on a user's file
-        if BUILDERS[files[0].suffix] == "json":
-            _check_json_lines(files)
+        if BUILDERS[files[0].suffix] == "json" and not _check_json_lines(files):  # datasets says StopIteration
+            raise ValueError(
+                f"data.paths: {name} holds no documents: its .jsonl files are empty or blank; add one JSON record per line"
+            ) from None
         while e.__cause__ is not None:  # datasets wraps the reader's own error ("Couldn't cast ...")
             e = e.__cause__
         lines = str(e).splitlines() or [type(e).__name__]
@@ -156,8 +158,10 @@ def row_names(name: str, files: list[Path]) -> Callable[[int], str]:
     return where
 
 
-def _check_json_lines(files: list[Path]) -> None:
-    """Name the first line of `files` that is not a JSON object, for a JSONL dataset that `datasets` cannot read."""
+def _check_json_lines(files: list[Path]) -> int:
+    """Name the first line of `files` that is not a JSON object, for a JSONL dataset that `datasets` cannot read;
+    else how many records they hold."""
+    records = 0
     for f in files:
         with f.open("rb") as text:
             for n, line in enumerate(text, 1):
@@ -171,7 +175,9 @@ def _check_json_lines(files: list[Path]) -> None:
                         f"data.paths: {f}:{n} is not valid JSON ({why}); fix or drop the line"
                     ) from None
                 if not isinstance(record, dict):
-                    raise ShardlabError(f"data.paths: {f}:{n} is not a JSON object; each line holds one record")
+                    raise ValueError(f"data.paths: {f}:{n} is not a JSON object; each line holds one record")
+                records += 1
+    return records
 
 
 @contextmanager
