@@ -118,6 +118,18 @@ def test_the_cache_defaults_to_the_run_directory(tmp_path: Path):
     assert run_data(cfg).cache_dir == str(tmp_path / "r" / "data-cache")
 
 
+def test_a_jsonl_with_a_byte_order_mark_reads_alone_and_in_a_directory(tmp_path: Path, jsonl: Path):
+    """A .jsonl that starts with a UTF-8 byte-order mark is accepted by shardlab's own reader (a file alone) as by
+    datasets (a directory): the same documents either way, those of the file without the mark."""
+    marked = tmp_path / "marked" / "texts.jsonl"
+    marked.parent.mkdir()
+    marked.write_bytes(b"\xef\xbb\xbf" + jsonl.read_bytes())
+    want = batches(DataConfig(source="files", paths=(str(jsonl),)))
+    alone = batches(DataConfig(source="files", paths=(str(marked),)))
+    directory = batches(files(marked.parent, tmp_path / "cache"))
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(want, alone, directory, strict=True))
+
+
 def test_a_directory_of_empty_jsonl_files_says_it_holds_no_documents(tmp_path: Path):
     """Empty or blank .jsonl files in a directory are one line naming the directory and saying it holds no
     documents, not datasets' StopIteration (empty) or its "corresponds to no data" (blank lines)."""

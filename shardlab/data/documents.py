@@ -124,8 +124,8 @@ def file_documents(
             docs.append(_bin_tokens(path, data.bin_dtype, vocab_size))
             continue
         elif path.suffix in (".txt", ".jsonl"):
-            try:
-                text = path.read_text(encoding="utf-8")
+            try:  # a .jsonl's byte-order mark is no part of its first record (datasets, reading a directory, skips it)
+                text = path.read_text(encoding="utf-8-sig" if path.suffix == ".jsonl" else "utf-8")
             except (OSError, UnicodeDecodeError) as err:
                 why = f"{err.reason} at byte {err.start}" if isinstance(err, UnicodeDecodeError) else err.strerror
                 raise ShardlabError(
