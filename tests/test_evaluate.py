@@ -82,6 +82,28 @@ def test_missing_held_out_files_fail_before_anything_runs(tmp_path):
         msgspec.convert({"every": -1}, EvalConfig)
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "jsonl_dir", "bin"])
+def test_a_bad_held_out_file_is_named_by_eval_paths(tmp_path, kind):
+    """An error about a file that --eval.paths named leads with eval.paths, not data.paths; the same file given as
+    --data.paths leads with data.paths."""
+    if kind == "bin":
+        bad = tmp_path / "odd.bin"
+        bad.write_bytes(b"123")
+        why = r"odd\.bin is 3 bytes, not a positive multiple of 2"
+    else:
+        bad = tmp_path / ("held" if kind == "jsonl_dir" else "") / "held.jsonl"
+        bad.parent.mkdir(exist_ok=True)
+        bad.write_text('{"text": "fine"}\n{oops\n')
+        why = r"held\.jsonl:2 is not valid JSON"
+    named = bad.parent if kind == "jsonl_dir" else bad
+    cfg = msgspec.structs.replace(tiny(every=1, paths=(str(named),)), train=TrainConfig(run_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match=rf"^eval\.paths: .*{why}"):
+        eval_loader(cfg, vocab_size=300, dp_rank=0, dp_size=1, micro_batches=1, tokenizer=None)
+    data = DataConfig(source="files", paths=(str(named),), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=rf"^data\.paths: .*{why}"):
+        make_loader(data, seq_len=16, global_batch=4, vocab_size=300, dp_rank=0, dp_size=1)
+
+
 def test_synthetic_data_holds_out_by_its_own_stream():
     data = DataConfig(source="synthetic")
     a = make_loader(data, seq_len=8, global_batch=2, vocab_size=50, dp_rank=0, dp_size=1, split="held_out")

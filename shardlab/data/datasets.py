@@ -35,18 +35,19 @@ def is_dataset(path: Path) -> bool:
     return path.is_dir() or path.suffix in (".parquet", ".arrow")
 
 
-def dataset_rows(name: str, field: str, cache_dir: str) -> tuple[Any, list[Path]]:
+def dataset_rows(name: str, field: str, cache_dir: str, named_by: str = "data.paths") -> tuple[Any, list[Path]]:
     """The rows of dataset `name` (a `datasets.Dataset`) and the files they come from; one-line errors for a
-    directory without data files, a mix of formats, unreadable files or a missing `field`."""
-    datasets = _datasets(name)
+    directory without data files, a mix of formats, unreadable files or a missing `field`, each led by the config
+    field that named the dataset (`named_by`: data.paths, or eval.paths for an evaluation's files)."""
+    datasets = _datasets(name, named_by)
     path = Path(name)
     files = sorted(f for f in path.rglob("*") if f.suffix in BUILDERS and f.is_file()) if path.is_dir() else [path]
     if not files:
-        raise ShardlabError(f"data.paths: {name} holds no {', '.join(BUILDERS)} files; point it at a dataset directory")
+        raise ValueError(f"{named_by}: {name} holds no {', '.join(BUILDERS)} files; point it at a dataset directory")
     kinds = {BUILDERS[f.suffix] for f in files}
     if len(kinds) > 1:
-        raise ShardlabError(
-            f"data.paths: {name} mixes {' and '.join(sorted(kinds))} files; give each format its own directory"
+        raise ValueError(
+            f"{named_by}: {name} mixes {' and '.join(sorted(kinds))} files; give each format its own directory"
         )
     try:
         with _quiet(datasets):
@@ -55,31 +56,33 @@ def dataset_rows(name: str, field: str, cache_dir: str) -> tuple[Any, list[Path]
                 cache_dir=str(Path(cache_dir) / "datasets"),
             )  # fmt: skip
     except Exception as e:  # whatever datasets or pyarrow raise on a user's file
-        if BUILDERS[files[0].suffix] == "json" and not _check_json_lines(files):  # datasets says StopIteration
+        if BUILDERS[files[0].suffix] == "json" and not _check_json_lines(
+            files, named_by
+        ):  # datasets says StopIteration
             raise ValueError(
-                f"data.paths: {name} holds no documents: its .jsonl files are empty or blank; add one JSON record per line"
+                f"{named_by}: {name} holds no documents: its .jsonl files are empty or blank; add one JSON record per line"
             ) from None
         while e.__cause__ is not None:  # datasets wraps the reader's own error ("Couldn't cast ...")
             e = e.__cause__
         lines = str(e).splitlines() or [type(e).__name__]
         why = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
-        raise ShardlabError(f"data.paths: {name} is not a readable dataset ({why})") from None
+        raise ValueError(f"{named_by}: {name} is not a readable dataset ({why})") from None
     if field not in rows.column_names:
         hint = "set data.jsonl_field to the field holding the text" if field != "messages" else "chat rows need it"
-        raise ShardlabError(
-            f"data.paths: {name} has no field {field!r} (its fields: {', '.join(rows.column_names)}); {hint}"
+        raise ValueError(
+            f"{named_by}: {name} has no field {field!r} (its fields: {', '.join(rows.column_names)}); {hint}"
         )
     return rows, files
 
 
 def dataset_documents(
-    name: str, field: str, records: RecordEncoder, encoder_key: str, cache_dir: str
+    name: str, field: str, records: RecordEncoder, encoder_key: str, cache_dir: str, named_by: str = "data.paths"
 ) -> tuple[dict[str, list[np.ndarray]], Callable[[int], str]]:
     """Per row of dataset `name`, the arrays `records` makes of its `field` (column -> one array per row), made
     once: the cache file's name is a hash of the files, the field and `encoder_key` (what identifies `records`);
-    and how an error names row k (`row_names`)."""
-    rows, files = dataset_rows(name, field, cache_dir)
-    where = row_names(name, files)
+    and how an error names row k (`row_names`). named_by: the config field that named it (`dataset_rows`)."""
+    rows, files = dataset_rows(name, field, cache_dir, named_by)
+    where = row_names(name, files, named_by)
     key = hashlib.blake2b(f"{field} {encoder_key}".encode(), digest_size=8)
     for f in files:
         stat = f.stat()
@@ -100,16 +103,16 @@ def dataset_documents(
     partial = final if final.exists() else cache / f"{PARTIAL}{os.getpid()}" / final.name
     partial.parent.mkdir(exist_ok=True)
     try:
-        with _quiet(_datasets(name)):
+        with _quiet(_datasets(name, named_by)):
             ids = rows.map(
                 tokenize, batched=True, with_indices=True, remove_columns=rows.column_names,
                 cache_file_name=str(partial), new_fingerprint=fingerprint,
             )  # fmt: skip
     except UnicodeDecodeError as err:  # pyarrow's JSON reader passes bytes that are not UTF-8 on to the rows
         if BUILDERS[files[0].suffix] == "json":
-            _check_json_lines(files)  # names the file and line
-        raise ShardlabError(
-            f"data.paths: {name} holds text that is not UTF-8 ({err.reason} at byte {err.start}); fix or re-encode it"
+            _check_json_lines(files, named_by)  # names the file and line
+        raise ValueError(
+            f"{named_by}: {name} holds text that is not UTF-8 ({err.reason} at byte {err.start}); fix or re-encode it"
         ) from None
     finally:
         if partial != final:
@@ -136,11 +139,12 @@ def remove_leftovers(cache: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def row_names(name: str, files: list[Path]) -> Callable[[int], str]:
+def row_names(name: str, files: list[Path], named_by: str = "data.paths") -> Callable[[int], str]:
     """How an error names row k: `data.paths: FILE:LINE` for JSONL (the rows are the files' non-blank lines, in
-    order), else `data.paths: NAME row k`. The lines are counted on the first call, that is, only for an error."""
+    order), else `data.paths: NAME row k` (`named_by` in place of data.paths: the field that named the files). The
+    lines are counted on the first call, that is, only for an error."""
     if BUILDERS[files[0].suffix] != "json":
-        return lambda k: f"data.paths: {name} row {k}"
+        return lambda k: f"{named_by}: {name} row {k}"
     lines: list[tuple[Path, np.ndarray]] = []
 
     def where(k: int) -> str:
@@ -151,14 +155,14 @@ def row_names(name: str, files: list[Path]) -> Callable[[int], str]:
         row = k
         for f, numbers in lines:
             if row < numbers.size:
-                return f"data.paths: {f}:{numbers[row]}"
+                return f"{named_by}: {f}:{numbers[row]}"
             row -= numbers.size
-        return f"data.paths: {name} row {k}"
+        return f"{named_by}: {name} row {k}"
 
     return where
 
 
-def _check_json_lines(files: list[Path]) -> int:
+def _check_json_lines(files: list[Path], named_by: str) -> int:
     """Name the first line of `files` that is not a JSON object, for a JSONL dataset that `datasets` cannot read;
     else how many records they hold."""
     records = 0
@@ -171,11 +175,9 @@ def _check_json_lines(files: list[Path]) -> int:
                     record = json.loads(line)
                 except ValueError as err:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8
                     why = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
-                    raise ShardlabError(
-                        f"data.paths: {f}:{n} is not valid JSON ({why}); fix or drop the line"
-                    ) from None
+                    raise ValueError(f"{named_by}: {f}:{n} is not valid JSON ({why}); fix or drop the line") from None
                 if not isinstance(record, dict):
-                    raise ValueError(f"data.paths: {f}:{n} is not a JSON object; each line holds one record")
+                    raise ValueError(f"{named_by}: {f}:{n} is not a JSON object; each line holds one record")
                 records += 1
     return records
 
@@ -193,9 +195,9 @@ def _quiet(datasets: Any) -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def _datasets(name: str) -> Any:
+def _datasets(name: str, named_by: str) -> Any:
     try:
         import datasets
     except ImportError:
-        raise ShardlabError(f"data.paths: {name} needs the datasets package: pip install 'shardlab[hf]'") from None
+        raise ValueError(f"{named_by}: {name} needs the datasets package: pip install 'shardlab[hf]'") from None
     return datasets

@@ -96,12 +96,13 @@ def stdlib_texts() -> tuple[list[str], list[str]]:
 
 
 def file_documents(
-    data: DataConfig, vocab_size: int, records: RecordEncoder, key: str, seq_len: int
+    data: DataConfig, vocab_size: int, records: RecordEncoder, key: str, seq_len: int, named_by: str = "data.paths"
 ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
     """Token arrays (and for chat, trainable masks). .txt: one document per file; .jsonl: one per line; .bin: the
     file's tokens as one document (a memmap); .parquet, .arrow and directories: one per row, tokenized once into
     data.cache_dir (`shardlab.data.datasets`), and so are chat .jsonl files, whose rendering costs far more than
-    tokenizing text. `key` identifies what `records` makes of a record (for that cache)."""
+    tokenizing text. `key` identifies what `records` makes of a record (for that cache). named_by: the config field
+    that named data.paths, which errors lead with (eval.paths for an evaluation's files)."""
     chat = data.format == "chat"
     field = FIELD if chat else data.jsonl_field
     docs: list[np.ndarray] = []
@@ -109,37 +110,37 @@ def file_documents(
     for name in data.paths:
         path = Path(name)
         if not path.exists():
-            raise ShardlabError(f"data.paths: {name} does not exist; check the path")
+            raise ValueError(f"{named_by}: {name} does not exist; check the path")
         if chat and not (is_dataset(path) or path.suffix == ".jsonl"):
-            raise ShardlabError(
-                f"data.paths: {name} is not chat data; data.format='chat' reads .jsonl files or datasets"
-            )
+            raise ValueError(f"{named_by}: {name} is not chat data; data.format='chat' reads .jsonl files or datasets")
         if is_dataset(path) or (chat and path.is_file()):
             if data.cache_dir is None:
-                raise ShardlabError(f"data.paths: {name} is tokenized once into data.cache_dir, which is unset; set it")
-            columns, where = dataset_documents(name, field, records, key, data.cache_dir)
+                raise ValueError(f"{named_by}: {name} is tokenized once into data.cache_dir, which is unset; set it")
+            columns, where = dataset_documents(name, field, records, key, data.cache_dir, named_by)
         elif not path.is_file():
-            raise ShardlabError(f"data.paths: {name} is not a file; check the path")
+            raise ValueError(f"{named_by}: {name} is not a file; check the path")
         elif path.suffix == ".bin":
-            docs.append(_bin_tokens(path, data.bin_dtype, vocab_size))
+            docs.append(_bin_tokens(path, data.bin_dtype, vocab_size, named_by))
             continue
         elif path.suffix in (".txt", ".jsonl"):
             try:  # a .jsonl's byte-order mark is no part of its first record (datasets, reading a directory, skips it)
                 text = path.read_text(encoding="utf-8-sig" if path.suffix == ".jsonl" else "utf-8")
             except (OSError, UnicodeDecodeError) as err:
                 why = f"{err.reason} at byte {err.start}" if isinstance(err, UnicodeDecodeError) else err.strerror
-                raise ShardlabError(
-                    f"data.paths: {name} cannot be read as UTF-8 text ({why}); fix or re-encode it"
+                raise ValueError(
+                    f"{named_by}: {name} cannot be read as UTF-8 text ({why}); fix or re-encode it"
                 ) from None
             values, wheres = (
-                ([text], [f"data.paths: {name}"]) if path.suffix == ".txt" else _jsonl_values(name, text, field)
+                ([text], [f"{named_by}: {name}"])
+                if path.suffix == ".txt"
+                else _jsonl_values(name, text, field, named_by)
             )
             kept = [k for k, v in enumerate(values) if v != ""]  # an empty text would train on its markers alone
             values, wheres = [values[k] for k in kept], [wheres[k] for k in kept]
             columns, where = records(values, wheres.__getitem__), wheres.__getitem__
         else:
-            raise ShardlabError(
-                f"data.paths: {name} has suffix {path.suffix!r}; use .txt, .jsonl, .bin, .parquet, .arrow or a directory"
+            raise ValueError(
+                f"{named_by}: {name} has suffix {path.suffix!r}; use .txt, .jsonl, .bin, .parquet, .arrow or a directory"
             )
         if chat:
             for k, ids in enumerate(columns["ids"]):
@@ -153,11 +154,11 @@ def file_documents(
         else:
             docs += columns["ids"]
     if not docs:
-        raise ShardlabError(f"data.paths: {', '.join(data.paths)} hold no documents; add a non-empty file")
+        raise ValueError(f"{named_by}: {', '.join(data.paths)} hold no documents; add a non-empty file")
     return docs, masks if chat else None
 
 
-def _jsonl_values(name: str, text: str, field: str) -> tuple[list[Any], list[str]]:
+def _jsonl_values(name: str, text: str, field: str, named_by: str) -> tuple[list[Any], list[str]]:
     """Each line's `field` and how an error names it (`data.paths: FILE:LINE`); blank lines are skipped."""
     values, wheres = [], []
     for lineno, line in enumerate(text.splitlines(), start=1):
@@ -166,11 +167,11 @@ def _jsonl_values(name: str, text: str, field: str) -> tuple[list[Any], list[str
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ShardlabError(
-                f"data.paths: {name}:{lineno} is not valid JSON ({err.msg}); fix or drop the line"
+            raise ValueError(
+                f"{named_by}: {name}:{lineno} is not valid JSON ({err.msg}); fix or drop the line"
             ) from None
         values.append(record.get(field) if isinstance(record, dict) else None)
-        wheres.append(f"data.paths: {name}:{lineno}")
+        wheres.append(f"{named_by}: {name}:{lineno}")
     return values, wheres
 
 
@@ -188,18 +189,18 @@ def text_records(encoder: Encoder, field: str) -> RecordEncoder:
     return records
 
 
-def _bin_tokens(path: Path, dtype: str, vocab_size: int) -> np.ndarray:
+def _bin_tokens(path: Path, dtype: str, vocab_size: int, named_by: str) -> np.ndarray:
     itemsize = np.dtype(dtype).itemsize
     size = path.stat().st_size
     if size == 0 or size % itemsize:
-        raise ShardlabError(
-            f"data.paths: {path} is {size} bytes, not a positive multiple of {itemsize} (data.bin_dtype={dtype}); "
+        raise ValueError(
+            f"{named_by}: {path} is {size} bytes, not a positive multiple of {itemsize} (data.bin_dtype={dtype}); "
             "check data.bin_dtype"
         )
     tokens = np.memmap(path, dtype=dtype, mode="r")
     if vocab_size <= np.iinfo(tokens.dtype).max and (top := int(tokens.max())) >= vocab_size:
-        raise ShardlabError(
-            f"data.paths: {path} holds token id {top} but model.vocab_size={vocab_size}; "
+        raise ValueError(
+            f"{named_by}: {path} holds token id {top} but model.vocab_size={vocab_size}; "
             f"set model.vocab_size > {top} or re-tokenize with a smaller vocabulary"
         )
     return tokens

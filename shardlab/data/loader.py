@@ -178,11 +178,13 @@ def make_loader(
     micro_batches: int = 1,
     tokenizer: Tokenizer | None = None,
     split: Split = "all",
+    named_by: str = "data.paths",
 ) -> TokenLoader:
     """The loader for data-parallel rank `dp_rank` of `dp_size`, positioned at step 0. micro_batches: per step on
     each rank (`Config.micro_batches`); it decides which rows a rank gets, not which rows a step has. tokenizer:
     what turns text into ids (`shardlab.data.tokenizer`; None: byte-level tokens). split: every document ("all"), all
-    but the held-out ones ("train"), or only those ("held_out": `hold_out`)."""
+    but the held-out ones ("train"), or only those ("held_out": `hold_out`). named_by: the config field that named
+    data.paths, which errors about the files lead with (an evaluation's: eval.paths)."""
     if global_batch % dp_size:
         raise ShardlabError(
             f"train.global_batch={global_batch} is not divisible by the data-parallel size {dp_size}; "
@@ -230,7 +232,7 @@ def make_loader(
         if data.source == "stdlib":
             docs, masks = records(*stdlib_texts())["ids"], None
         else:
-            docs, masks = file_documents(data, vocab_size, records, key, seq_len)
+            docs, masks = file_documents(data, vocab_size, records, key, seq_len, named_by)
         corpus = _Corpus(hold_out(docs, split), seed, None if masks is None else hold_out(masks, split))
         digest.update(corpus.lengths.tobytes())
         for doc in corpus.docs:  # text documents are hashed whole, .bin memmaps by their ends

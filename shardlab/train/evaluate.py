@@ -47,7 +47,7 @@ def eval_loader(
     return make_loader(
         data, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch, vocab_size=vocab_size,
         dp_rank=dp_rank, dp_size=dp_size, micro_batches=micro_batches, tokenizer=tokenizer,
-        split="all" if cfg.eval.paths else "held_out",
+        split="all" if cfg.eval.paths else "held_out", named_by="eval.paths" if cfg.eval.paths else "data.paths",
     )  # fmt: skip
 
 
