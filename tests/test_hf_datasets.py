@@ -145,6 +145,19 @@ def test_a_directory_of_empty_jsonl_files_says_it_holds_no_documents(tmp_path: P
         )
 
 
+def test_a_bad_json_line_prints_only_shardlabs_line(tmp_path: Path, capfd: pytest.CaptureFixture, caplog):
+    """On a bad JSON line in a directory, datasets' logger says nothing (it logged its reader's failure on a line of
+    its own before shardlab's error); the error names the file and line, and the logger's level is as it was."""
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.jsonl").write_text('{"text": "fine"}\n{oops\n')
+    level = datasets.logging.get_logger().level
+    with pytest.raises(ValueError, match=r"^data\.paths: .*bad/x\.jsonl:2 is not valid JSON"):
+        batches(files(tmp_path / "bad", tmp_path / "cache"))
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "") and not [r for r in caplog.records if r.name.startswith("datasets")]
+    assert datasets.logging.get_logger().level == level
+
+
 def test_bad_datasets_are_one_line(tmp_path: Path):
     path = tmp_path / "rows.parquet"
     datasets.Dataset.from_dict({"body": TEXTS}).to_parquet(path)

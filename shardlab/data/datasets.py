@@ -184,13 +184,19 @@ def _check_json_lines(files: list[Path], named_by: str) -> int:
 
 @contextmanager
 def _quiet(datasets: Any) -> Iterator[None]:
-    """No `datasets` progress bars while the CLI checks the data before launch: its output is one line per run (or
-    one error line), and the bars would come back on every rank."""
+    """No `datasets` progress bars or log lines while the CLI checks the data before launch: its output is one line
+    per run (or one error line), the bars would come back on every rank, and the library logs a reader's failure
+    (a bad JSON line) on a line of its own before shardlab's error names the file and line. Its logger (whose level
+    its modules' loggers inherit) lets nothing below CRITICAL through, for this call only."""
     enabled = datasets.is_progress_bar_enabled()
+    logger = datasets.logging.get_logger()  # the library's root logger
+    level = logger.level
     datasets.disable_progress_bars()
+    logger.setLevel(datasets.logging.CRITICAL)
     try:
         yield
     finally:
+        logger.setLevel(level)
         if enabled:
             datasets.enable_progress_bars()
 
