@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 import zlib
 from pathlib import Path
 
@@ -95,6 +96,31 @@ def tiny(run_dir: Path, **checkpoint) -> Config:
         data=DataConfig(source="synthetic"),
         checkpoint=CheckpointConfig(**{"every": 1, **checkpoint}),
     )
+
+
+def test_one_process_saves_and_loads_without_torchs_single_process_warning(tmp_path):
+    """Saving, resuming and exporting in one process, as shardlab means to, do not show torch's "assuming the intent
+    is to save/load in a single process" warning; only that warning is dropped, and the process's warning filters
+    are as they were."""
+    from shardlab.train.checkpoint import export_to_hf
+
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train(tiny(tmp_path, every=2), write=False, until=2)  # saves
+        train(tiny(tmp_path, every=2), write=False, until=4)  # loads, saves
+        export_to_hf(tmp_path, tmp_path / "hf")  # loads
+    messages = [str(w.message) for w in seen]
+    assert not [m for m in messages if "assuming the intent is to" in m], messages
+    assert warnings.filters == before
+
+    from shardlab.train.checkpoint import _one_process
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with _one_process(True):
+            warnings.warn("torch.distributed is disabled: another warning", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["torch.distributed is disabled: another warning"]
 
 
 def test_keeps_the_newest_k(tmp_path):

@@ -15,8 +15,10 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,26 @@ TMP_SUFFIX = ".tmp"
 STATE_FILE = "train_state.json"
 MODEL_FILE = "model.json"
 """What identifies the model (`ModelProvider.identity`): compared on resume, read by export."""
+
+
+_ONE_PROCESS_WARNING = (
+    r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to (save|load) in a single "
+    r"process"
+)
+"""What DCP warns on every save or load without a process group."""
+
+
+@contextmanager
+def _one_process(no_dist: bool) -> Iterator[None]:
+    """Around a DCP save or load that shardlab makes in one process on purpose (`no_dist`): without torch's warning
+    that it assumes one process, which is the intent. That warning alone, for the call alone (the filters are the
+    process's again after it); with a process group, nothing changes."""
+    if not no_dist:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING, category=UserWarning)
+        yield
 
 
 def step_dir(checkpoints: Path, step: int) -> Path:
@@ -271,7 +293,9 @@ def save(
     tensors = _tensors(state)
     no_dist = not dist.is_initialized()  # one process: DCP needs no process group
     write = dcp.async_save if async_save else dcp.save
-    future = write(tensors, checkpoint_id=str(tmp), no_dist=no_dist, process_group=group)
+    # an async save warns from DCP's own thread, after this call may have returned: no filter scoped to it reaches
+    with _one_process(no_dist and not async_save):
+        future = write(tensors, checkpoint_id=str(tmp), no_dist=no_dist, process_group=group)
     rank = dist.get_rank(group) if dist.is_initialized() else 0  # the rank DCP names this rank's files by
     if async_save:
         own = _after(future, tmp, rank)
@@ -348,7 +372,8 @@ def load(
     loader.load_state_dict(meta["data"])
     tensors = _tensors(state)
     verify(path, tensors["model"])  # before anything is loaded: a damaged checkpoint changes nothing
-    dcp.load(tensors, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    with _one_process(no_dist := not dist.is_initialized()):
+        dcp.load(tensors, checkpoint_id=str(path), no_dist=no_dist)
     set_model_state_dict(state.model, tensors["model"])
     set_optimizer_state_dict(state.model, state.optim, tensors["optim"], options=OPTIM_OPTIONS)
     _set_rng_state(meta)
@@ -435,7 +460,8 @@ def export_to_hf(source: Path, out: Path, model: ModelProvider | None = None) ->
     provider.materialize(model, "cpu", cfg.train.seed)
     tensors = {"model": get_model_state_dict(model)}
     verify(step, tensors["model"])
-    dcp.load(tensors, checkpoint_id=str(step), no_dist=True)
+    with _one_process(True):
+        dcp.load(tensors, checkpoint_id=str(step), no_dist=True)
     set_model_state_dict(model, tensors["model"])
     tokenizer = {name: (step / name).read_bytes() for name in TOKENIZER_FILES if (step / name).is_file()}
     to_hf(model, out, provider=provider, extra_files=tokenizer)
