@@ -5,6 +5,7 @@ directories and unsupported layouts fail in one line before anything launches.""
 from __future__ import annotations
 
 import json
+import re
 
 import msgspec
 import pytest
@@ -200,6 +201,23 @@ def test_norms_with_a_weight_per_head_refuse_tp():
         HFCausalLM.from_dict(cohere, "cohere").check(Config(mesh=MeshSpec(dp_shard=2, tp=2)))
     HFCausalLM.from_dict(cohere, "cohere").check(Config(mesh=MeshSpec(dp_shard=4)))
     HFCausalLM.from_dict(cohere | {"use_qk_norm": False}, "cohere").check(Config(mesh=MeshSpec(dp_shard=2, tp=2)))
+
+
+def test_norms_over_all_heads_refuse_tp_for_that_reason():
+    """OLMo2's q/k norms have one weight across every head's features: tp is refused naming the norm and why, not
+    as a fused weight (its q_proj is a plain projection, which transformers' plan gathers for the norm)."""
+    olmo2 = {"model_type": "olmo2", **SHAPE, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+    with pytest.raises(ValueError) as err:
+        HFCausalLM.from_dict(olmo2, "olmo2").check(Config(mesh=MeshSpec(dp_shard=2, tp=2)))
+    assert re.search(
+        r"model\.layers\.0\.self_attn\.q_norm normalises over all heads together \(one weight across their 64 "
+        r"features\), which a rank holding a share of the heads cannot compute; use mesh\.tp=1",
+        str(err.value),
+    ), err.value
+    assert "fused" not in str(err.value)
+    HFCausalLM.from_dict(olmo2, "olmo2").check(Config(mesh=MeshSpec(dp_shard=4)))  # FSDP is fine
+    qwen3 = HFCausalLM.from_dict({"model_type": "qwen3", **SHAPE}, "qwen3")  # q/k norms of head_dim: per head
+    qwen3.check(Config(mesh=MeshSpec(dp_shard=2, tp=2)))
 
 
 def test_attention_given_the_hidden_states_by_position_refuses_sequence_parallelism():

@@ -30,6 +30,7 @@ from shardlab.models.transformers.rules import (
     hf_rules,
     per_head_norms,
     unsplittable,
+    whole_width_norms,
 )
 from shardlab.models.transformers.stage import TransformersStage, call_causal_lm
 from shardlab.sharding.experts import is_stacked_experts
@@ -269,6 +270,14 @@ class HFCausalLM(ModelProvider):
     def _check_tensor_parallel(self, cfg: Config, where: str) -> None:
         """What transformers' TP plan and this model's code leave tensor parallelism unable to split exactly."""
         model = self.meta_model()
+        across = whole_width_norms(model)  # before `unsplittable`: the projections transformers gathers for them
+        if across:
+            width = next(p.numel() for p in model.get_submodule(across[0]).parameters(recurse=False))
+            raise ValueError(
+                f"{where}: mesh.tp={cfg.mesh.tp}, but {across[0]} normalises over all heads together (one weight "
+                f"across their {width} features), which a rank holding a share of the heads cannot compute; use "
+                "mesh.tp=1 (FSDP/HSDP) for this model"
+            )
         whole = unsplittable(model)
         if whole:
             raise ShardlabError(

@@ -7,7 +7,8 @@ class's own `_tp_plan` for the head): module globs -> "colwise", "rowwise", "rep
 the vocabulary-parallel embedding, the loss-parallel head, sequence-parallel norms (the residual stream split over
 tp between the projections), the blocks (FSDP units, checkpointing, compile) and the attention modules. Fused
 projections that transformers shards by gathering their output (Phi-3's `qkv_proj`, `gate_up_proj`) are kept whole
-over tp; `unsplittable` names them so a layout with tp > 1 is refused in one line. Stacked experts (Mixtral,
+over tp; `unsplittable` names them so a layout with tp > 1 is refused in one line (and `whole_width_norms` the norms
+over all heads, OLMo2's, for which transformers gathers plain q/k/v projections). Stacked experts (Mixtral,
 Qwen3-MoE) are split by experts over ep x tp (`shardlab.sharding.experts.stacked_experts`), their MoE block
 taking the whole sequence and handing back its shard.
 """
@@ -140,7 +141,8 @@ def _param_axes(d: Decoder, model: nn.Module) -> Iterator[tuple[str, tuple[str |
 
 
 def unsplittable(model: nn.Module) -> tuple[str, ...]:
-    """Modules whose weights tensor parallelism cannot split by heads exactly (fused q/k/v or gate/up projections):
+    """Modules whose weights tensor parallelism cannot split by heads exactly (fused q/k/v or gate/up projections;
+    or plain q/k/v projections whose output a norm over all heads needs whole, see `whole_width_norms`):
     transformers' plan gathers them; shardlab refuses tp > 1 for these models. Stacked experts split by experts."""
     d = Decoder(model)
     experts = _experts_globs(d, model)
@@ -166,6 +168,20 @@ def per_head_norms(model: nn.Module) -> tuple[str, ...]:
         f for f, m in model.named_modules()
         if f.startswith(f"{d.layers}.0.") and "norm" in type(m).__name__.lower()
         and any(p.ndim > 1 for p in m.parameters(recurse=False))
+    )  # fmt: skip
+
+
+def whole_width_norms(model: nn.Module) -> tuple[str, ...]:
+    """Norms in the first block's attention with one weight across every head's features ([heads * head_dim]: OLMo2's
+    q/k norms normalise the whole projection's output at once), which a rank holding a share of the heads cannot
+    compute; transformers' plan gathers the q/k/v outputs for them, and shardlab refuses tp > 1 for these models."""
+    d = Decoder(model)
+    widths = {d.heads * d.head_dim, d.kv_heads * d.head_dim} - {d.head_dim}  # a norm of head_dim is per head
+    inside = tuple(a.replace(d.blocks, f"{d.layers}.0", 1) + "." for a in d.attention)
+    return tuple(
+        f for f, m in model.named_modules()
+        if f.startswith(inside) and "norm" in type(m).__name__.lower()
+        and any(p.ndim == 1 and p.numel() in widths for p in m.parameters(recurse=False))
     )  # fmt: skip
 
 
