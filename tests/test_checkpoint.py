@@ -386,6 +386,35 @@ def test_a_garbage_train_state_without_a_manifest_is_damage_named_in_one_line(tm
         resolve_resume(str(older), tmp_path / "checkpoints")
 
 
+def test_export_speaks_of_exporting_not_resuming(tmp_path, capsys):
+    """An export past a damaged newest checkpoint says it exports the one before; with none intact it says there is
+    nothing to export; a damaged step without a manifest says to export another step: never a word of resuming."""
+    from shardlab.train.checkpoint import export_to_hf
+
+    older, newest = two_checkpoints(tmp_path)
+    damage(newest / "__0_0.distcp", "truncate")
+    capsys.readouterr()
+    assert export_to_hf(tmp_path, tmp_path / "hf") == older
+    warning = capsys.readouterr().err
+    assert re.fullmatch(
+        rf"warning: export skips step-00000004: {MESSAGE['truncate']}; exporting step-00000002\n", warning
+    ), warning
+    damage(older / "__0_0.distcp", "truncate")
+    with pytest.raises(ValueError) as err:
+        export_to_hf(tmp_path, tmp_path / "hf2")
+    assert re.fullmatch(
+        r"export: no intact checkpoint in '.*checkpoints' \(newest step-00000004: data file __0_0\.distcp is "
+        r"truncated \(\d+ of \d+ bytes\)\); nothing to export until a checkpoint is restored or trained again",
+        str(err.value),
+    ), err.value
+    (older / MANIFEST_FILE).unlink()  # trusted: the size check before loading finds the damage
+    with pytest.raises(
+        ValueError, match=r"data file __0_0\.distcp is truncated \(\d+ of \d+ bytes\); export another step$"
+    ):
+        export_to_hf(older, tmp_path / "hf3")
+    assert "resum" not in capsys.readouterr().err
+
+
 def test_no_intact_checkpoint_is_an_error(tmp_path):
     older, newest = two_checkpoints(tmp_path)
     damage(older / "train_state.json", "flip")

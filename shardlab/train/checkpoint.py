@@ -113,14 +113,11 @@ def resolve_resume(resume: str, checkpoints: Path, *, checksums: bool = True) ->
     if resume == "none":
         return None
     if resume == "auto":
-        skipped: list[str] = []
-        for path in reversed(committed(checkpoints)):
-            problem = damage(path, checksums)
-            if problem is None:
-                for line in skipped:
-                    _warn(f"checkpoint.resume=auto skips {line}; resuming from {path.name}")
-                return path
-            skipped.append(f"{path.name}: {problem}")
+        path, skipped = newest_intact(checkpoints, checksums)
+        if path is not None:
+            for line in skipped:
+                _warn(f"checkpoint.resume=auto skips {line}; resuming from {path.name}")
+            return path
         if skipped:
             raise ShardlabError(
                 f"checkpoint.resume=auto: no intact checkpoint in {str(checkpoints)!r} (newest {skipped[0]}); "
@@ -136,6 +133,18 @@ def resolve_resume(resume: str, checkpoints: Path, *, checksums: bool = True) ->
     if problem is not None:
         raise ShardlabError(f"checkpoint.resume={resume!r}: {problem}; resume from another step")
     return path
+
+
+def newest_intact(checkpoints: Path, checksums: bool = True) -> tuple[Path | None, list[str]]:
+    """The newest committed checkpoint that matches its manifest (None when none does), and what is wrong with each
+    newer one ("step-...: why", newest first). Collective in a process group (see `damage`)."""
+    skipped: list[str] = []
+    for path in reversed(committed(checkpoints)):
+        problem = damage(path, checksums)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"{path.name}: {problem}")
+    return None, skipped
 
 
 def damage(path: Path, checksums: bool = True) -> str | None:
@@ -399,14 +408,15 @@ def saved_identity(path: Path) -> dict | None:
     return LlamaProvider(msgspec.json.decode(config_file.read_bytes(), type=Config).model).identity()
 
 
-def verify(path: Path, model_state: dict) -> None:
+def verify(path: Path, model_state: dict, fix: str = "resume from another step") -> None:
     """Check that a checkpoint is whole and fits the model: every parameter present with its shape, and
-    every data file present and long enough for the bytes the metadata says it holds."""
+    every data file present and long enough for the bytes the metadata says it holds. fix: what an error about a
+    damaged checkpoint tells the user to do (an export's: export another step)."""
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # torch raises several kinds for an unreadable .metadata
-        raise ShardlabError(
-            f"checkpoint {str(path)!r}: unreadable .metadata ({type(err).__name__}: {err}); resume from another step"
+        raise ValueError(
+            f"checkpoint {str(path)!r}: unreadable .metadata ({type(err).__name__}: {err}); {fix}"
         ) from None
     saved = metadata.state_dict_metadata
     for fqn, tensor in model_state.items():
@@ -425,11 +435,11 @@ def verify(path: Path, model_state: dict) -> None:
     for name, size in sorted(needed.items()):
         file = path / name
         if not file.is_file():
-            raise ShardlabError(f"checkpoint {str(path)!r}: data file {name} is missing; resume from another step")
+            raise ValueError(f"checkpoint {str(path)!r}: data file {name} is missing; {fix}")
         if file.stat().st_size < size:
             raise ShardlabError(
                 f"checkpoint {str(path)!r}: data file {name} is truncated ({file.stat().st_size} of {size} bytes); "
-                "resume from another step"
+                f"{fix}"
             )
 
 
@@ -442,13 +452,24 @@ def export_to_hf(source: Path, out: Path, model: ModelProvider | None = None) ->
     """
     from shardlab.hf import to_hf
 
-    step = source if (source / STATE_FILE).is_file() else resolve_resume("auto", source / "checkpoints")
-    if step == source and (problem := damage(step)) is not None:
-        raise ShardlabError(f"export: {str(step)!r}: {problem}; export another step")
-    if step is None:
-        raise ShardlabError(
-            f"export: {str(source)!r} holds no committed checkpoint (no checkpoints/step-*); give a run or step directory"
-        )
+    if (source / STATE_FILE).is_file():
+        step = source
+        if (problem := damage(step)) is not None:
+            raise ValueError(f"export: {str(step)!r}: {problem}; export another step")
+    else:
+        step, skipped = newest_intact(source / "checkpoints")
+        if step is None and skipped:
+            raise ValueError(
+                f"export: no intact checkpoint in {str(source / 'checkpoints')!r} (newest {skipped[0]}); nothing "
+                "to export until a checkpoint is restored or trained again"
+            )
+        if step is None:
+            raise ValueError(
+                f"export: {str(source)!r} holds no committed checkpoint (no checkpoints/step-*); give a run or step "
+                "directory"
+            )
+        for line in skipped:
+            _warn(f"export skips {line}; exporting {step.name}")
     config_file = step / "config.json"
     if not config_file.is_file():
         raise ShardlabError(f"export: {str(step)!r} has no config.json; it is not a shardlab checkpoint")
@@ -459,7 +480,7 @@ def export_to_hf(source: Path, out: Path, model: ModelProvider | None = None) ->
         model = provider.build()
     provider.materialize(model, "cpu", cfg.train.seed)
     tensors = {"model": get_model_state_dict(model)}
-    verify(step, tensors["model"])
+    verify(step, tensors["model"], fix="export another step")
     with _one_process(True):
         dcp.load(tensors, checkpoint_id=str(step), no_dist=True)
     set_model_state_dict(model, tensors["model"])
