@@ -121,10 +121,9 @@ def test_the_cli_checks_the_tokenizer_before_launch(tok_dir, capsys, monkeypatch
     assert "\n" not in err and re.search(r"has 300 tokens but model.vocab_size is 256", err), err
 
 
-def test_checkpoints_and_exports_carry_the_tokenizer(tok_dir, tmp_path):
-    """A transformers model trained on its directory's tokenizer: the checkpoint holds the tokenizer's files and
-    `export --to-hf` writes them, so transformers loads model and tokenizer (chat template included) from it."""
-    from shardlab.train.checkpoint import export_to_hf
+def trained_from_a_model_dir(tok_dir: Path, tmp_path: Path) -> Path:
+    """A tiny Qwen3 directory (weights, generation_config.json, the tokenizer of `tok_dir`) trained one step into
+    tmp_path/run, which holds its checkpoint; the directory is tmp_path/model."""
     from shardlab.train.loop import train
 
     model_dir = tmp_path / "model"
@@ -143,12 +142,42 @@ def test_checkpoints_and_exports_carry_the_tokenizer(tok_dir, tmp_path):
     )
     cfg = msgspec.structs.replace(cfg, checkpoint=msgspec.structs.replace(cfg.checkpoint, every=1))
     train(cfg)
-    step = tmp_path / "run" / "checkpoints" / "step-00000001"
+    return tmp_path / "run"
+
+
+def test_checkpoints_and_exports_carry_the_tokenizer(tok_dir, tmp_path):
+    """A transformers model trained on its directory's tokenizer: the checkpoint holds the tokenizer's files and
+    `export --to-hf` writes them, so transformers loads model and tokenizer (chat template included) from it."""
+    from shardlab.train.checkpoint import export_to_hf
+
+    run = trained_from_a_model_dir(tok_dir, tmp_path)
+    step = run / "checkpoints" / "step-00000001"
     assert (step / "tokenizer.json").is_file() and (step / "tokenizer_config.json").is_file()
-    export_to_hf(tmp_path / "run", tmp_path / "hf")
+    export_to_hf(run, tmp_path / "hf")
     exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert exported.chat_template == TEMPLATE
     assert exported("the lazy fox")["input_ids"] == load_tokenizer(str(tok_dir))._tok("the lazy fox")["input_ids"]
     assert np.array_equal(
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").model.embed_tokens.weight.shape, (512, 32)
+    )
+
+
+def test_an_export_carries_the_generation_config_and_the_runs_tokenizer(tok_dir, tmp_path):
+    """The export of a run trained from a transformers directory holds that directory's generation_config.json, and
+    the run's tokenizer even from a checkpoint saved without its files (the tokenizer the run's config names)."""
+    from shardlab.data.tokenizer import FILES
+    from shardlab.train.checkpoint import export_to_hf
+
+    run = trained_from_a_model_dir(tok_dir, tmp_path)
+    generation = (tmp_path / "model" / "generation_config.json").read_bytes()
+    export_to_hf(run, tmp_path / "hf")
+    assert (tmp_path / "hf" / "generation_config.json").read_bytes() == generation
+    step = run / "checkpoints" / "step-00000001"
+    for name in [*FILES, "manifest.json"]:  # as a checkpoint saved before checkpoints carried the tokenizer
+        (step / name).unlink(missing_ok=True)
+    export_to_hf(run, tmp_path / "older")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "older" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "older").to_json_string() == (
+        transformers.GenerationConfig.from_pretrained(tmp_path / "model").to_json_string()
     )

@@ -40,7 +40,7 @@ from shardlab._faults import fault_point
 from shardlab.config import Config
 from shardlab.data.loader import TokenLoader
 from shardlab.data.tokenizer import FILES as TOKENIZER_FILES
-from shardlab.data.tokenizer import run_tokenizer
+from shardlab.data.tokenizer import load_tokenizer, run_tokenizer, tokenizer_path
 from shardlab.models import provider_for
 from shardlab.models.llama.provider import LlamaProvider
 from shardlab.models.provider import ModelProvider, first_difference
@@ -484,9 +484,30 @@ def export_to_hf(source: Path, out: Path, model: ModelProvider | None = None) ->
     with _one_process(True):
         dcp.load(tensors, checkpoint_id=str(step), no_dist=True)
     set_model_state_dict(model, tensors["model"])
-    tokenizer = {name: (step / name).read_bytes() for name in TOKENIZER_FILES if (step / name).is_file()}
-    to_hf(model, out, provider=provider, extra_files=tokenizer)
+    to_hf(model, out, provider=provider, extra_files=_export_files(step, cfg))
     return step
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def _export_files(step: Path, cfg: Config) -> dict[str, bytes]:
+    """What an export writes beside the weights: the run's tokenizer, as the checkpoint saved it (a checkpoint saved
+    without its files: the tokenizer the run's config names, where it still is), and the generation_config.json of
+    the transformers model directory the run trained from (model.hf_path), when it has one."""
+    files = {name: (step / name).read_bytes() for name in TOKENIZER_FILES if (step / name).is_file()}
+    if not files and (path := tokenizer_path(cfg)) is not None:
+        if Path(path).exists():
+            files = load_tokenizer(path).files()
+        else:
+            _warn(f"export: the run's tokenizer {path!r} is neither in the checkpoint nor there; the export has none")
+    if cfg.model.hf_path is not None:
+        generation = Path(cfg.model.hf_path) / GENERATION_CONFIG
+        if generation.is_file():
+            files[GENERATION_CONFIG] = generation.read_bytes()
+        elif not Path(cfg.model.hf_path).is_dir():
+            _warn(f"export: model.hf_path={cfg.model.hf_path!r} is gone; the export has no {GENERATION_CONFIG} from it")
+    return files
 
 
 def saved_provider(step: Path, cfg: Config, model: ModelProvider | None = None) -> ModelProvider:
