@@ -136,6 +136,23 @@ def test_to_hf_splits_into_shards_with_an_index(tmp_path):
     assert (logits(from_hf(tmp_path / "out")) - logits(model)).abs().max().item() == 0
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_exported_file_gets_the_mode_of_a_new_file(tmp_path, umask):
+    """The weights (one file or shards), the config, the index and the files written beside them get the mode any
+    new file gets under the umask (0644 under 022), not the 0600 of safetensors' temporary file."""
+    model = small_llama()
+    before = os.umask(umask)
+    try:
+        to_hf(model, tmp_path / "one", extra_files={"tokenizer.json": b"{}"})
+        to_hf(model, tmp_path / "shards", max_shard_bytes=40_000)
+    finally:
+        os.umask(before)
+    assert sorted(os.listdir(tmp_path / "one")) == ["config.json", "model.safetensors", "tokenizer.json"]
+    for out in ("one", "shards"):
+        modes = {f.name: oct(f.stat().st_mode & 0o777) for f in (tmp_path / out).iterdir()}
+        assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
 def test_to_hf_accepts_a_state_dict(tmp_path):
     model = small_llama(tied=True)
     to_hf(model.state_dict(), tmp_path / "out", config=model.cfg)

@@ -108,6 +108,7 @@ def to_hf(
             _write_metadata(tmp, hf_config, tensors[0][1].dtype, weight_map, total)
             for name, data in (extra_files or {}).items():
                 (tmp / name).write_bytes(data)
+            _as_new_files(tmp)
             os.replace(tmp, target)
         except OSError as e:
             error = f"{target}: cannot finish the export ({e}); check the disk and permissions"
@@ -152,6 +153,19 @@ def _write_metadata(tmp: Path, hf_config: dict, dtype: torch.dtype, weight_map: 
     if len(set(weight_map.values())) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _as_new_files(directory: Path) -> None:
+    """Give every file in `directory` the mode a file created there gets (0666 less the umask): safetensors writes
+    each file through a temporary one of mode 0600, which kept the weights from everyone but their writer. The mode
+    is read from a file made for it, as the umask cannot be read without setting it for every thread."""
+    probe = directory / ".mode"
+    probe.touch()
+    mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    for file in directory.iterdir():
+        if file.is_file():
+            file.chmod(mode)
 
 
 def _raise_on_every_rank(error: str | None) -> None:
