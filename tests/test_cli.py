@@ -101,7 +101,11 @@ def help_of(args: list[str], capsys) -> str:
         (["plan", "--help"], "python -m shardlab plan RECIPE [-h] [--debug] [--world N]", ["come with a RECIPE"]),
         (["estimate", "--help"], "python -m shardlab estimate RECIPE [-h] [--debug] [--world N] [--device D]", ["cpu"]),
         (["search", "-h"], "python -m shardlab search RECIPE [-h] [OPTIONS]", SEARCH_FLAGS),
-        (["export", "--help"], "python -m shardlab export [-h] RUN_DIR [--debug] --to-hf OUT [--recipe RECIPE]", ["HFExport"]),
+        (
+            ["export", "--help"],
+            "python -m shardlab export [-h] RUN_DIR [--debug] --to-hf OUT [--recipe RECIPE]",
+            ["HFExport"],
+        ),
         (
             ["recipes/llama_fsdp_tp.py", "--help"],
             "python -m shardlab recipes/llama_fsdp_tp.py [-h] [OPTIONS]",

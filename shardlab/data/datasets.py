@@ -43,10 +43,10 @@ def dataset_rows(name: str, field: str, cache_dir: str, named_by: str = "data.pa
     path = Path(name)
     files = sorted(f for f in path.rglob("*") if f.suffix in BUILDERS and f.is_file()) if path.is_dir() else [path]
     if not files:
-        raise ValueError(f"{named_by}: {name} holds no {', '.join(BUILDERS)} files; point it at a dataset directory")
+        raise ShardlabError(f"{named_by}: {name} holds no {', '.join(BUILDERS)} files; point it at a dataset directory")
     kinds = {BUILDERS[f.suffix] for f in files}
     if len(kinds) > 1:
-        raise ValueError(
+        raise ShardlabError(
             f"{named_by}: {name} mixes {' and '.join(sorted(kinds))} files; give each format its own directory"
         )
     try:
@@ -59,17 +59,17 @@ def dataset_rows(name: str, field: str, cache_dir: str, named_by: str = "data.pa
         if BUILDERS[files[0].suffix] == "json" and not _check_json_lines(
             files, named_by
         ):  # datasets says StopIteration
-            raise ValueError(
+            raise ShardlabError(
                 f"{named_by}: {name} holds no documents: its .jsonl files are empty or blank; add one JSON record per line"
             ) from None
         while e.__cause__ is not None:  # datasets wraps the reader's own error ("Couldn't cast ...")
             e = e.__cause__
         lines = str(e).splitlines() or [type(e).__name__]
         why = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
-        raise ValueError(f"{named_by}: {name} is not a readable dataset ({why})") from None
+        raise ShardlabError(f"{named_by}: {name} is not a readable dataset ({why})") from None
     if field not in rows.column_names:
         hint = "set data.jsonl_field to the field holding the text" if field != "messages" else "chat rows need it"
-        raise ValueError(
+        raise ShardlabError(
             f"{named_by}: {name} has no field {field!r} (its fields: {', '.join(rows.column_names)}); {hint}"
         )
     return rows, files
@@ -111,7 +111,7 @@ def dataset_documents(
     except UnicodeDecodeError as err:  # pyarrow's JSON reader passes bytes that are not UTF-8 on to the rows
         if BUILDERS[files[0].suffix] == "json":
             _check_json_lines(files, named_by)  # names the file and line
-        raise ValueError(
+        raise ShardlabError(
             f"{named_by}: {name} holds text that is not UTF-8 ({err.reason} at byte {err.start}); fix or re-encode it"
         ) from None
     finally:
@@ -175,9 +175,11 @@ def _check_json_lines(files: list[Path], named_by: str) -> int:
                     record = json.loads(line)
                 except ValueError as err:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8
                     why = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
-                    raise ValueError(f"{named_by}: {f}:{n} is not valid JSON ({why}); fix or drop the line") from None
+                    raise ShardlabError(
+                        f"{named_by}: {f}:{n} is not valid JSON ({why}); fix or drop the line"
+                    ) from None
                 if not isinstance(record, dict):
-                    raise ValueError(f"{named_by}: {f}:{n} is not a JSON object; each line holds one record")
+                    raise ShardlabError(f"{named_by}: {f}:{n} is not a JSON object; each line holds one record")
                 records += 1
     return records
 
@@ -205,5 +207,5 @@ def _datasets(name: str, named_by: str) -> Any:
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"{named_by}: {name} needs the datasets package: pip install 'shardlab[hf]'") from None
+        raise ShardlabError(f"{named_by}: {name} needs the datasets package: pip install 'shardlab[hf]'") from None
     return datasets

@@ -110,15 +110,17 @@ def file_documents(
     for name in data.paths:
         path = Path(name)
         if not path.exists():
-            raise ValueError(f"{named_by}: {name} does not exist; check the path")
+            raise ShardlabError(f"{named_by}: {name} does not exist; check the path")
         if chat and not (is_dataset(path) or path.suffix == ".jsonl"):
-            raise ValueError(f"{named_by}: {name} is not chat data; data.format='chat' reads .jsonl files or datasets")
+            raise ShardlabError(
+                f"{named_by}: {name} is not chat data; data.format='chat' reads .jsonl files or datasets"
+            )
         if is_dataset(path) or (chat and path.is_file()):
             if data.cache_dir is None:
-                raise ValueError(f"{named_by}: {name} is tokenized once into data.cache_dir, which is unset; set it")
+                raise ShardlabError(f"{named_by}: {name} is tokenized once into data.cache_dir, which is unset; set it")
             columns, where = dataset_documents(name, field, records, key, data.cache_dir, named_by)
         elif not path.is_file():
-            raise ValueError(f"{named_by}: {name} is not a file; check the path")
+            raise ShardlabError(f"{named_by}: {name} is not a file; check the path")
         elif path.suffix == ".bin":
             docs.append(_bin_tokens(path, data.bin_dtype, vocab_size, named_by))
             continue
@@ -127,7 +129,7 @@ def file_documents(
                 text = path.read_text(encoding="utf-8-sig" if path.suffix == ".jsonl" else "utf-8")
             except (OSError, UnicodeDecodeError) as err:
                 why = f"{err.reason} at byte {err.start}" if isinstance(err, UnicodeDecodeError) else err.strerror
-                raise ValueError(
+                raise ShardlabError(
                     f"{named_by}: {name} cannot be read as UTF-8 text ({why}); fix or re-encode it"
                 ) from None
             values, wheres = (
@@ -139,7 +141,7 @@ def file_documents(
             values, wheres = [values[k] for k in kept], [wheres[k] for k in kept]
             columns, where = records(values, wheres.__getitem__), wheres.__getitem__
         else:
-            raise ValueError(
+            raise ShardlabError(
                 f"{named_by}: {name} has suffix {path.suffix!r}; use .txt, .jsonl, .bin, .parquet, .arrow or a directory"
             )
         if chat:
@@ -154,7 +156,7 @@ def file_documents(
         else:
             docs += columns["ids"]
     if not docs:
-        raise ValueError(f"{named_by}: {', '.join(data.paths)} hold no documents; add a non-empty file")
+        raise ShardlabError(f"{named_by}: {', '.join(data.paths)} hold no documents; add a non-empty file")
     return docs, masks if chat else None
 
 
@@ -167,7 +169,7 @@ def _jsonl_values(name: str, text: str, field: str, named_by: str) -> tuple[list
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(
+            raise ShardlabError(
                 f"{named_by}: {name}:{lineno} is not valid JSON ({err.msg}); fix or drop the line"
             ) from None
         values.append(record.get(field) if isinstance(record, dict) else None)
@@ -193,13 +195,13 @@ def _bin_tokens(path: Path, dtype: str, vocab_size: int, named_by: str) -> np.nd
     itemsize = np.dtype(dtype).itemsize
     size = path.stat().st_size
     if size == 0 or size % itemsize:
-        raise ValueError(
+        raise ShardlabError(
             f"{named_by}: {path} is {size} bytes, not a positive multiple of {itemsize} (data.bin_dtype={dtype}); "
             "check data.bin_dtype"
         )
     tokens = np.memmap(path, dtype=dtype, mode="r")
     if vocab_size <= np.iinfo(tokens.dtype).max and (top := int(tokens.max())) >= vocab_size:
-        raise ValueError(
+        raise ShardlabError(
             f"{named_by}: {path} holds token id {top} but model.vocab_size={vocab_size}; "
             f"set model.vocab_size > {top} or re-tokenize with a smaller vocabulary"
         )

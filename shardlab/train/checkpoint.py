@@ -174,10 +174,10 @@ def _read_state(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads((path / STATE_FILE).read_bytes())
     except (OSError, ValueError) as err:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"{STATE_FILE} is unreadable ({type(err).__name__}: {err})") from None
+        raise ShardlabError(f"{STATE_FILE} is unreadable ({type(err).__name__}: {err})") from None
     kinds = {"step": int, "data": dict, "rng": list}
     if not isinstance(meta, dict) or not all(isinstance(meta.get(k), t) for k, t in kinds.items()):
-        raise ValueError(f"{STATE_FILE} is unreadable (not the object shardlab writes: step, data, rng)")
+        raise ShardlabError(f"{STATE_FILE} is unreadable (not the object shardlab writes: step, data, rng)")
     return meta
 
 
@@ -377,7 +377,7 @@ def load(
     try:
         meta = _read_state(path)
     except ValueError as err:
-        raise ValueError(f"checkpoint {str(path)!r}: {err}; resume from another step") from None
+        raise ShardlabError(f"checkpoint {str(path)!r}: {err}; resume from another step") from None
     loader.load_state_dict(meta["data"])
     tensors = _tensors(state)
     verify(path, tensors["model"])  # before anything is loaded: a damaged checkpoint changes nothing
@@ -394,7 +394,7 @@ def saved_metrics(path: Path) -> dict[str, Any] | None:
     try:
         return _read_state(path).get("metrics")
     except ValueError as err:
-        raise ValueError(f"checkpoint {str(path)!r}: {err}; resume from another step") from None
+        raise ShardlabError(f"checkpoint {str(path)!r}: {err}; resume from another step") from None
 
 
 def saved_identity(path: Path) -> dict | None:
@@ -415,7 +415,7 @@ def verify(path: Path, model_state: dict, fix: str = "resume from another step")
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # torch raises several kinds for an unreadable .metadata
-        raise ValueError(
+        raise ShardlabError(
             f"checkpoint {str(path)!r}: unreadable .metadata ({type(err).__name__}: {err}); {fix}"
         ) from None
     saved = metadata.state_dict_metadata
@@ -435,7 +435,7 @@ def verify(path: Path, model_state: dict, fix: str = "resume from another step")
     for name, size in sorted(needed.items()):
         file = path / name
         if not file.is_file():
-            raise ValueError(f"checkpoint {str(path)!r}: data file {name} is missing; {fix}")
+            raise ShardlabError(f"checkpoint {str(path)!r}: data file {name} is missing; {fix}")
         if file.stat().st_size < size:
             raise ShardlabError(
                 f"checkpoint {str(path)!r}: data file {name} is truncated ({file.stat().st_size} of {size} bytes); "
@@ -455,16 +455,16 @@ def export_to_hf(source: Path, out: Path, model: ModelProvider | None = None) ->
     if (source / STATE_FILE).is_file():
         step = source
         if (problem := damage(step)) is not None:
-            raise ValueError(f"export: {str(step)!r}: {problem}; export another step")
+            raise ShardlabError(f"export: {str(step)!r}: {problem}; export another step")
     else:
         step, skipped = newest_intact(source / "checkpoints")
         if step is None and skipped:
-            raise ValueError(
+            raise ShardlabError(
                 f"export: no intact checkpoint in {str(source / 'checkpoints')!r} (newest {skipped[0]}); nothing "
                 "to export until a checkpoint is restored or trained again"
             )
         if step is None:
-            raise ValueError(
+            raise ShardlabError(
                 f"export: {str(source)!r} holds no committed checkpoint (no checkpoints/step-*); give a run or step "
                 "directory"
             )

@@ -273,7 +273,7 @@ class HFCausalLM(ModelProvider):
         across = whole_width_norms(model)  # before `unsplittable`: the projections transformers gathers for them
         if across:
             width = next(p.numel() for p in model.get_submodule(across[0]).parameters(recurse=False))
-            raise ValueError(
+            raise ShardlabError(
                 f"{where}: mesh.tp={cfg.mesh.tp}, but {across[0]} normalises over all heads together (one weight "
                 f"across their {width} features), which a rank holding a share of the heads cannot compute; use "
                 "mesh.tp=1 (FSDP/HSDP) for this model"
