@@ -51,8 +51,8 @@ from shardlab.data.loader import make_loader
 from shardlab.estimate import estimate
 from shardlab.estimate.devices import device
 from shardlab.estimate.recorder import Recorder, axis_names, param_storages
-from shardlab.train.loop import build_model, plan_model
-from shardlab.train.step import forward_backward, init_state, make_step
+from shardlab.training.loop import build_model, plan_model
+from shardlab.training.step import forward_backward, init_state, make_step
 
 MODES = ("none", "selective", "op", "full")
 LAYOUTS = {"one": MeshSpec(dp_shard=1), "fsdp2xtp2": MeshSpec(dp_shard=2, tp=2)}

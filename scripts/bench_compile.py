@@ -21,8 +21,8 @@ from _worlds import arguments, join, report, run_worlds
 
 from shardlab.config import Config, DataConfig, LogConfig, MeshSpec, ModelConfig, OptimConfig, PlanConfig, TrainConfig
 from shardlab.data.loader import make_loader
-from shardlab.train.loop import build_model
-from shardlab.train.step import init_state, make_step
+from shardlab.training.loop import build_model
+from shardlab.training.step import init_state, make_step
 
 LAYOUTS = {"one": (1, 1), "fsdp2": (2, 1), "fsdp2xtp2": (2, 2)}
 """name -> (dp_shard, tp)."""

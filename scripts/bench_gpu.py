@@ -5,7 +5,7 @@
 
 Each variant is one `python -m shardlab` run of the recipe (the real CLI: plan, apply, step, metrics).
 Reported per variant: median tokens/s and step time over the steps after `--warmup` (compile happens in the
-first steps), MFU against the device's dense bf16 peak (shardlab.train.metrics.PEAK_BF16_TFLOPS), peak
+first steps), MFU against the device's dense bf16 peak (shardlab.training.metrics.PEAK_BF16_TFLOPS), peak
 torch.cuda.max_memory_allocated, and the first and last loss. `--out FILE` also writes the rows as JSON.
 """
 

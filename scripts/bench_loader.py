@@ -28,8 +28,8 @@ from shardlab.cli.recipe import load_recipe
 from shardlab.config import Config, DataConfig, MeshSpec
 from shardlab.data.loader import make_loader
 from shardlab.data.tokenizer import load_tokenizer
-from shardlab.train.loop import build_model
-from shardlab.train.step import init_state, make_step
+from shardlab.training.loop import build_model
+from shardlab.training.step import init_state, make_step
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "llama_fsdp_tp.py"
 

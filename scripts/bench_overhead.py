@@ -36,8 +36,8 @@ from torch.distributed.tensor.parallel import (
 from shardlab.config import Config, DataConfig, LogConfig, MeshSpec, ModelConfig, OptimConfig, TrainConfig
 from shardlab.data.loader import make_loader
 from shardlab.models.llama.provider import LlamaProvider
-from shardlab.train.loop import build_model
-from shardlab.train.step import init_state, lr_schedule, make_step
+from shardlab.training.loop import build_model
+from shardlab.training.step import init_state, lr_schedule, make_step
 
 LAYOUTS = {"fsdp2": (2, 1), "tp2": (1, 2), "fsdp2xtp2": (2, 2)}
 """name -> (dp_shard, tp)."""

@@ -31,7 +31,7 @@ def estimate_rows(recipe: str, worlds: list[int], device_name: str) -> list[dict
     from shardlab.cli.recipe import load_recipe
     from shardlab.estimate import estimate
     from shardlab.estimate.devices import device
-    from shardlab.train.loop import plan_model
+    from shardlab.training.loop import plan_model
 
     r = load_recipe(recipe)
     base = r.config
@@ -60,7 +60,7 @@ def real_estimate(recipe: str, dp: int, tp: int):
     from shardlab.cli.recipe import load_recipe
     from shardlab.estimate import estimate
     from shardlab.estimate.devices import device
-    from shardlab.train.loop import plan_model
+    from shardlab.training.loop import plan_model
 
     r = load_recipe(recipe)
     mesh = msgspec.structs.replace(r.config.mesh, dp_shard=dp, tp=tp)

@@ -72,7 +72,7 @@ def overrides(cfg) -> list[str]:
 
 def estimated(cfg, dev) -> float:
     from shardlab.estimate import estimate
-    from shardlab.train.loop import plan_model
+    from shardlab.training.loop import plan_model
 
     _, plan = plan_model(cfg)
     return estimate(cfg, plan, dev=dev).time.step_s

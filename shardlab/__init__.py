@@ -32,9 +32,9 @@ from shardlab.sharding.mesh import MeshSpec
 from shardlab.sharding.plan import Plan, make_plan
 from shardlab.sharding.rules import Activation, Rule, Rules
 from shardlab.sharding.spec import P, placements
-from shardlab.train.checkpoint import load, save
-from shardlab.train.loop import build_model, train
-from shardlab.train.step import TrainState, init_state, make_step
+from shardlab.training.checkpoint import load, save
+from shardlab.training.loop import build_model, train
+from shardlab.training.step import TrainState, init_state, make_step
 
 __version__ = _version.version()
 

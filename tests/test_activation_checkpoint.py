@@ -19,7 +19,7 @@ from shardlab.parallel._activation_checkpoint import (
     save_policy,
 )
 from shardlab.sharding.plan import Plan
-from shardlab.train.loop import build_model, plan_model, train
+from shardlab.training.loop import build_model, plan_model, train
 
 aten = torch.ops.aten
 LAYERS = 2

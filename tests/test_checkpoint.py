@@ -18,9 +18,9 @@ from shardlab._faults import EXIT_FAULT, FAULT_ENV
 from shardlab.cli.main import main
 from shardlab.config import CheckpointConfig, Config, DataConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
 from shardlab.config import MoEConfig as MoE
-from shardlab.train._manifest import MANIFEST_FILE
-from shardlab.train.checkpoint import complete, resolve_resume, step_dir
-from shardlab.train.loop import train
+from shardlab.training._manifest import MANIFEST_FILE
+from shardlab.training.checkpoint import complete, resolve_resume, step_dir
+from shardlab.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model.dim", "32", "--model.n-layers", "1", "--model.n-heads", "2", "--model.n-kv-heads", "1",
@@ -102,7 +102,7 @@ def test_one_process_saves_and_loads_without_torchs_single_process_warning(tmp_p
     """Saving, resuming and exporting in one process, as shardlab means to, do not show torch's "assuming the intent
     is to save/load in a single process" warning; only that warning is dropped, and the process's warning filters
     are as they were."""
-    from shardlab.train.checkpoint import export_to_hf
+    from shardlab.training.checkpoint import export_to_hf
 
     before = list(warnings.filters)
     with warnings.catch_warnings(record=True) as seen:
@@ -114,7 +114,7 @@ def test_one_process_saves_and_loads_without_torchs_single_process_warning(tmp_p
     assert not [m for m in messages if "assuming the intent is to" in m], messages
     assert warnings.filters == before
 
-    from shardlab.train.checkpoint import _one_process
+    from shardlab.training.checkpoint import _one_process
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -195,9 +195,9 @@ def test_export_writes_what_transformers_loads(tmp_path, moe):
     import torch
 
     from shardlab.data.loader import make_loader
-    from shardlab.train.checkpoint import export_to_hf, save
-    from shardlab.train.loop import build_model
-    from shardlab.train.step import init_state, make_step
+    from shardlab.training.checkpoint import export_to_hf, save
+    from shardlab.training.loop import build_model
+    from shardlab.training.step import init_state, make_step
 
     cfg = tiny(tmp_path)
     cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, moe=moe))
@@ -241,7 +241,7 @@ def test_init_from_hf_starts_from_those_weights(tmp_path):
 
 
 def test_export_of_a_directory_without_checkpoints_is_an_error(tmp_path):
-    from shardlab.train.checkpoint import export_to_hf
+    from shardlab.training.checkpoint import export_to_hf
 
     with pytest.raises(ValueError, match="holds no committed checkpoint"):
         export_to_hf(tmp_path, tmp_path / "out")
@@ -252,9 +252,9 @@ def test_a_damaged_checkpoint_is_refused_before_anything_loads(tmp_path, damage)
     import torch
 
     from shardlab.data.loader import make_loader
-    from shardlab.train.checkpoint import load
-    from shardlab.train.loop import build_model
-    from shardlab.train.step import init_state
+    from shardlab.training.checkpoint import load
+    from shardlab.training.loop import build_model
+    from shardlab.training.step import init_state
 
     cfg = tiny(tmp_path)
     train(cfg, write=False, until=2)
@@ -359,7 +359,7 @@ def test_a_garbage_train_state_without_a_manifest_is_damage_named_in_one_line(tm
     """In checkpoints without a manifest, a train_state.json that is not JSON (or not shardlab's object) is damage
     like any other: auto skips it naming the file, an explicit path and a read of it refuse it in one line naming
     the file and what to do, and with every checkpoint so the run stops; never a bare JSON error."""
-    from shardlab.train.checkpoint import saved_metrics
+    from shardlab.training.checkpoint import saved_metrics
 
     older, newest = two_checkpoints(tmp_path)
     for step in (older, newest):
@@ -389,7 +389,7 @@ def test_a_garbage_train_state_without_a_manifest_is_damage_named_in_one_line(tm
 def test_export_speaks_of_exporting_not_resuming(tmp_path, capsys):
     """An export past a damaged newest checkpoint says it exports the one before; with none intact it says there is
     nothing to export; a damaged step without a manifest says to export another step: never a word of resuming."""
-    from shardlab.train.checkpoint import export_to_hf
+    from shardlab.training.checkpoint import export_to_hf
 
     older, newest = two_checkpoints(tmp_path)
     damage(newest / "__0_0.distcp", "truncate")

@@ -534,7 +534,7 @@ def test_any_error_is_one_line_unless_debugging(verb, tmp_path, capsys, monkeypa
         raise RuntimeError("something broke\nwith details")
 
     from shardlab.cli import recipe
-    from shardlab.train import checkpoint
+    from shardlab.training import checkpoint
 
     monkeypatch.setattr(recipe, "load_recipe", broken)
     monkeypatch.setattr(checkpoint, "export_to_hf", broken)

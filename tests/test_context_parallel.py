@@ -12,7 +12,7 @@ from shardlab.models.llama.model import Llama, causal_attention
 from shardlab.models.llama.rules import llama_rules
 from shardlab.sharding.context import cp_positions
 from shardlab.sharding.plan import make_plan
-from shardlab.train.loop import plan_model
+from shardlab.training.loop import plan_model
 
 MODEL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
 

@@ -20,9 +20,9 @@ import pytest
 from shardlab._faults import FAULT_ENV
 from shardlab.cli.torchrun import EXIT_STOPPED
 from shardlab.config import CheckpointConfig, Config, DataConfig, LogConfig, MeshSpec, ModelConfig, TrainConfig
-from shardlab.train import loop
-from shardlab.train._preemption import Preempted
-from shardlab.train.checkpoint import complete
+from shardlab.training import loop
+from shardlab.training._preemption import Preempted
+from shardlab.training.checkpoint import complete
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ from shardlab.estimate.devices import device
 from shardlab.estimate.layouts import Layout
 from shardlab.estimate.twin import twin
 from shardlab.models import provider_for
-from shardlab.train.loop import plan_model
+from shardlab.training.loop import plan_model
 
 STEP_TOLERANCE = 0.03
 """Relative step time: FSDP's copies into and out of the gathered buffers read and write each rank's shard."""

@@ -16,8 +16,8 @@ from shardlab.config import Config, DataConfig, EvalConfig, LogConfig, MeshSpec,
 from shardlab.data.documents import hold_out
 from shardlab.data.loader import make_loader
 from shardlab.models import provider_for
-from shardlab.train.evaluate import eval_loader, make_eval
-from shardlab.train.loop import build_model, train
+from shardlab.training.evaluate import eval_loader, make_eval
+from shardlab.training.loop import build_model, train
 
 
 def tiny(every: int = 0, paths: tuple[str, ...] = (), steps: int = 4) -> Config:

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from shardlab import Config, LogConfig, ModelConfig, OptimConfig, PlanConfig, TrainConfig
 from shardlab.data.loader import make_loader
 from shardlab.estimate.probe import probe
-from shardlab.train.loop import build_model, train
-from shardlab.train.step import forward_backward, init_state, make_step
+from shardlab.training.loop import build_model, train
+from shardlab.training.step import forward_backward, init_state, make_step
 
 pytestmark = pytest.mark.gpu
 

@@ -137,7 +137,7 @@ def test_a_pipeline_runs_at_its_slowest_stage():
     """Stages of equal blocks: the last pp rank also runs the norm, the output layer and the loss, so its compute,
     not the first rank's (the busiest by blocks), is the step's."""
     from shardlab.estimate import estimate, per_step
-    from shardlab.train.loop import plan_model
+    from shardlab.training.loop import plan_model
 
     model = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=128, vocab_size=1024)
     c = Config(mesh=MeshSpec(pp=2, dp_shard=1), model=model, train=TrainConfig(global_batch=2, seq_len=32)).resolve(2)

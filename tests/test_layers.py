@@ -1,7 +1,7 @@
 """The package reads in the order of the flow: each folder imports only the folders before it, models/ holds models
 only, and no import circle exists between modules, imports inside functions and under TYPE_CHECKING included.
 
-Run: pytest tests/test_layers.py (under a second; it reads the sources, it imports nothing).
+Run: pytest tests/test_layers.py (a second; it reads the sources, and imports the folders once).
 """
 
 import ast
@@ -20,7 +20,7 @@ FOLDERS = [
     "models",
     "parallel",
     "hf",
-    "train",
+    "training",
     "estimate",
     "cli",
 ]
@@ -90,7 +90,7 @@ def test_each_folder_imports_only_the_folders_before_it():
 
 def test_models_import_nothing_that_runs_a_layout():
     wrong = [f"{m} imports {d}" for m, deps in GRAPH.items() if folder(m) == "models" for d in deps
-             if folder(d) in ("parallel", "train")]  # fmt: skip
+             if folder(d) in ("parallel", "training")]  # fmt: skip
     assert not wrong, "\n".join(wrong)
 
 
@@ -119,8 +119,8 @@ def test_no_import_circle():
 
 def test_the_check_sees_an_import_inside_a_function(tmp_path):
     source = tmp_path / "m.py"
-    source.write_text("def f():\n    from shardlab.train.step import make_step\n    import shardlab.sharding.plan\n")
-    assert imported(source) == {"train.step", "sharding.plan"}
+    source.write_text("def f():\n    from shardlab.training.step import make_step\n    import shardlab.sharding.plan\n")
+    assert imported(source) == {"training.step", "sharding.plan"}
 
 
 def test_the_circle_check_leaves_out_annotations_only(tmp_path):
@@ -129,3 +129,17 @@ def test_the_circle_check_leaves_out_annotations_only(tmp_path):
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from shardlab.sharding.plan import Plan\n"
     )
     assert imported(source) == {"sharding.plan"} and imported(source, typing=False) == set()
+
+
+def test_no_public_name_hides_a_folder():
+    """`shardlab.training.checkpoint` is the module wherever it is reached from: no name of the public API (the
+    function `shardlab.train`, say) shadows a folder's package on `shardlab`."""
+    import importlib
+    import sys
+
+    import shardlab
+
+    for name in FOLDERS:
+        if not name.startswith("_"):
+            importlib.import_module(f"shardlab.{name}")
+            assert getattr(shardlab, name) is sys.modules[f"shardlab.{name}"], name

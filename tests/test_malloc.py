@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = """
 import resource, torch
-from shardlab.train._malloc import keep_freed_memory
+from shardlab.training._malloc import keep_freed_memory
 
 def faults() -> int:
     '''Page faults of filling a new 64 MiB tensor, freed at once.'''

@@ -1,4 +1,4 @@
-"""shardlab.train.metrics: what rank 0 prints and writes (metrics.jsonl, wandb offline), and the throughput helpers.
+"""shardlab.training.metrics: what rank 0 prints and writes (metrics.jsonl, wandb offline), and the throughput helpers.
 
 Run: pytest tests/test_metrics.py (~5 s, most of it the offline wandb run; it never touches the network).
 """
@@ -15,7 +15,7 @@ import torch
 
 from shardlab.config import LogConfig
 from shardlab.models.flops import flops_per_token
-from shardlab.train.metrics import MetricsWriter, format_line, mfu, peak_memory_bytes
+from shardlab.training.metrics import MetricsWriter, format_line, mfu, peak_memory_bytes
 
 QUIET = LogConfig(progress=False, wandb="disabled")
 
@@ -114,7 +114,7 @@ def test_profile_step_traces_that_step_on_every_rank(tmp_path: Path, capsys: pyt
     """log.profile_step writes the step's Chrome trace (its matmuls and the optimizer in it) and prints the top ops;
     other steps are not traced."""
     from shardlab.config import Config, DataConfig, MeshSpec, ModelConfig, TrainConfig
-    from shardlab.train.loop import train
+    from shardlab.training.loop import train
 
     cfg = Config(
         mesh=MeshSpec(dp_shard=1),

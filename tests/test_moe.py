@@ -22,8 +22,8 @@ from shardlab.parallel.apply import apply
 from shardlab.sharding.mesh import EXPERT_AXES
 from shardlab.sharding.plan import Plan, make_plan
 from shardlab.sharding.rules import Activation, Rule
-from shardlab.train.loop import plan_model, train
-from shardlab.train.routers import Routers, balance, update_bias
+from shardlab.training.loop import plan_model, train
+from shardlab.training.routers import Routers, balance, update_bias
 
 DIM = 32
 

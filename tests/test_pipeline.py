@@ -16,7 +16,7 @@ from shardlab.models.llama.model import Llama
 from shardlab.models.llama.rules import llama_rules
 from shardlab.sharding.pipeline import bubble_fraction, split_stages, stage_ranks
 from shardlab.sharding.plan import Plan, make_plan
-from shardlab.train.loop import plan_model
+from shardlab.training.loop import plan_model
 
 MODEL = ModelConfig(dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256)
 
@@ -122,7 +122,7 @@ def _orders(schedule: str, pp: int, v: int, m: int) -> dict[int, list[tuple[int,
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     from shardlab.estimate._fake import fake_world
-    from shardlab.train.pipeline_schedule import SCHEDULE_NAMES, compute_steps, stage_actions
+    from shardlab.training.pipeline_schedule import SCHEDULE_NAMES, compute_steps, stage_actions
 
     pipeline = _placeholder_pipeline(schedule, pp, v, m)
     with fake_world(pp, 0):
@@ -272,7 +272,7 @@ def test_stage_actions_are_the_order_torchs_schedule_builds(schedule):
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     from shardlab.estimate._fake import fake_world
-    from shardlab.train.pipeline_schedule import SCHEDULE_NAMES, compute_actions, stage_actions
+    from shardlab.training.pipeline_schedule import SCHEDULE_NAMES, compute_actions, stage_actions
 
     pp, m = 4, 8
     pipeline = _placeholder_pipeline(schedule, pp, 2, m)

@@ -14,7 +14,7 @@ from shardlab.estimate.devices import device
 from shardlab.estimate.probe import _probe_layers, probe
 from shardlab.estimate.roofline import axis_bandwidth
 from shardlab.models.llama.provider import LlamaProvider
-from shardlab.train.loop import plan_model
+from shardlab.training.loop import plan_model
 
 MOE = MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=64)
 

@@ -15,7 +15,7 @@ from shardlab.config import Config, MeshSpec, ModelConfig, PlanConfig
 from shardlab.models import provider_for
 from shardlab.models.llama.provider import LlamaProvider
 from shardlab.models.provider import check_layout, first_difference
-from shardlab.train.loop import plan_model
+from shardlab.training.loop import plan_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -280,9 +280,9 @@ def test_export_round_trips_a_transformers_model(dirs, family, tmp_path):
     qwen3_dir = shutil.copytree(dirs[family], tmp_path / "source")  # removed before the export
     from shardlab.data.loader import make_loader
     from shardlab.hf import load_hf_weights
-    from shardlab.train.checkpoint import export_to_hf, save
-    from shardlab.train.loop import build_model
-    from shardlab.train.step import init_state, make_step
+    from shardlab.training.checkpoint import export_to_hf, save
+    from shardlab.training.loop import build_model
+    from shardlab.training.step import init_state, make_step
 
     cfg = msgspec.structs.replace(hf_cfg(qwen3_dir), train=msgspec.structs.replace(Config().train, seq_len=32))
     provider = provider_for(cfg)
@@ -362,9 +362,9 @@ def test_a_wrong_export_mapping_is_one_line_before_anything_is_written(tmp_path)
 def test_a_recipe_model_checkpoint_exports_with_its_recipe(tmp_path):
     """`export` needs the recipe of a recipe's own model, and refuses one whose model differs from the checkpoint's."""
     from shardlab.data.loader import make_loader
-    from shardlab.train.checkpoint import export_to_hf, save
-    from shardlab.train.loop import build_model
-    from shardlab.train.step import init_state
+    from shardlab.training.checkpoint import export_to_hf, save
+    from shardlab.training.loop import build_model
+    from shardlab.training.step import init_state
 
     provider = gpt_provider()
     cfg = msgspec.structs.replace(Config(), train=msgspec.structs.replace(Config().train, seq_len=32, global_batch=2))
@@ -398,7 +398,7 @@ def test_training_starts_from_the_directory_weights(dirs, family, tmp_path, from
 
     from shardlab.config import LogConfig, TrainConfig
     from shardlab.data.loader import make_loader
-    from shardlab.train.loop import train
+    from shardlab.training.loop import train
 
     cfg = Config(
         model=ModelConfig(hf_path=str(qwen3_dir), from_scratch=from_scratch),
@@ -437,7 +437,7 @@ def test_moe_checkpoint_names_are_transformers_own(dirs, tmp_path):
 
 def build_and_load(cfg: Config) -> None:
     from shardlab.hf import load_hf_weights
-    from shardlab.train.loop import build_model
+    from shardlab.training.loop import build_model
 
     provider = provider_for(cfg)
     model, _, _ = build_model(cfg, provider=provider)

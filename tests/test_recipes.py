@@ -9,7 +9,7 @@ from shardlab.cli.recipe import load_recipe
 from shardlab.config import ModelConfig
 from shardlab.models import provider_for
 from shardlab.models.provider import check_layout
-from shardlab.train.loop import plan_model
+from shardlab.training.loop import plan_model
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 WORLD = {

@@ -105,7 +105,7 @@ def test_layouts_whose_plan_exceeds_the_memory_are_dropped_before_any_probe():
     from shardlab.estimate.devices import device
     from shardlab.estimate.search import search
     from shardlab.models.llama.provider import LlamaProvider
-    from shardlab.train.loop import plan_model
+    from shardlab.training.loop import plan_model
 
     c = cfg(msgspec.structs.replace(MODEL, n_layers=2), global_batch=2)
     fixed = {"pp": 1, "cp": 1, "tp": 1}
@@ -122,7 +122,7 @@ def test_keeping_the_weights_gathered_never_needs_less_memory():
     """What lets the search drop a layout with reshard_after_forward=False where the same layout resharding did not
     fit: it holds every unit's gathered weights, and its forward leaves at least as much for the backward."""
     from shardlab.estimate import estimate
-    from shardlab.train.loop import plan_model
+    from shardlab.training.loop import plan_model
 
     c = cfg(msgspec.structs.replace(MODEL, n_layers=2), global_batch=2)
     found = []
@@ -179,7 +179,7 @@ def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_
     from shardlab.estimate.search import search
     from shardlab.estimate.twin import estimate_shared
     from shardlab.models.llama.provider import LlamaProvider
-    from shardlab.train.loop import plan_model
+    from shardlab.training.loop import plan_model
 
     c = cfg(WIDE, global_batch=16, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
     provider, dev, fixed = LlamaProvider(WIDE), device("h100"), {"pp": 1, "cp": 1, "tp": 1}
@@ -217,7 +217,7 @@ def test_the_fsdp_floor_counts_the_gathers_each_schedule_runs():
     from shardlab.estimate.roofline import DP_AXES, collective_seconds
     from shardlab.estimate.twin import estimate_shared
     from shardlab.models.llama.provider import LlamaProvider
-    from shardlab.train.loop import plan_model
+    from shardlab.training.loop import plan_model
 
     deep = msgspec.structs.replace(WIDE, n_layers=8)
     c = cfg(deep, global_batch=32, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
@@ -250,7 +250,7 @@ def test_a_model_with_experts_gets_floors_below_its_estimates():
     from shardlab.estimate.roofline import DP_AXES, collective_seconds
     from shardlab.estimate.twin import estimate_shared
     from shardlab.models.llama.provider import LlamaProvider
-    from shardlab.train.loop import plan_model
+    from shardlab.training.loop import plan_model
 
     moe = msgspec.structs.replace(WIDE, n_layers=4, ffn_dim=4096, moe=MoEConfig(n_experts=4, expert_ffn_dim=4096))
     c = cfg(moe, global_batch=16, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
@@ -319,7 +319,7 @@ def test_a_sibling_checkpointing_more_or_with_fewer_rows_never_needs_more_memory
     from shardlab.estimate.devices import device
     from shardlab.estimate.twin import estimate_shared
     from shardlab.models.llama.provider import LlamaProvider
-    from shardlab.train.loop import plan_model
+    from shardlab.training.loop import plan_model
 
     c = cfg(msgspec.structs.replace(MODEL, n_layers=2), global_batch=4)
     peaks = {}
@@ -376,7 +376,7 @@ def test_a_pipelines_last_rank_is_probed_only_for_layouts_that_may_enter_the_top
     from shardlab.estimate.search import search
     from shardlab.estimate.twin import estimate_shared
     from shardlab.models.llama.provider import LlamaProvider
-    from shardlab.train.loop import plan_model
+    from shardlab.training.loop import plan_model
 
     model = msgspec.structs.replace(MODEL, dim=128, ffn_dim=256, vocab_size=4096)  # the blocks outweigh the output
     c = cfg(model, global_batch=4, param_dtype="bfloat16")

@@ -14,8 +14,8 @@ from shardlab.config import Config, DataConfig, MeshSpec, ModelConfig, MoEConfig
 from shardlab.data.loader import Batch
 from shardlab.parallel._activation_checkpoint import is_checkpointed
 from shardlab.parallel._compile import is_compiled
-from shardlab.train.loop import build_model
-from shardlab.train.step import NonFiniteError, clip_grad_norm, init_state, lr_schedule, make_step
+from shardlab.training.loop import build_model
+from shardlab.training.step import NonFiniteError, clip_grad_norm, init_state, lr_schedule, make_step
 
 
 @pytest.mark.parametrize(
@@ -213,7 +213,7 @@ def test_a_nonfinite_step_stops_or_is_skipped_before_the_update(mode):
 
 def test_the_count_of_skipped_steps_is_checkpointed(tmp_path):
     from shardlab.data.loader import make_loader
-    from shardlab.train.checkpoint import load, save
+    from shardlab.training.checkpoint import load, save
 
     cfg = tiny()
     model, _, _ = build_model(cfg)
@@ -228,7 +228,7 @@ def test_optimizer_groups_follow_the_globs():
     """no_decay globs get weight decay 0, lr_scales scale the scheduled learning rate (first match wins); a factor
     of 0 freezes a parameter, and the others still train."""
     from shardlab.config import OptimConfig
-    from shardlab.train.step import group_names
+    from shardlab.training.step import group_names
 
     optim = OptimConfig(no_decay=("**norm.weight",), lr_scales=(("model.embed_tokens.weight", 0.0), ("**", 0.5)))
     cfg = msgspec.structs.replace(tiny(), optim=optim)

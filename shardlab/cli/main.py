@@ -100,13 +100,13 @@ def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
     cfg = cfg.resolve(world)
     from shardlab.models import provider_for
     from shardlab.models.provider import check_layout
-    from shardlab.train.loop import plan_model
+    from shardlab.training.loop import plan_model
 
     provider = provider_for(cfg, recipe.model(cfg))
     check_layout(cfg, provider)
     _, plan = plan_model(cfg, recipe.rules(cfg), provider)
     if command == "plan":
-        from shardlab.train.step import group_names
+        from shardlab.training.step import group_names
 
         print(plan.table(groups=group_names([p.fqn for p in plan.params], cfg.optim)))
         return 0
@@ -136,8 +136,8 @@ def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
             flush=True,
         )
         return relaunch(nproc_for(world), [recipe_path, *args], max_restarts=max_restarts)
-    from shardlab.train._preemption import Preempted
-    from shardlab.train.loop import train
+    from shardlab.training._preemption import Preempted
+    from shardlab.training.loop import train
 
     dist_info = init_distributed(cfg.train.device)
     code = 0
@@ -213,7 +213,7 @@ def _announce(line: str, rank: int, local_rank: int) -> None:
 def _export(flags: ExportFlags) -> int:
     from pathlib import Path
 
-    from shardlab.train.checkpoint import export_to_hf
+    from shardlab.training.checkpoint import export_to_hf
 
     model = None
     if flags.recipe is not None:
@@ -236,7 +236,7 @@ def _resume_on_restart(cfg):
 
     from msgspec.structs import replace
 
-    from shardlab.train.checkpoint import complete
+    from shardlab.training.checkpoint import complete
 
     if not complete(Path(cfg.run_dir) / "checkpoints"):
         return cfg
@@ -250,8 +250,8 @@ def _check_run(cfg) -> None:
     from pathlib import Path
 
     from shardlab.hf import read_hf_config
-    from shardlab.train.checkpoint import resolve_resume
-    from shardlab.train.loop import check_init
+    from shardlab.training.checkpoint import resolve_resume
+    from shardlab.training.loop import check_init
 
     if cfg.checkpoint.resume not in ("auto", "none"):
         resolve_resume(cfg.checkpoint.resume, Path(cfg.run_dir) / "checkpoints", checksums=False)
@@ -265,7 +265,7 @@ def _check_data(cfg, vocab_size: int) -> None:
     are tokenized into their cache once, not by every rank)."""
     from shardlab.data.loader import make_loader, run_data
     from shardlab.data.tokenizer import run_tokenizer
-    from shardlab.train.evaluate import eval_loader, train_split
+    from shardlab.training.evaluate import eval_loader, train_split
 
     tokenizer = run_tokenizer(cfg)
     make_loader(

@@ -156,7 +156,7 @@ class TrainConfig(Frozen):
     checkpoint holds the broken state) or skip (no update; counted as `skipped_steps` in the metrics)."""
     keep_freed_memory: bool = True
     """On CPU: the process's malloc keeps the memory tensors free and reuses it, instead of returning it to the
-    system and page-faulting it in again for the next tensor (`shardlab.train._malloc`; glibc only). Resident memory then
+    system and page-faulting it in again for the next tensor (`shardlab.training._malloc`; glibc only). Resident memory then
     stays at its high-water mark. No effect on CUDA, whose caching allocator already does this."""
 
     def grad_accum(self, dp: int) -> int:

@@ -27,7 +27,7 @@ from shardlab.models.provider import ModelProvider
 from shardlab.sharding.pipeline import in_flight, stage_shape
 from shardlab.sharding.plan import ParamPlan, Plan
 from shardlab.sharding.rules import Rules
-from shardlab.train.pipeline_schedule import stage_actions
+from shardlab.training.pipeline_schedule import stage_actions
 
 ADAM_STATES = 2
 """AdamW keeps exp_avg and exp_avg_sq per parameter, in the parameter's dtype, plus a 0-dim fp32 step."""

@@ -25,7 +25,7 @@ from shardlab.models.provider import ModelProvider
 from shardlab.parallel.apply import apply
 from shardlab.sharding.mesh import MeshSpec
 from shardlab.sharding.plan import make_plan
-from shardlab.train.step import forward_backward
+from shardlab.training.step import forward_backward
 
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm)
 """The ops counted: every projection of a block runs as one of them (attention's and experts' batched ones don't)."""

@@ -44,8 +44,8 @@ from shardlab.parallel.stages import stage_modules
 from shardlab.sharding.context import cp_positions
 from shardlab.sharding.plan import Plan, make_plan
 from shardlab.sharding.rules import Rules
-from shardlab.train.loss import summed_loss
-from shardlab.train.step import forward_backward
+from shardlab.training.loss import summed_loss
+from shardlab.training.step import forward_backward
 
 
 class Probe(Frozen):

@@ -112,7 +112,7 @@ def step_time(
     `collectives` (per step), `global_tokens` in all. A pipeline idles `bubble` of the step; the rest is this rank's
     work.
 
-    MFU counts `model_flops_per_token` (the trainer's own convention, shardlab.train.metrics.flops_per_token).
+    MFU counts `model_flops_per_token` (the trainer's own convention, shardlab.training.metrics.flops_per_token).
     """
 
     def seconds(axes: Callable[[str], bool]) -> float:

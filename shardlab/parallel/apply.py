@@ -4,7 +4,7 @@ this rank's pipeline stages (the other stages' modules pass their input on, `sha
 checkpointing -> TP/SP (`parallelize_module`) -> context-parallel attention (`shardlab.sharding.context`) -> expert
 parallelism (`shardlab.sharding.experts`) -> compile -> FSDP/HSDP (`fully_shard` per unit, then the root: the model,
 or the module each of this rank's pipeline stages runs). The pipeline schedule itself runs in the step
-(shardlab.train.pipeline_schedule). Also the JAX-like helpers `shard` (device_put with a spec),
+(shardlab.training.pipeline_schedule). Also the JAX-like helpers `shard` (device_put with a spec),
 `constrain` (with_sharding_constraint for activations) and `shard_map` (code on local blocks, over local_map).
 """
 

@@ -178,7 +178,7 @@ class Plan(Frozen):
 
     def table(self, collapse: bool = True, groups: Mapping[str, str] | None = None) -> str:
         """Readable table; with `collapse`, parameters of repeated blocks are shown once (`layers.*`); `groups`:
-        each parameter's optimizer group (`shardlab.train.step.group_names`), shown as a column."""
+        each parameter's optimizer group (`shardlab.training.step.group_names`), shown as a column."""
         return plan_text.table(self, collapse, groups)
 
     def __str__(self) -> str:

@@ -41,7 +41,7 @@ PRELOAD = [
     "torch",
     "torch.distributed.fsdp",
     "torch.distributed.tensor.parallel",
-    "shardlab.train.loop",
+    "shardlab.training.loop",
     "transformers",
 ]
 """What the forkserver imports once: every rank is forked from it with these loaded (a 4-rank world starts in

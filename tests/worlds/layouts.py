@@ -23,7 +23,7 @@ from shardlab.config import (
 )
 from shardlab.models.provider import ModelProvider
 from shardlab.sharding.mesh import FLAT_VIEWS
-from shardlab.train.loop import build_model, train
+from shardlab.training.loop import build_model, train
 
 STEPS = 4
 """Enough for a curve: two warmup steps, then the loss falls by about 2 nats; a wrong gradient shows from step 2."""

@@ -15,10 +15,10 @@ import pytest
 import torch.distributed as dist
 
 from shardlab.config import Config, MeshSpec
-from shardlab.train import loop
-from shardlab.train._manifest import MANIFEST_FILE
-from shardlab.train._preemption import Preempted
-from shardlab.train.checkpoint import complete, damage, step_dir
+from shardlab.training import loop
+from shardlab.training._manifest import MANIFEST_FILE
+from shardlab.training._preemption import Preempted
+from shardlab.training.checkpoint import complete, damage, step_dir
 
 from ._harness import run_world
 from .layouts import TOL, continue_from, curves
@@ -206,9 +206,9 @@ def test_export_of_a_dp2_tp2_checkpoint_loads_in_transformers(world4, tmp):
 
     from shardlab.cli.main import main
     from shardlab.data.loader import make_loader
-    from shardlab.train.checkpoint import load
-    from shardlab.train.loop import build_model
-    from shardlab.train.step import init_state
+    from shardlab.training.checkpoint import load
+    from shardlab.training.loop import build_model
+    from shardlab.training.step import init_state
 
     world4.raise_for(layouts)
     saved = step_dir(tmp / "split" / "checkpoints", HALF)

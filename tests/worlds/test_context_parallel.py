@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from shardlab.config import MeshSpec
-from shardlab.train.checkpoint import step_dir
+from shardlab.training.checkpoint import step_dir
 
 from ._harness import run_world
 from .layouts import (

@@ -12,8 +12,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from shardlab.config import MeshSpec
 from shardlab.data.loader import make_loader
 from shardlab.estimate import estimate_memory
-from shardlab.train.loop import build_model
-from shardlab.train.step import init_state
+from shardlab.training.loop import build_model
+from shardlab.training.step import init_state
 
 from .layouts import tiny
 

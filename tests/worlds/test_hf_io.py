@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from shardlab.config import Config, DataConfig, LogConfig, MeshSpec, TrainConfig
 from shardlab.hf import load_hf_weights, read_hf_config, to_hf
 from shardlab.sharding.context import cp_positions
-from shardlab.train.loop import build_model
+from shardlab.training.loop import build_model
 
 from ._harness import run_world
 

@@ -22,9 +22,9 @@ from shardlab.config import Config, MeshSpec, MoEConfig
 from shardlab.data.loader import make_loader
 from shardlab.models.llama.moe import moe_layers
 from shardlab.parallel.device_mesh import mesh_spec_of
-from shardlab.train.checkpoint import step_dir
-from shardlab.train.loop import build_model, train
-from shardlab.train.step import forward_backward, init_state, make_step
+from shardlab.training.checkpoint import step_dir
+from shardlab.training.loop import build_model, train
+from shardlab.training.step import forward_backward, init_state, make_step
 
 from .layouts import (
     MID,

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from shardlab.config import EvalConfig, MeshSpec
-from shardlab.train.loop import build_model, train
+from shardlab.training.loop import build_model, train
 
 from .layouts import STEPS, assert_matches, curves, placements_match_plan, tied, tiny, with_micro_batch
 

@@ -12,8 +12,8 @@ import msgspec
 import pytest
 
 from shardlab.config import Config, MeshSpec
-from shardlab.train.checkpoint import step_dir
-from shardlab.train.loop import build_model
+from shardlab.training.checkpoint import step_dir
+from shardlab.training.loop import build_model
 
 from ._harness import run_world
 from .layouts import MID, TOL, assert_matches, ckpt, continue_from, curves, layout_curves, tiny

@@ -32,9 +32,9 @@ from shardlab.estimate.roofline import DP_AXES
 from shardlab.models import provider_for
 from shardlab.models.llama.moe import balanced_routing
 from shardlab.sharding.context import cp_positions
-from shardlab.train.loop import build_model, plan_model
-from shardlab.train.pipeline_schedule import PipelineRun
-from shardlab.train.step import forward_backward, init_state, match_param_layouts
+from shardlab.training.loop import build_model, plan_model
+from shardlab.training.pipeline_schedule import PipelineRun
+from shardlab.training.step import forward_backward, init_state, match_param_layouts
 
 from ._harness import run_world
 from .layouts import tiny

@@ -53,7 +53,7 @@ _BALANCED: ContextVar[bool] = ContextVar("shardlab_balanced_routing", default=Fa
 def router_stats(record: Record) -> Iterator[None]:
     """While inside, every MoE forward calls `record(layer, stats)` with its routing; outside, forwards record nothing
     (evaluation, generation). A recomputation in the backward (activation checkpointing) repeats a forward; the
-    recorder tells it apart (shardlab.train.routers)."""
+    recorder tells it apart (shardlab.training.routers)."""
     token = _RECORD.set(record)
     try:
         yield

@@ -44,8 +44,8 @@ from shardlab.data.tokenizer import load_tokenizer, run_tokenizer, tokenizer_pat
 from shardlab.models import provider_for
 from shardlab.models.llama.provider import LlamaProvider
 from shardlab.models.provider import ModelProvider, first_difference
-from shardlab.train import _manifest
-from shardlab.train.step import TrainState
+from shardlab.training import _manifest
+from shardlab.training.step import TrainState
 
 STEP_PREFIX = "step-"
 TMP_SUFFIX = ".tmp"

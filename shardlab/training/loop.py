@@ -35,12 +35,12 @@ from shardlab.parallel.stages import keep_own_stages
 from shardlab.parallel.world import resolve_device
 from shardlab.sharding.plan import Plan, make_plan
 from shardlab.sharding.rules import Rules
-from shardlab.train import checkpoint
-from shardlab.train._malloc import keep_freed_memory
-from shardlab.train._preemption import Preempted, Preemption
-from shardlab.train.evaluate import eval_loader, make_eval, train_split
-from shardlab.train.metrics import MetricsWriter, device_peak_flops, mfu, peak_memory_bytes
-from shardlab.train.step import Metrics, TrainState, init_state, make_step, model_device
+from shardlab.training import checkpoint
+from shardlab.training._malloc import keep_freed_memory
+from shardlab.training._preemption import Preempted, Preemption
+from shardlab.training.evaluate import eval_loader, make_eval, train_split
+from shardlab.training.metrics import MetricsWriter, device_peak_flops, mfu, peak_memory_bytes
+from shardlab.training.step import Metrics, TrainState, init_state, make_step, model_device
 
 
 def plan_model(
@@ -126,7 +126,7 @@ def train(
     False); checkpoints go to run_dir/checkpoints every checkpoint.every steps and after the last.
     provider: the model (default: the one the config names; a recipe's own model is passed here).
     SIGTERM (preemption) on any rank: every rank finishes its step, the run saves it (whatever checkpoint.every
-    says) and raises `Preempted` (see `shardlab.train._preemption`).
+    says) and raises `Preempted` (see `shardlab.training._preemption`).
     """
     with warnings.catch_warnings():  # for this run only, not for the rest of the process
         # nn.Embedding returns a view; FSDP warns in case an in-place op follows. Llama only adds out of place.

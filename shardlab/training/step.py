@@ -32,9 +32,9 @@ from shardlab.models.provider import ModelProvider, logits_of
 from shardlab.parallel.device_mesh import flat_view
 from shardlab.sharding.context import cp_positions
 from shardlab.sharding.plan import Plan
-from shardlab.train.loss import all_reduce_sum, counted, local_value, scaled, summed_loss
-from shardlab.train.pipeline_schedule import PipelineRun
-from shardlab.train.routers import Routers
+from shardlab.training.loss import all_reduce_sum, counted, local_value, scaled, summed_loss
+from shardlab.training.pipeline_schedule import PipelineRun
+from shardlab.training.routers import Routers
 
 Metrics = dict[str, float | list[int]]
 FUSED_DEVICES = ("cpu", "cuda")

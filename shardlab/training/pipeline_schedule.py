@@ -24,7 +24,7 @@ from shardlab._errors import ShardlabError
 from shardlab.parallel.stages import stage_modules
 from shardlab.sharding.pipeline import PipelinePlan
 from shardlab.sharding.plan import Plan
-from shardlab.train.loss import local_value, scaled, summed_loss
+from shardlab.training.loss import local_value, scaled, summed_loss
 
 SCHEDULE_NAMES = {
     "gpipe": "GPipe",

@@ -26,8 +26,8 @@ from shardlab.data.loader import TokenLoader, make_loader, run_data
 from shardlab.data.tokenizer import Tokenizer
 from shardlab.models.provider import ModelProvider
 from shardlab.sharding.plan import Plan
-from shardlab.train.loss import all_reduce_sum, counted, local_value, summed_loss
-from shardlab.train.step import chunks, local_tokens, model_device, step_layout
+from shardlab.training.loss import all_reduce_sum, counted, local_value, summed_loss
+from shardlab.training.step import chunks, local_tokens, model_device, step_layout
 
 Evaluate = Callable[[nn.Module, TokenLoader], dict[str, float]]
 
