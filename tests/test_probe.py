@@ -172,11 +172,15 @@ def test_waiting_for_a_collective_moves_no_bytes():
 
 
 def test_calls_run_side_by_side_in_forked_children_as_they_would_in_order():
-    """A probe's model sizes run in forked children (`run_forked`): the results come back in order, and an error in
-    a child is raised here with its type and message."""
+    """A probe's model sizes run in forked children (`run_forked`): the results come back in order, more calls than
+    cores too, and an error in a child is raised here with its type and message. Calls that run calls side by side
+    themselves share the cores: one call per core, each runs its own in its process."""
     from shardlab.estimate._forked import cores, run_forked
 
     assert run_forked([lambda i=i: [i] * i for i in range(4)]) == [[], [1], [2, 2], [3, 3, 3]]
+    assert run_forked([lambda i=i: i for i in range(2 * cores() + 1)]) == list(range(2 * cores() + 1))
+    inner = lambda: run_forked([os.getpid, os.getpid])  # noqa: E731
+    assert [len(set(pids)) for pids in run_forked([inner] * cores())] == [1] * cores()
     with pytest.raises(ZeroDivisionError, match="division by zero"):
         run_forked([lambda: 1, lambda: 1 / 0])
     if cores() > 1:  # a child that dies without answering (in order, os._exit would end the test process)

@@ -1,8 +1,11 @@
 """Independent calls run side by side in forked children, one per core: the estimator's probes of one layout.
 
 A forked child is this process as it was (its fake world, models and caches), so the calls need not be picklable;
-only what they return comes back, pickled through a pipe, and an error raised in a child is raised here. Where
-there is no fork (not POSIX) or one core, the calls run here, in order.
+only what they return comes back, pickled through a pipe, and an error raised in a child is raised here. The calls
+are dealt round the cores: this process runs every n-th one, beginning with the first, and each other core a forked
+child running its share in order. A call that runs calls side by side itself gets the cores of its share (one of 2
+cores: its calls run in order, in its process, where the caches it filled are). Where there is no fork (not POSIX)
+or one core, the calls run here, in order.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+_share: int | None = None
+"""The cores this process's calls may use, while it runs a share of calls side by side (None: all of them)."""
+
 
 def cores() -> int:
     """The cores this process may run on."""
@@ -21,22 +27,34 @@ def cores() -> int:
 
 
 def run_forked(calls: Sequence[Callable[[], T]]) -> list[T]:
-    """Each call's result, in order: the first runs here, as many others as there are cores to spare run at once in
-    forked children."""
-    spare = min(len(calls), cores()) - 1
-    if spare < 1 or not hasattr(os, "fork"):
+    """Each call's result, in order: dealt round the cores this process may use, here and in forked children."""
+    available = cores() if _share is None else _share
+    n = min(len(calls), available)
+    if n < 2 or not hasattr(os, "fork"):
         return [call() for call in calls]
-    children = [_fork(call) for call in calls[1 : 1 + spare]]
+    shares = [calls[i::n] for i in range(n)]
+    share = max(1, available // n)
+    children = [_fork(lambda mine=mine: _run_share(mine, share)) for mine in shares[1:]]
     try:
-        first = calls[0]()
+        here = _run_share(shares[0], share)
     finally:
         answers = [_answer(*child) for child in children]  # every child waited for, whatever happened here
-    done = []
+    done = [here]
     for ok, value in answers:
         if not ok:
             raise value
         done.append(value)
-    return [first, *done, *(call() for call in calls[1 + spare :])]
+    return [done[i % n][i // n] for i in range(len(calls))]
+
+
+def _run_share(calls: Sequence[Callable[[], T]], share: int) -> list[T]:
+    """`calls` in order, each running calls of its own side by side on `share` cores."""
+    global _share
+    before, _share = _share, share
+    try:
+        return [call() for call in calls]
+    finally:
+        _share = before
 
 
 def _fork(call: Callable[[], T]) -> tuple[int, int]:

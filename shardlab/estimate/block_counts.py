@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
 
 import msgspec
 import torch
@@ -18,6 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardlab._base import Frozen
 from shardlab.config import PlanConfig
 from shardlab.estimate._fake import fake_tensors
+from shardlab.estimate._forked import run_forked
 from shardlab.estimate.recorder import Recorder, param_storages
 from shardlab.models.llama.moe import balanced_routing, moe_layers
 from shardlab.models.llama.provider import LlamaProvider
@@ -33,6 +36,7 @@ CANNOT_RUN = (RuntimeError, NotImplementedError)
 """What a model raises where it cannot run on meta or fake tensors (an op without a meta kernel, data-dependent
 control flow; fake tensors' own errors are RuntimeErrors): that floor term is then 0, still a lower bound. Any other
 error is a bug in the model or here, and is raised."""
+T = TypeVar("T")
 
 
 class Block(Frozen):
@@ -64,36 +68,51 @@ class Block(Frozen):
 def count_block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_rules: bool) -> Block | None:
     """One block's numbers: models of 2 and 1 blocks, one sequence each, counted by torch's FlopCounterMode;
     its memory-bound ops and what its forward keeps alive, per row (`_per_row`). own_rules: the recipe's rules may
-    checkpoint other modules than the model's blocks (only what no checkpointing keeps is counted)."""
-    try:
-        one, two = (_count(provider.with_layers(n), seq_len, options) for n in (1, 2))
-    except CANNOT_RUN:  # no compute floor
+    checkpoint other modules than the model's blocks (only what no checkpointing keeps is counted). The counts are
+    independent runs, side by side on the cores (`run_forked`)."""
+    one, two = run_forked([partial(_or_none, _count, provider.with_layers(n), seq_len, options) for n in (1, 2)])
+    if one is None or two is None:  # no compute floor
         return None
     per_token = [(b - a) / seq_len for a, b in zip(one, two, strict=True)]
     head_flops = one[0] / seq_len - per_token[0]
+    modes = () if own_rules else ("op", "full")
+    calls: dict[tuple, partial] = {}
+    if not own_rules:  # what op-level checkpointing recomputes
+        calls |= {("recompute", n): partial(_count, provider.with_layers(n), seq_len, options, "op") for n in (1, 2)}
+    for n, rows in PER_ROW:
+        calls["memory", n, rows] = partial(_memory_bytes, provider.with_layers(n), seq_len, rows, options)
+        calls |= {(ac, n, rows): partial(_kept_bytes, provider.with_layers(n), seq_len, rows, options, ac)
+                  for ac in modes}  # fmt: skip
+    counted = dict(zip(calls, run_forked([partial(_or_none, call) for call in calls.values()]), strict=True))
     op_recompute = 0.0
-    if not own_rules:
-        try:
-            one_op, two_op = (_count(provider.with_layers(n), seq_len, options, "op") for n in (1, 2))
-            op_recompute = max((two_op[0] - one_op[0]) / seq_len - per_token[0], 0.0)
-        except CANNOT_RUN:  # no op recompute counted
-            pass
+    one_op, two_op = counted.get(("recompute", 1)), counted.get(("recompute", 2))
+    if one_op is not None and two_op is not None:  # else no op recompute counted
+        op_recompute = max((two_op[0] - one_op[0]) / seq_len - per_token[0], 0.0)
     llama = isinstance(provider, LlamaProvider)  # attention as the probe counts it (see the module docstring)
     attention, attention_forward = (7 / 12, 1 / 2) if llama else (0.0, 0.0)
     memory, head, kept = (0.0, 0.0), 0.0, []
-    try:
-        (*memory, alive), (head, _, _) = _per_row(lambda p, rows: _memory_bytes(p, seq_len, rows, options), provider)
-        kept.append(("none", alive / seq_len))
-        for ac in () if own_rules else ("op", "full"):
-            (alive,), _ = _per_row(lambda p, rows: _kept_bytes(p, seq_len, rows, options, ac), provider)  # noqa: B023
-            kept.append((ac, alive / seq_len))
-    except CANNOT_RUN:  # no memory floor, or none for the modes not counted
-        pass
+    for mode in ("memory", *modes):  # no memory floor, or none for the modes not counted from the first missing on
+        found = _per_row({(n, rows): counted[mode, n, rows] for n, rows in PER_ROW})
+        if found is None:
+            break
+        if mode == "memory":
+            (*memory, alive), (head, _, _) = found
+            kept.append(("none", alive / seq_len))
+        else:
+            kept.append((mode, found[0][0] / seq_len))
     return Block(train_flops=per_token[0], forward_flops=per_token[1], attention_flops=attention * per_token[2],
                  attention_forward_flops=attention_forward * per_token[3], params=round(per_token[4] * seq_len),
                  memory_bytes=memory[0] / seq_len, memory_forward_bytes=memory[1] / seq_len,
                  kept=tuple(kept), head_flops=max(head_flops, 0.0), head_memory_bytes=head / seq_len,
                  op_recompute_flops=op_recompute)  # fmt: skip
+
+
+def _or_none(call: Callable[..., T], *args: Any) -> T | None:
+    """`call(*args)`, or None where the model cannot run on meta or fake tensors (`CANNOT_RUN`)."""
+    try:
+        return call(*args)
+    except CANNOT_RUN:
+        return None
 
 
 def _model(provider: ModelProvider, options: PlanConfig, ac: str | None = None) -> torch.nn.Module:
@@ -147,13 +166,19 @@ def _flops(
     return matmuls[0], matmuls[1], batched[0], batched[1], _dense_params(model)
 
 
+PER_ROW = ((1, 1), (1, 2), (2, 1), (2, 2))
+"""(blocks, rows) of the fake CPU models `_per_row` takes the difference of."""
+
+
 def _per_row(
-    count: Callable[[ModelProvider, int], tuple[int, ...]], provider: ModelProvider
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """What one block adds to `count`'s numbers for each row of a micro batch, and what the rest of the model adds:
-    fake CPU models of 1 and 2 blocks on 1 and 2 rows, so what does not grow with the rows (rotary tables, masks,
-    the embedding's gradient) drops out; negative parts (none expected) count as 0."""
-    c = {(n, rows): count(provider.with_layers(n), rows) for n in (1, 2) for rows in (1, 2)}
+    c: dict[tuple[int, int], tuple[int, ...] | None],
+) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """What one block adds to a count's numbers for each row of a micro batch, and what the rest of the model adds,
+    from the count on fake CPU models of 1 and 2 blocks on 1 and 2 rows (`PER_ROW`), so what does not grow with the
+    rows (rotary tables, masks, the embedding's gradient) drops out; negative parts (none expected) count as 0.
+    None where one of them could not run."""
+    if any(counts is None for counts in c.values()):
+        return None
     block = [c[2, 2][i] - c[1, 2][i] - c[2, 1][i] + c[1, 1][i] for i in range(len(c[1, 1]))]
     rest = [c[1, 2][i] - c[1, 1][i] - block[i] for i in range(len(c[1, 1]))]
     return tuple(max(x, 0.0) for x in block), tuple(max(x, 0.0) for x in rest)
