@@ -420,7 +420,7 @@ def test_a_second_search_reads_its_probes_from_the_store(tmp_path):
     from shardlab.estimate.search import search
     from shardlab.models.llama.provider import LlamaProvider
 
-    c = cfg(global_batch=8)
+    c = cfg(msgspec.structs.replace(MODEL, n_layers=2), global_batch=8)  # two blocks: one fake run per probe
     dev = device("h100")
     flat = {"pp": 1, "cp": 1, "dp_replicate": 1}  # FSDP or TP on 2 ranks: a few probes
 
