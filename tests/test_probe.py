@@ -1,6 +1,7 @@
 """The probe in one process (fake world, fake tensors): exact FLOPs, linear extrapolation over blocks, and an
 estimate and roofline that hang together. Real ranks check it in tests/worlds/test_probe.py."""
 
+import functools
 import math
 import os
 
@@ -11,7 +12,7 @@ from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, Train
 from shardlab.estimate import estimate
 from shardlab.estimate._fake import fake_world
 from shardlab.estimate.devices import device
-from shardlab.estimate.probe import _probe_layers, probe
+from shardlab.estimate.probe import Probe, _probe_layers, probe
 from shardlab.estimate.roofline import axis_bandwidth
 from shardlab.models.llama.provider import LlamaProvider
 from shardlab.training.loop import plan_model
@@ -24,6 +25,12 @@ def cfg(mesh=MeshSpec(dp_shard=1), n_layers=5, moe=None, **plan) -> Config:
     return Config(mesh=mesh, model=model, plan=PlanConfig(**plan), train=TrainConfig(global_batch=4, seq_len=64))
 
 
+@functools.cache
+def probed(c: Config) -> Probe:
+    """`probe(c)`, once per config for the tests of this file (several probe the one-process default)."""
+    return probe(c)
+
+
 @pytest.mark.parametrize("moe", [None, MOE], ids=["dense", "moe"])
 def test_flops_are_six_n_t_plus_causal_attention_exactly(moe):
     """With MoE, N counts the router and top_k experts: the probe routes every token to k experts (balanced)."""
@@ -33,11 +40,11 @@ def test_flops_are_six_n_t_plus_causal_attention_exactly(moe):
     tokens = 4 * 64
     # attention per token and layer: forward 4 s d, backward 10 s d (flash recomputes the scores), causal: half
     want = 6 * n_matmul * tokens + 7 * m.n_layers * 64 * m.dim * tokens
-    assert probe(c).flops == want
+    assert probed(c).flops == want
 
 
 def test_tensor_parallel_halves_each_ranks_flops():
-    one = probe(cfg().resolve(1)).flops
+    one = probed(cfg().resolve(1)).flops
     assert probe(cfg(MeshSpec(dp_shard=1, tp=2)).resolve(2)).flops * 2 == one
 
 
@@ -64,7 +71,7 @@ def test_two_probes_extrapolate_to_the_whole_model_exactly(mesh, plan):
 
 
 def test_checkpointing_trades_activations_for_recompute():
-    none, full = (probe(cfg(activation_checkpoint=ac).resolve(1)) for ac in ("none", "full"))
+    none, full = (probed(cfg(activation_checkpoint=ac).resolve(1)) for ac in ("none", "full"))
     assert full.activation_bytes < none.activation_bytes / 2
     assert none.flops < full.flops < 1.5 * none.flops
 
