@@ -5,11 +5,14 @@ layouts share one probe. What it cannot see is FSDP's per-shard copy and padding
 tokens per micro batch against the parameters; at one 256-token sequence per micro batch on this model it stays within STEP_TOLERANCE.
 """
 
+from functools import partial
+
 import msgspec
 import pytest
 
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig
 from shardlab.estimate import estimate
+from shardlab.estimate._forked import run_forked
 from shardlab.estimate.devices import device
 from shardlab.estimate.layouts import Layout
 from shardlab.estimate.twin import twin
@@ -111,13 +114,15 @@ def test_probes_at_two_row_counts_give_every_other_and_resharding_gives_keeping_
         )
         return measure(cfg, pp_rank=rank, provider=provider_for(cfg))
 
-    two, three, five = probe(2), probe(3), probe(5)
+    two, three, five, one, kept_gathered = run_forked(  # side by side: one fake run each
+        [partial(probe, 2), partial(probe, 3), partial(probe, 5), partial(probe, 1), partial(probe, 2, reshard=False)]
+    )
     line = two.at_rows(5, 2, three, 3)
     assert line is not None and line.at() == five.at() != two.at()
-    from_one = probe(1).at_rows(5, 1, two, 2)
+    from_one = one.at_rows(5, 1, two, 2)
     assert from_one is None if one_row_differs else from_one.at() == five.at()
     kept = two.at(regather=False)
-    assert kept == probe(2, reshard=False).at() != two.at()
+    assert kept == kept_gathered.at() != two.at()
     assert line.at(regather=False) == five.at(regather=False)
 
 
