@@ -100,7 +100,8 @@ class Attention(nn.Module):
     replaces it under context parallelism. `positions` are each token's place in the sequence (RoPE angles): [s],
     or [b, s] for packed rows, each token's place in its document (`shardlab.data.packing`)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor | None = None) -> None:
+        """inv_freq: `rope_inv_freq(cfg)`, computed once for a model's blocks (each gets its own copy)."""
         super().__init__()
         self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
@@ -108,7 +109,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         # Non-persistent so the state_dict holds exactly HF's parameters; init_weights rebuilds it after to_empty.
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        inv_freq = rope_inv_freq(cfg) if inv_freq is None else inv_freq.clone()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
         self.attend = causal_attention
 
@@ -148,10 +150,10 @@ class LlamaBlock(nn.Module):
     """Pre-norm transformer block; submodules take one positional tensor (positions go by keyword) so TP input and
     output hooks can wrap them."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, inv_freq: torch.Tensor | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, inv_freq)
         self.mlp: nn.Module = (
             MLP(cfg) if cfg.moe is None else MoE(cfg, shared_expert=MLP(cfg) if cfg.moe.shared_expert else None)
         )
@@ -169,7 +171,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(LlamaBlock(cfg, i) for i in range(cfg.n_layers))
+        inv_freq = rope_inv_freq(cfg)  # once: a dozen ops, each slow under torch.device("meta") (0.6 s for 405B)
+        self.layers = nn.ModuleList(LlamaBlock(cfg, i, inv_freq) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
