@@ -4,6 +4,10 @@ The rank's stages are the modules `apply` left it (`stage_modules`: the model, w
 nn.Identity, or one StageModule per stage when it runs several); torch's PipelineStage and schedule are built
 on the first call and reused while the model is the same object. The loss of a micro batch is its summed cross-entropy times the step's scale (dp / tokens in the global batch),
 as in the non-pipelined step, and the schedule does not rescale gradients: every layout gets the same ones.
+
+torch.distributed.pipelining is imported where a pipeline is built, not with this module: it imports torch._dynamo
+(0.6 s of the 2.9 s `import shardlab` took), which a process that builds no pipeline and runs no meta op (a
+command that fails on bad input, a script importing one piece of shardlab) then never loads.
 """
 
 from __future__ import annotations
@@ -15,9 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.microbatch import _Replicate  # every micro batch gets the whole kwarg
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlab._errors import ShardlabError
@@ -70,6 +71,9 @@ class PipelineRun:
 
     def _schedule_for(self, model: nn.Module, device: torch.device):
         if self._model is not model:
+            from torch.distributed.pipelining import PipelineStage
+            from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
             cls = get_schedule_class(SCHEDULE_NAMES[self.pipeline.schedule])
             m = self.pipeline.microbatches
             modules = stage_modules(model)
@@ -97,6 +101,8 @@ class PipelineRun:
                 "PipelineRun: positions [s] are given under context parallelism (plan.context), and only then; "
                 "packed rows' positions [rows, s] in any layout"
             )
+        from torch.distributed.pipelining.microbatch import _Replicate  # every micro batch gets the whole kwarg
+
         whole = positions is not None and positions.dim() == 1  # LoopedBFS takes no kwargs_chunk_spec argument
         schedule._kwargs_chunk_spec = {"positions": _Replicate()} if whole else None
         return {"positions": positions} if positions is not None else {}
@@ -156,6 +162,9 @@ def stage_actions(pipeline: PipelinePlan, pp_rank: int, group: dist.ProcessGroup
         return {s.index: "F" * m + "B" * m for s in own}
     if pipeline.schedule == "1f1b":
         return {s.index: "F" * (w := min(m, n - s.index)) + "BF" * (m - w) + "B" * w for s in own}
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
     cls = _compute_order_only(get_schedule_class(SCHEDULE_NAMES[pipeline.schedule]))
     placeholders = [PipelineStage(nn.Linear(1, 1), s.index, n, torch.device("cpu"), group=group) for s in own]
     return compute_actions(cls(placeholders, n_microbatches=m).pipeline_order[pp_rank], [s.index for s in own])
