@@ -107,7 +107,7 @@ def test_one_process_saves_and_loads_without_torchs_single_process_warning(tmp_p
     """Saving, resuming and exporting in one process, as shardlab means to, do not show torch's "assuming the intent
     is to save/load in a single process" warning; only that warning is dropped, and the process's warning filters
     are as they were."""
-    from shardlab.training.checkpoint import export_to_hf
+    from shardlab.training.export import export_to_hf
 
     before = list(warnings.filters)
     with warnings.catch_warnings(record=True) as seen:
@@ -119,11 +119,11 @@ def test_one_process_saves_and_loads_without_torchs_single_process_warning(tmp_p
     assert not [m for m in messages if "assuming the intent is to" in m], messages
     assert warnings.filters == before
 
-    from shardlab.training.checkpoint import _one_process
+    from shardlab.training.checkpoint import one_process
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        with _one_process(True):
+        with one_process(True):
             warnings.warn("torch.distributed is disabled: another warning", UserWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["torch.distributed is disabled: another warning"]
 
@@ -200,7 +200,8 @@ def test_export_writes_what_transformers_loads(tmp_path, moe):
     import torch
 
     from shardlab.data.loader import make_loader
-    from shardlab.training.checkpoint import export_to_hf, save
+    from shardlab.training.checkpoint import save
+    from shardlab.training.export import export_to_hf
     from shardlab.training.loop import build_model
     from shardlab.training.step import init_state, make_step
 
@@ -246,7 +247,7 @@ def test_init_from_hf_starts_from_those_weights(tmp_path):
 
 
 def test_export_of_a_directory_without_checkpoints_is_an_error(tmp_path):
-    from shardlab.training.checkpoint import export_to_hf
+    from shardlab.training.export import export_to_hf
 
     with pytest.raises(ValueError, match="holds no committed checkpoint"):
         export_to_hf(tmp_path, tmp_path / "out")
@@ -394,7 +395,7 @@ def test_a_garbage_train_state_without_a_manifest_is_damage_named_in_one_line(tm
 def test_export_speaks_of_exporting_not_resuming(tmp_path, capsys):
     """An export past a damaged newest checkpoint says it exports the one before; with none intact it says there is
     nothing to export; a damaged step without a manifest says to export another step: never a word of resuming."""
-    from shardlab.training.checkpoint import export_to_hf
+    from shardlab.training.export import export_to_hf
 
     older, newest = two_checkpoints(tmp_path)
     damage(newest / "__0_0.distcp", "truncate")

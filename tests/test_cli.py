@@ -534,10 +534,10 @@ def test_any_error_is_one_line_unless_debugging(verb, tmp_path, capsys, monkeypa
         raise RuntimeError("something broke\nwith details")
 
     from shardlab.cli import recipe
-    from shardlab.training import checkpoint
+    from shardlab.training import export
 
     monkeypatch.setattr(recipe, "load_recipe", broken)
-    monkeypatch.setattr(checkpoint, "export_to_hf", broken)
+    monkeypatch.setattr(export, "export_to_hf", broken)
     args = [verb, str(tmp_path)] if verb == "export" else [verb, "recipes/llama_debug.py", "--world", "1"]
     if verb == "export":
         args += ["--to-hf", str(tmp_path / "out")]

@@ -280,7 +280,8 @@ def test_export_round_trips_a_transformers_model(dirs, family, tmp_path):
     qwen3_dir = shutil.copytree(dirs[family], tmp_path / "source")  # removed before the export
     from shardlab.data.loader import make_loader
     from shardlab.hf import load_hf_weights
-    from shardlab.training.checkpoint import export_to_hf, save
+    from shardlab.training.checkpoint import save
+    from shardlab.training.export import export_to_hf
     from shardlab.training.loop import build_model
     from shardlab.training.step import init_state, make_step
 
@@ -362,7 +363,8 @@ def test_a_wrong_export_mapping_is_one_line_before_anything_is_written(tmp_path)
 def test_a_recipe_model_checkpoint_exports_with_its_recipe(tmp_path):
     """`export` needs the recipe of a recipe's own model, and refuses one whose model differs from the checkpoint's."""
     from shardlab.data.loader import make_loader
-    from shardlab.training.checkpoint import export_to_hf, save
+    from shardlab.training.checkpoint import save
+    from shardlab.training.export import export_to_hf
     from shardlab.training.loop import build_model
     from shardlab.training.step import init_state
 

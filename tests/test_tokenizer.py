@@ -148,7 +148,7 @@ def trained_from_a_model_dir(tok_dir: Path, tmp_path: Path) -> Path:
 def test_checkpoints_and_exports_carry_the_tokenizer(tok_dir, tmp_path):
     """A transformers model trained on its directory's tokenizer: the checkpoint holds the tokenizer's files and
     `export --to-hf` writes them, so transformers loads model and tokenizer (chat template included) from it."""
-    from shardlab.training.checkpoint import export_to_hf
+    from shardlab.training.export import export_to_hf
 
     run = trained_from_a_model_dir(tok_dir, tmp_path)
     step = run / "checkpoints" / "step-00000001"
@@ -166,7 +166,7 @@ def test_an_export_carries_the_generation_config_and_the_runs_tokenizer(tok_dir,
     """The export of a run trained from a transformers directory holds that directory's generation_config.json, and
     the run's tokenizer even from a checkpoint saved without its files (the tokenizer the run's config names)."""
     from shardlab.data.tokenizer import FILES
-    from shardlab.training.checkpoint import export_to_hf
+    from shardlab.training.export import export_to_hf
 
     run = trained_from_a_model_dir(tok_dir, tmp_path)
     generation = (tmp_path / "model" / "generation_config.json").read_bytes()

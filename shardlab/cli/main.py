@@ -213,7 +213,7 @@ def _announce(line: str, rank: int, local_rank: int) -> None:
 def _export(flags: ExportFlags) -> int:
     from pathlib import Path
 
-    from shardlab.training.checkpoint import export_to_hf
+    from shardlab.training.export import export_to_hf
 
     model = None
     if flags.recipe is not None:

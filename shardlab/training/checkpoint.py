@@ -39,8 +39,7 @@ from shardlab._errors import ShardlabError
 from shardlab._faults import fault_point
 from shardlab.config import Config
 from shardlab.data.loader import TokenLoader
-from shardlab.data.tokenizer import FILES as TOKENIZER_FILES
-from shardlab.data.tokenizer import load_tokenizer, run_tokenizer, tokenizer_path
+from shardlab.data.tokenizer import run_tokenizer
 from shardlab.models import provider_for
 from shardlab.models.llama.provider import LlamaProvider
 from shardlab.models.provider import ModelProvider, first_difference
@@ -62,7 +61,7 @@ _ONE_PROCESS_WARNING = (
 
 
 @contextmanager
-def _one_process(no_dist: bool) -> Iterator[None]:
+def one_process(no_dist: bool) -> Iterator[None]:
     """Around a DCP save or load that shardlab makes in one process on purpose (`no_dist`): without torch's warning
     that it assumes one process, which is the intent. That warning alone, for the call alone (the filters are the
     process's again after it); with a process group, nothing changes."""
@@ -116,7 +115,7 @@ def resolve_resume(resume: str, checkpoints: Path, *, checksums: bool = True) ->
         path, skipped = newest_intact(checkpoints, checksums)
         if path is not None:
             for line in skipped:
-                _warn(f"checkpoint.resume=auto skips {line}; resuming from {path.name}")
+                warn(f"checkpoint.resume=auto skips {line}; resuming from {path.name}")
             return path
         if skipped:
             raise ShardlabError(
@@ -189,7 +188,7 @@ def _state_problem(path: Path) -> str | None:
     return None
 
 
-def _warn(message: str) -> None:
+def warn(message: str) -> None:
     if _rank() == 0:
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
@@ -303,7 +302,7 @@ def save(
     no_dist = not dist.is_initialized()  # one process: DCP needs no process group
     write = dcp.async_save if async_save else dcp.save
     # an async save warns from DCP's own thread, after this call may have returned: no filter scoped to it reaches
-    with _one_process(no_dist and not async_save):
+    with one_process(no_dist and not async_save):
         future = write(tensors, checkpoint_id=str(tmp), no_dist=no_dist, process_group=group)
     rank = dist.get_rank(group) if dist.is_initialized() else 0  # the rank DCP names this rank's files by
     if async_save:
@@ -381,7 +380,7 @@ def load(
     loader.load_state_dict(meta["data"])
     tensors = _tensors(state)
     verify(path, tensors["model"])  # before anything is loaded: a damaged checkpoint changes nothing
-    with _one_process(no_dist := not dist.is_initialized()):
+    with one_process(no_dist := not dist.is_initialized()):
         dcp.load(tensors, checkpoint_id=str(path), no_dist=no_dist)
     set_model_state_dict(state.model, tensors["model"])
     set_optimizer_state_dict(state.model, state.optim, tensors["optim"], options=OPTIM_OPTIONS)
@@ -441,98 +440,3 @@ def verify(path: Path, model_state: dict, fix: str = "resume from another step")
                 f"checkpoint {str(path)!r}: data file {name} is truncated ({file.stat().st_size} of {size} bytes); "
                 f"{fix}"
             )
-
-
-def export_to_hf(source: Path, out: Path, model: ModelProvider | None = None) -> Path:
-    """Write a checkpoint's model weights as a Hugging Face directory; `source` is a run or step directory.
-
-    One process, no process group: DCP reshards whatever layout saved it into plain full tensors. `model`: the
-    provider of a recipe's own model (its recipe's `model`; it must be the model the checkpoint holds); shardlab's
-    Llama and transformers models are known from the checkpoint itself.
-    """
-    from shardlab.hf import to_hf
-
-    if (source / STATE_FILE).is_file():
-        step = source
-        if (problem := damage(step)) is not None:
-            raise ShardlabError(f"export: {str(step)!r}: {problem}; export another step")
-    else:
-        step, skipped = newest_intact(source / "checkpoints")
-        if step is None and skipped:
-            raise ShardlabError(
-                f"export: no intact checkpoint in {str(source / 'checkpoints')!r} (newest {skipped[0]}); nothing "
-                "to export until a checkpoint is restored or trained again"
-            )
-        if step is None:
-            raise ShardlabError(
-                f"export: {str(source)!r} holds no committed checkpoint (no checkpoints/step-*); give a run or step "
-                "directory"
-            )
-        for line in skipped:
-            _warn(f"export skips {line}; exporting {step.name}")
-    config_file = step / "config.json"
-    if not config_file.is_file():
-        raise ShardlabError(f"export: {str(step)!r} has no config.json; it is not a shardlab checkpoint")
-    cfg = msgspec.json.decode(config_file.read_bytes(), type=Config)
-    provider = saved_provider(step, cfg, model)
-    provider.hf_config()  # a model without a transformers mapping fails here, before anything is read
-    with torch.device("meta"):
-        model = provider.build()
-    provider.materialize(model, "cpu", cfg.train.seed)
-    tensors = {"model": get_model_state_dict(model)}
-    verify(step, tensors["model"], fix="export another step")
-    with _one_process(True):
-        dcp.load(tensors, checkpoint_id=str(step), no_dist=True)
-    set_model_state_dict(model, tensors["model"])
-    to_hf(model, out, provider=provider, extra_files=_export_files(step, cfg))
-    return step
-
-
-GENERATION_CONFIG = "generation_config.json"
-
-
-def _export_files(step: Path, cfg: Config) -> dict[str, bytes]:
-    """What an export writes beside the weights: the run's tokenizer, as the checkpoint saved it (a checkpoint saved
-    without its files: the tokenizer the run's config names, where it still is), and the generation_config.json of
-    the transformers model directory the run trained from (model.hf_path), when it has one."""
-    files = {name: (step / name).read_bytes() for name in TOKENIZER_FILES if (step / name).is_file()}
-    if not files and (path := tokenizer_path(cfg)) is not None:
-        if Path(path).exists():
-            files = load_tokenizer(path).files()
-        else:
-            _warn(f"export: the run's tokenizer {path!r} is neither in the checkpoint nor there; the export has none")
-    if cfg.model.hf_path is not None:
-        generation = Path(cfg.model.hf_path) / GENERATION_CONFIG
-        if generation.is_file():
-            files[GENERATION_CONFIG] = generation.read_bytes()
-        elif not Path(cfg.model.hf_path).is_dir():
-            _warn(f"export: model.hf_path={cfg.model.hf_path!r} is gone; the export has no {GENERATION_CONFIG} from it")
-    return files
-
-
-def saved_provider(step: Path, cfg: Config, model: ModelProvider | None = None) -> ModelProvider:
-    """The model a checkpoint holds, from what the checkpoint itself says (a transformers model's config is in its
-    model.json, so the export needs neither its directory nor its recipe); a recipe's own model comes from its
-    recipe (`model`), checked against the checkpoint."""
-    identity = saved_identity(step) or {}
-    if "model.factory" in identity:
-        if model is None:
-            raise ShardlabError(
-                f"export: {str(step)!r} holds a recipe's own model ({identity['model.factory']}); pass its recipe: "
-                "`export RUN_DIR --to-hf OUT --recipe RECIPE`"
-            )
-        if (key := first_difference(identity, model.identity())) is not None:
-            raise ShardlabError(
-                f"export: the recipe's model differs from the checkpoint's in {key} (checkpoint "
-                f"{identity.get(key)!r}, recipe {model.identity().get(key)!r}); pass the recipe the run was trained with"
-            )
-        return model
-    transformers = any(k.startswith("config.json:") for k in identity)
-    if model is not None:
-        held = "a transformers model" if transformers else "shardlab's Llama"
-        raise ShardlabError(f"export: {str(step)!r} holds {held}, not a recipe's own model; leave out --recipe")
-    if transformers:
-        from shardlab.models.transformers.provider import HFCausalLM
-
-        return HFCausalLM.from_identity(identity)
-    return LlamaProvider(cfg.model)
