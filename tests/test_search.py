@@ -4,6 +4,7 @@ prunes before any probe, and the search ranks by the estimator's step time."""
 import math
 
 import msgspec
+import pytest
 
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig
 from shardlab.estimate.layouts import AC_MODES, Layout, enumerate_layouts, factorizations, recomputes_no_more
@@ -282,8 +283,6 @@ def test_a_transformers_model_gets_floors_below_its_estimates():
     """transformers' masks read a value, which meta tensors cannot give: its blocks are counted on fake tensors
     instead, so the search gets its compute, FSDP and activation floors (none before: every layout was estimated),
     each at most what its layout's estimate gives, with FSDP, tensor parallelism and a pipeline."""
-    import pytest
-
     pytest.importorskip("transformers")
     from shardlab.estimate.devices import device
     from shardlab.estimate.floors import Floors
@@ -411,10 +410,12 @@ def test_the_siblings_a_layout_is_dropped_for_are_layouts_of_the_search():
         assert set(one_row + others) <= enumerated, layout.describe()
 
 
-def test_a_second_search_reads_its_probes_from_the_store(tmp_path):
+def test_a_second_search_reads_its_probes_from_the_store(tmp_path, monkeypatch):
     """Probes kept on disk (`ProbeStore`) answer a later search of the same model: the same ranking, no probe of its
-    own. A damaged entry is measured again, another model's probes are not read, and a store that cannot be written
-    keeps nothing."""
+    own, and its floors' block counts are read too (not counted again for a new provider of the model). A damaged
+    entry is measured again, another model's probes are not read, and a store that cannot be written keeps
+    nothing."""
+    from shardlab.estimate import floors
     from shardlab.estimate.devices import device
     from shardlab.estimate.probe_store import ProbeStore
     from shardlab.estimate.search import search
@@ -433,6 +434,9 @@ def test_a_second_search_reads_its_probes_from_the_store(tmp_path):
     again = run(provider)
     assert first.probes > 0 and first.stored == 0
     assert again.probes == 0 and again.stored == first.probes and again.best == first.best
+    with monkeypatch.context() as patched:
+        patched.setattr(floors, "count_block", lambda *_: pytest.fail("the block was counted again"))
+        assert run(LlamaProvider(c.model)).best == first.best
     entries = sorted(tmp_path.rglob("*.probe"))
     assert len(entries) == first.probes
     entries[0].write_bytes(entries[0].read_bytes()[:10])

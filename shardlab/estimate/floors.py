@@ -60,6 +60,8 @@ not counted.
 
 from __future__ import annotations
 
+from functools import partial
+
 import msgspec
 import torch
 
@@ -68,6 +70,7 @@ from shardlab.config import Config
 from shardlab.estimate.block_counts import Block, count_block
 from shardlab.estimate.device import Device
 from shardlab.estimate.layouts import Layout, uses_fsdp
+from shardlab.estimate.probe_store import ProbeStore
 from shardlab.estimate.roofline import DTYPE_BYTES, GPUS_PER_NODE, axis_bandwidth, shared_pipeline_factor
 from shardlab.models.llama.provider import LlamaProvider
 from shardlab.models.provider import ModelProvider
@@ -95,8 +98,17 @@ class Floors(Frozen):
     capacity; 0: no EP floor)."""
 
     @classmethod
-    def of(cls, cfg: Config, provider: ModelProvider, model: torch.nn.Module, dev: Device, own_rules: bool) -> Floors:
-        """own_rules: the recipe lays the model out by rules of its own (no TP floor: they may shard otherwise)."""
+    def of(
+        cls,
+        cfg: Config,
+        provider: ModelProvider,
+        model: torch.nn.Module,
+        dev: Device,
+        own_rules: bool,
+        store: ProbeStore | None = None,
+    ) -> Floors:
+        """own_rules: the recipe lays the model out by rules of its own (no TP floor: they may shard otherwise);
+        store: where the block counts are kept between searches, with the probes (None: counted here)."""
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         best, best_memory = dev.matmul_efficiency, dev.hbm_efficiency
         if dev.kernels is not None:
@@ -105,7 +117,8 @@ class Floors(Frozen):
         counted = provider.__dict__.setdefault("_floor_blocks", {})  # once per provider (searches of many worlds)
         key = (cfg.train.seq_len, msgspec.json.encode(cfg.plan), own_rules)
         if key not in counted:
-            counted[key] = count_block(provider, cfg.train.seq_len, cfg.plan, own_rules)
+            count = partial(count_block, provider, cfg.train.seq_len, cfg.plan, own_rules)
+            counted[key] = count() if store is None else store.block(cfg.train.seq_len, cfg.plan, own_rules, count)
         block = counted[key]
         llama = isinstance(provider, LlamaProvider) and block is not None and not own_rules
         kv_dim = provider.cfg.n_kv_heads * provider.cfg.head_dim if llama else 0

@@ -1,5 +1,6 @@
 """Probes kept on disk between searches: a search of the same model on another world, device, memory or top K, or
-the same search again, reads what an earlier one measured instead of probing again.
+the same search again, reads what an earlier one measured instead of probing again; and the counts of the model's
+block its floors are made of (`count_block`, keyed by the sequence length, plan options and own rules).
 
 A measurement (`probe.Measurement`) depends on the probed config and pp rank, the rules, the model, and the code
 that ran it, so the key hashes them all: the config, the rank and the rules as data; the model's identity; the
@@ -11,6 +12,7 @@ read is measured again; where the directory cannot be written, nothing is kept. 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -24,8 +26,9 @@ from pathlib import Path
 import msgspec
 import torch
 
-from shardlab.config import Config
+from shardlab.config import Config, PlanConfig
 from shardlab.estimate._cache_dir import cache_dir, write_whole
+from shardlab.estimate.block_counts import Block
 from shardlab.estimate.probe import Measurement
 from shardlab.models.provider import ModelProvider
 from shardlab.sharding.rules import Rules
@@ -60,6 +63,21 @@ class ProbeStore:
                 pass
         else:
             self.read += 1
+        return found
+
+    def block(
+        self, seq_len: int, options: PlanConfig, own_rules: bool, count: Callable[[], Block | None]
+    ) -> Block | None:
+        """The model's block counts for the floors (`count_block`) at `seq_len` under `options`: read, else `count()`
+        and kept (None too: a model that cannot be counted). Not in `read` and `written`, which count probes."""
+        key = hashlib.sha256(self.model + b"block" + msgspec.json.encode((seq_len, options, own_rules))).hexdigest()
+        path = self.root / key[:2] / f"{key}.block"
+        try:
+            (found,) = pickle.loads(zlib.decompress(path.read_bytes()))
+        except UNREADABLE:
+            found = count()
+            with contextlib.suppress(OSError):  # a store that cannot be written keeps nothing
+                write_whole(path, zlib.compress(pickle.dumps((found,))))
         return found
 
 

@@ -20,7 +20,8 @@ are not estimated: they cannot win, and they are not shown.
 
 A budget of seconds stops the search early, once a layout fits: the layouts not looked at are then each at least
 as slow as the lowest floor among them (`Search.floor_left`), which bounds how far the pick can be from the
-fastest (`Search.pick_within`). A search run again reads its probes from the store and goes further in the same time.
+fastest (`Search.pick_within`). A search run again reads its probes (and its block counts) from the store and goes
+further in the same time.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def search(
         plan = plan_of(shape.config(cfg).resolve(world))
         return estimate_memory(plan).total + fsdp_buffer_bytes(plan)
 
-    floors = Floors.of(cfg, provider, model, dev, own_rules=rules_of(cfg) is not None)
+    floors = Floors.of(cfg, provider, model, dev, own_rules=rules_of(cfg) is not None, store=store)
     time_floor = [floors.time(cfg, layout, dev) for layout in layouts]  # arithmetic: 0.3 s for 405B's 21,648
     order = sorted(range(len(layouts)), key=lambda i: (time_floor[i], _cheapest_first(layouts[i]), i))
     measured = {} if probes is None else probes  # probes of twins, shared by every layout with the same twin
