@@ -1,4 +1,5 @@
-"""Independent calls run side by side in forked children, one per core: the estimator's probes of one layout.
+"""Independent calls run side by side in forked children, one per core: the estimator's probes of one layout, the
+runs that count a model's block for the floors.
 
 A forked child is this process as it was (its fake world, models and caches), so the calls need not be picklable;
 only what they return comes back, pickled through a pipe, and an error raised in a child is raised here. The calls
