@@ -67,7 +67,7 @@ def overrides(cfg) -> list[str]:
         micro.append(f"--train.micro-batch={cfg.train.micro_batch}")
     return [*MODEL, *axes, ac, *micro, f"--plan.pp-schedule={cfg.plan.pp_schedule}",
             f"--plan.pp-stages-per-rank={cfg.plan.pp_stages_per_rank}",
-            f"--plan.{'' if cfg.plan.reshard_after_forward else 'no-'}reshard-after-forward"]  # fmt: skip
+            f"--plan.{'' if cfg.plan.resharding(cfg.mesh)[0] else 'no-'}reshard-after-forward"]  # fmt: skip
 
 
 def estimated(cfg, dev) -> float:

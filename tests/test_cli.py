@@ -174,6 +174,17 @@ def test_flags_and_overrides_mix_in_either_form(form):
     assert parse(ExportFlags, args, "prog")[0] == ExportFlags(run_dir="runs/x", to_hf="out", recipe="r.py")
 
 
+def test_resharding_after_forward_is_a_flag_pair_that_defaults_to_the_plans_choice():
+    from shardlab.cli.recipe import load_recipe
+
+    config = load_recipe(ROOT / "recipes" / "llama_debug.py").config
+    read = {args: parse(TrainFlags, list(args), "prog", config)[1].plan.reshard_after_forward
+            for args in [(), ("--plan.reshard-after-forward",), ("--plan.no-reshard-after-forward",)]}  # fmt: skip
+    assert list(read.values()) == [None, True, False]
+    with pytest.raises(ValueError, match="Unrecognized options: None"):  # a flag pair takes no value
+        parse(TrainFlags, ["--plan.reshard-after-forward", "None"], "prog", config)
+
+
 CHAT = {"messages": [{"role": "user", "content": "add 2 and 3"}, {"role": "assistant", "content": "five"}]}
 LONG = {"messages": [{"role": "user", "content": "add 2 and 3 " * 20}, {"role": "assistant", "content": "five"}]}
 

@@ -257,8 +257,12 @@ def test_zero_bubble_schedules_with_fsdp_need_the_weights_kept_after_forward():
     mesh = MeshSpec(pp=2, dp_shard=2)
     for schedule in ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"):
         with pytest.raises(ValueError, match=rf"^plan\.pp_schedule='{schedule}' computes weight gradients after FSDP"):
-            plan_for(mesh, pp_schedule=schedule, pp_stages_per_rank=2)
+            plan_for(mesh, pp_schedule=schedule, pp_stages_per_rank=2, reshard_after_forward=True)
         plan_for(mesh, pp_schedule=schedule, pp_stages_per_rank=2, reshard_after_forward=False)
+        kept = plan_for(mesh, pp_schedule=schedule, pp_stages_per_rank=2).fsdp  # the default keeps them
+        assert (kept.reshard_after_forward, kept.resharding) == (False, f"{schedule} computes weight gradients after "
+                                                                 "the forward")  # fmt: skip
+    assert plan_for(mesh, pp_schedule="1f1b").fsdp.reshard_after_forward
 
 
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",

@@ -323,7 +323,7 @@ FSDP = [
     (
         MeshSpec(dp_shard=2),
         PlanConfig(),
-        FsdpPlan(axes=("dp_shard",), units=UNITS, reshard_after_forward=True, param_dtype="float32", reduce_dtype="float32", cpu_offload=False, last_kept=True),
+        FsdpPlan(axes=("dp_shard",), units=UNITS, reshard_after_forward=True, param_dtype="float32", reduce_dtype="float32", cpu_offload=False, last_kept=True, resharding="default"),
     ),
     (
         MeshSpec(dp_shard=2, tp=2),
@@ -333,16 +333,21 @@ FSDP = [
     (
         MeshSpec(dp_replicate=2, dp_shard=2),
         PlanConfig(),
-        FsdpPlan(axes=("dp_replicate", "dp_shard"), units=UNITS, reshard_after_forward=True, param_dtype="float32", reduce_dtype="float32", cpu_offload=False, last_kept=True),
+        FsdpPlan(axes=("dp_replicate", "dp_shard"), units=UNITS, reshard_after_forward=True, param_dtype="float32", reduce_dtype="float32", cpu_offload=False, last_kept=True, resharding="default"),
     ),
-    (  # pure replication (DDP-like) is HSDP with a size-1 shard axis
+    (  # pure replication (DDP-like) is HSDP with a size-1 shard axis: nothing to free after forward
         MeshSpec(dp_replicate=2, dp_shard=1),
         PlanConfig(),
-        FsdpPlan(axes=("dp_replicate", "dp_shard"), units=UNITS, reshard_after_forward=True, param_dtype="float32", reduce_dtype="float32", cpu_offload=False, last_kept=True),
+        FsdpPlan(axes=("dp_replicate", "dp_shard"), units=UNITS, reshard_after_forward=False, param_dtype="float32", reduce_dtype="float32", cpu_offload=False, last_kept=True, resharding="one shard: nothing to free"),
     ),
-    (  # one rank with mixed precision still needs fully_shard (for MixedPrecisionPolicy)
+    (  # one rank with mixed precision still needs fully_shard (for MixedPrecisionPolicy), which keeps its gathers
         MeshSpec(dp_shard=1),
         PlanConfig(param_dtype="bfloat16"),
+        FsdpPlan(axes=("dp_shard",), units=UNITS, reshard_after_forward=False, param_dtype="bfloat16", reduce_dtype="float32", cpu_offload=False, last_kept=True, resharding="one shard: nothing to free"),
+    ),
+    (  # an explicit setting wins over the one-shard default
+        MeshSpec(dp_shard=1),
+        PlanConfig(param_dtype="bfloat16", reshard_after_forward=True),
         FsdpPlan(axes=("dp_shard",), units=UNITS, reshard_after_forward=True, param_dtype="bfloat16", reduce_dtype="float32", cpu_offload=False, last_kept=True),
     ),
 ]  # fmt: skip
@@ -360,6 +365,15 @@ def test_fsdp_units(mesh: MeshSpec, options: PlanConfig, fsdp: FsdpPlan | None) 
             assert p.fsdp_unit == (layer.group(0) if layer else UNIT_OF[p.fqn]), p.fqn
         if mesh.dp_shard == 1:
             assert "dp_shard" not in _spec_axes(p.spec), p.fqn
+
+
+def test_the_table_says_why_fsdp_reshards_or_not() -> None:
+    one = llama_plan(TINY, MeshSpec(dp_shard=1), PlanConfig(param_dtype="bfloat16")).table()
+    assert "reshard_after_forward=False (one shard: nothing to free)" in one
+    two = llama_plan(TINY, MeshSpec(dp_shard=2)).table()
+    assert "reshard_after_forward=True (default; not model.norm + lm_head)" in two
+    set_ = llama_plan(TINY, MeshSpec(dp_shard=1), PlanConfig(param_dtype="bfloat16", reshard_after_forward=True))
+    assert "reshard_after_forward=True (not model.norm + lm_head) param" in set_.table()
 
 
 def _spec_axes(spec: tuple) -> tuple[str, ...]:

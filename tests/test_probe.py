@@ -195,3 +195,14 @@ def test_calls_run_side_by_side_in_forked_children_as_they_would_in_order():
             run_forked([lambda: 1, lambda: os._exit(3)])
     c = cfg(MeshSpec(dp_shard=2)).resolve(2)
     assert probe(c) == probe(c)  # one size in this process, the other in a child, twice
+
+
+def test_the_estimate_reshards_as_the_plan_chose():
+    """Unset, reshard_after_forward is the plan's choice (on over two shards): the estimate prices that choice."""
+    base = cfg(MeshSpec(dp_shard=2), n_layers=2)
+    estimates = {}
+    for r in (None, True, False):
+        c = msgspec.structs.replace(base, plan=msgspec.structs.replace(base.plan, reshard_after_forward=r)).resolve(2)
+        e = estimate(c, plan_model(c)[1])
+        estimates[r] = sum(x.bytes for x in e.collectives if x.kind == "all_gather")
+    assert estimates[None] == estimates[True] > estimates[False]

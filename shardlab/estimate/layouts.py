@@ -149,7 +149,7 @@ def _variants(cfg: Config, mesh: MeshSpec, n_layers: int, one_stage: bool) -> It
     """The layouts of one mesh: schedules, micro batches, checkpointing and resharding."""
     per_rank = cfg.train.global_batch // mesh.size("dp")
     fsdp = uses_fsdp(cfg, mesh)
-    reshard = (True, False) if fsdp else (cfg.plan.reshard_after_forward,)
+    reshard = (True, False) if fsdp else (cfg.plan.resharding(mesh)[0],)
     if mesh.pp == 1:
         schedules: list[tuple[Schedule | None, int]] = [(None, 1)]
         micro = divisors(per_rank)

@@ -365,7 +365,8 @@ def _memory_siblings(layout: Layout, cfg: Config) -> tuple[list[Layout], list[La
 def _derived(base: Plan, run: Config) -> Plan:
     """`base` (the plan of `run`'s mesh and stage placement) with `run`'s checkpointing, resharding, schedule and
     micro batches."""
-    fsdp = base.fsdp and msgspec.structs.replace(base.fsdp, reshard_after_forward=run.plan.reshard_after_forward)
+    reshard, why = run.plan.resharding(run.mesh)
+    fsdp = base.fsdp and msgspec.structs.replace(base.fsdp, reshard_after_forward=reshard, resharding=why)
     pipe = base.pipeline
     if pipe is not None:
         schedule, m = run.plan.pp_schedule, run.micro_batches

@@ -185,14 +185,14 @@ def _measured(
     """`cfg`'s probe as pp rank `rank` holding `blocks` blocks, from `measured` or measured now (`_measurement`).
     plan: the layout's."""
     found = _measurement(cfg, rank, rules, provider, measured, plan, store)
-    return found.at(blocks, regather=cfg.plan.reshard_after_forward or not _reshards(cfg, provider.n_layers, plan))
+    return found.at(blocks, regather=cfg.plan.resharding(cfg.mesh)[0] or not _reshards(cfg, provider.n_layers, plan))
 
 
 def _reshards(cfg: Config, n_layers: int, plan: Plan) -> bool:
     """Whether the measurement of `cfg` reshards FSDP's weights after forward: where its schedule allows it (a rank
     put together from `BASE`'s stages: as BASE does)."""
     first = stage_shape(cfg.plan.pp_schedule)[0]
-    return cfg.plan.reshard_after_forward or first not in ZERO_BUBBLE or _pieces(cfg, 0, n_layers, plan) is not None
+    return cfg.plan.resharding(cfg.mesh)[0] or first not in ZERO_BUBBLE or _pieces(cfg, 0, n_layers, plan) is not None
 
 
 def _measurement(

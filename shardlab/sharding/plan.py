@@ -20,6 +20,7 @@ from shardlab._errors import ShardlabError
 from shardlab.sharding import plan_text
 from shardlab.sharding.context import ContextPlan, context_plan
 from shardlab.sharding.experts import ExpertPlan, expert_plan, module_of, strip_ep
+from shardlab.sharding.fp8 import Fp8Plan, fp8_plan
 from shardlab.sharding.mesh import MeshSpec
 from shardlab.sharding.pipeline import ZERO_BUBBLE, PipelinePlan, pipeline_plan
 from shardlab.sharding.plan_config import PlanConfig
@@ -91,6 +92,8 @@ class FsdpPlan(Frozen):
     param_dtype: str
     reduce_dtype: str
     cpu_offload: bool
+    resharding: str = "as set"
+    """Why reshard_after_forward has its value: as set, the default, or the reason the default changed it."""
     last_kept: bool = False
     """The last unit stays gathered from its forward to its backward, which follows at once (the model's output
     layer; rules.fsdp_last_kept): one all-gather a step fewer, the same peak memory. Without resharding after
@@ -128,6 +131,8 @@ class Plan(Frozen):
     """Context parallelism; None when mesh.cp is 1."""
     experts: ExpertPlan | None = None
     """Expert parallelism and TP inside the experts; None when neither splits them."""
+    fp8: Fp8Plan | None = None
+    """The linears that run in float8 (plan.fp8); None without FP8."""
 
     def param(self, fqn: str) -> ParamPlan:
         for p in self.params:
@@ -271,6 +276,8 @@ def make_plan(
                 "weights (wrong gradients); set plan.reshard_after_forward=False, or use a schedule without zero bubble"
             )
     context = context_plan(modules, mesh, rules)
+    fp8 = fp8_plan(modules, blocks, {n: p.tp_dim for n, p in by_name.items()}, mesh, rules, options.fp8,
+                   mesh.dp_shard * mesh.cp if fsdp is not None else 1)  # fmt: skip
     for option, on in (
         ("activation_checkpoint", options.activation_checkpoint != "none"),
         ("compile", options.compile),
@@ -294,6 +301,7 @@ def make_plan(
         pipeline=pipeline,
         context=context,
         experts=experts,
+        fp8=fp8,
     )
 
 
@@ -390,10 +398,12 @@ def _fsdp_plan(modules, params, aliases, mesh: MeshSpec, rules: Rules, options: 
         unit_of[fqn] = owners.pop()
     shard = "dp_shard_cp" if mesh.cp > 1 else "dp_shard"
     axes = ("dp_replicate", shard) if mesh.dp_replicate > 1 else (shard,)
+    reshard, why = options.resharding(mesh)
     return unit_of, FsdpPlan(
         axes=axes,
         units=tuple(units),
-        reshard_after_forward=options.reshard_after_forward,
+        reshard_after_forward=reshard,
+        resharding=why,
         last_kept=rules.fsdp_last_kept and bool(units),
         param_dtype=options.param_dtype,
         reduce_dtype=options.reduce_dtype,

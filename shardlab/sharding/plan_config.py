@@ -6,9 +6,12 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import msgspec
+from tyro.conf import DisallowNone
 
 from shardlab._base import Frozen, Positive
-from shardlab.sharding.pipeline import Balance, Schedule, check_schedule
+from shardlab.sharding.fp8 import Fp8Recipe
+from shardlab.sharding.mesh import MeshSpec
+from shardlab.sharding.pipeline import ZERO_BUBBLE, Balance, Schedule, check_schedule
 
 Dtype = Literal["float32", "bfloat16"]  # no float16: it needs a gradient scaler shardlab does not have
 
@@ -20,14 +23,20 @@ class PlanConfig(Frozen):
     """Shard norms and the residual stream over tp along the sequence (needs seq_len % tp == 0)."""
     loss_parallel: bool = True
     """Keep the logits sharded over the vocabulary and compute the loss without gathering them."""
-    reshard_after_forward: bool = True
-    """FSDP: free gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2)."""
+    reshard_after_forward: DisallowNone[bool | None] = None
+    """FSDP: free gathered parameters after forward (ZeRO-3), or keep them until backward (ZeRO-2, False). Default
+    (None): free them where FSDP shards over more than one rank; over one there is nothing to free, only the
+    backward's gathers to repeat (and a zero-bubble pipeline schedule needs them kept)."""
     param_dtype: Dtype = "float32"
     """FSDP mixed precision: dtype of the gathered parameters, so of the compute."""
     reduce_dtype: Dtype = "float32"
     """FSDP mixed precision: dtype of gradient reduction."""
     cpu_offload: bool = False
     """FSDP: keep sharded parameters, grads and optimizer state on the CPU (not supported yet: an error)."""
+    fp8: Fp8Recipe = "none"
+    """Float8 matmuls through torchao (the `fp8` extra) in the blocks' linear layers whose dims are multiples of 16:
+    tensorwise (with FSDP: float8 weights all-gathered), rowwise, or rowwise_with_gw_hp (the weight gradient in
+    high precision). Needs a CUDA device of compute capability 8.9 or more, or the CPU (for tests)."""
     activation_checkpoint: Literal["none", "full", "selective", "op"] = "none"
     """Recompute activations in backward: none; every block (full); every `ac_every`-th block (selective); or in every
     block only the cheap ops, keeping the outputs of matmuls (every other one), attention and collectives (op:
@@ -54,6 +63,16 @@ class PlanConfig(Frozen):
     of each block, the embeddings and the head, counted by torch on the meta device) or "params"."""
     pp_split: tuple[int, ...] = ()
     """Explicit split: the first block of every stage after the first (overrides pp_balance)."""
+
+    def resharding(self, mesh: MeshSpec) -> tuple[bool, str]:
+        """Whether FSDP frees its gathered parameters after forward on `mesh` (resolved), and why."""
+        if self.reshard_after_forward is not None:
+            return self.reshard_after_forward, "as set"
+        if mesh.pp > 1 and self.pp_schedule in ZERO_BUBBLE:
+            return False, f"{self.pp_schedule} computes weight gradients after the forward"
+        if mesh.dp_shard * mesh.cp == 1:
+            return False, "one shard: nothing to free"
+        return True, "default"
 
     def check(self) -> None:
         check_schedule(self.pp_schedule, self.pp_stages_per_rank)

@@ -55,9 +55,10 @@ def table(plan: Plan, collapse: bool = True, groups: Mapping[str, str] | None = 
     rows = [
         (
             "parameter", "shape", "spec", "placements", "local", "MiB/rank", "rule", *(("stage",) if staged else ()),
-            *(("optimizer",) if groups else ()),
+            *(("optimizer",) if groups else ()), *(("fp8",) if plan.fp8 else ()),
         )
     ]  # fmt: skip
+    fp8 = set(plan.fp8.linears) if plan.fp8 else set()
     for fqn, p, count in _collapsed(plan.params, collapse):
         rows.append(
             (
@@ -70,6 +71,7 @@ def table(plan: Plan, collapse: bool = True, groups: Mapping[str, str] | None = 
                 "-" if p.rule is None else str(p.rule),
                 *((str(p.stage),) if staged else ()),
                 *((groups[p.fqn],) if groups else ()),
+                *((("float8" if p.fqn.removesuffix(".weight") in fp8 else "-"),) if plan.fp8 else ()),
             )
         )
     out = [head, _columns(rows)]
@@ -94,11 +96,14 @@ def table(plan: Plan, collapse: bool = True, groups: Mapping[str, str] | None = 
     if plan.fsdp:
         f = plan.fsdp
         units = sorted({_layer_glob(" + ".join(u)) for u in f.units})
-        kept = f" (not {' + '.join(f.units[-1])})" if f.last_kept and f.reshard_after_forward else ""
+        notes = [f.resharding] if f.resharding != "as set" else []
+        if f.last_kept and f.reshard_after_forward:
+            notes.append(f"not {' + '.join(f.units[-1])}")
+        notes_text = f" ({'; '.join(notes)})" if notes else ""
         out += [
             "",
             f"FSDP over {' x '.join(f.axes)}: {len(f.units)} units + root ({', '.join(units)}); "
-            f"reshard_after_forward={f.reshard_after_forward}{kept} param={f.param_dtype} reduce={f.reduce_dtype} "
+            f"reshard_after_forward={f.reshard_after_forward}{notes_text} param={f.param_dtype} reduce={f.reduce_dtype} "
             f"cpu_offload={f.cpu_offload}",
         ]
     if plan.pipeline is not None:
@@ -121,6 +126,8 @@ def table(plan: Plan, collapse: bool = True, groups: Mapping[str, str] | None = 
             else f"Tensor parallel inside experts over tp={plan.mesh.tp}: {where}, partial outputs summed over tp"
         )
         out += ["", text]
+    if plan.fp8 is not None:
+        out += ["", *_fp8_text(plan)]
     extras = [
         f"loss_parallel={plan.loss_parallel}",
         f"activation_checkpoint={plan.activation_checkpoint}",
@@ -128,6 +135,19 @@ def table(plan: Plan, collapse: bool = True, groups: Mapping[str, str] | None = 
     ]
     out.append("  ".join(extras))
     return "\n".join(out)
+
+
+def _fp8_text(plan: Plan) -> list[str]:
+    """The FP8 linears as globs, and why each other linear of the blocks is not one."""
+    f = plan.fp8
+    gather = f"; FSDP all-gathers their weights in float8 over {' x '.join(plan.fsdp.axes)}" if f.all_gather else ""
+    lines = [
+        f"FP8 {f.recipe} (torchao Float8Linear): {len(f.linears)} linears "
+        f"({', '.join(dict.fromkeys(_layer_glob(m) for m in f.linears))}){gather}"
+    ]
+    kept = dict.fromkeys((_layer_glob(m), why) for m, why in f.kept)
+    lines += [f"  kept in the compute dtype: {m} ({why})" for m, why in kept]
+    return lines
 
 
 def _pipeline_text(plan: Plan) -> list[str]:

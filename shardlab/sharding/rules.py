@@ -84,6 +84,11 @@ class Rules(Frozen):
     stage_call: StageCall = "tensor"
     """How a pipeline stage calls the model: "tensor" (its forward is its parts in sequence, tensors in and out) or
     "transformers" (a transformers causal LM; shardlab.sharding.pipeline.StageCall)."""
+    fp8_modules: tuple[str, ...] = ()
+    """With plan.fp8: globs of linears outside the blocks that run in float8 too (the output head stays in the
+    compute dtype unless named here)."""
+    fp8_exclude: tuple[str, ...] = ()
+    """With plan.fp8: globs of linears inside the blocks kept in the compute dtype (an MoE router)."""
 
 
 class Match(Frozen):

@@ -111,4 +111,5 @@ def llama_rules(model: ModelConfig, options: PlanConfig = PlanConfig()) -> Rules
         fsdp_last_kept=not tied,
         blocks=("model.layers.*",),
         attention=("model.layers.*.self_attn",),
+        fp8_exclude=("model.layers.*.mlp.router",) if model.moe is not None else (),  # its scores pick the experts
     )
