@@ -46,9 +46,11 @@ def _ops(*names: str) -> frozenset[Any]:
     return frozenset(found)
 
 
-MATMULS = _ops("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._grouped_mm.default")
+MATMULS = _ops(
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._grouped_mm.default", "aten._scaled_mm.default"
+)
 """Matmuls, of which every other one's output is kept (torchtitan counts aten.mm; addmm is a biased projection,
-bmm and _grouped_mm transformers' stacked experts)."""
+bmm and _grouped_mm transformers' stacked experts, _scaled_mm FP8's)."""
 SAVED_OPS = MATMULS | _ops(
     # attention: every SDPA backend (CPU's flash kernel included) and the explicit math one
     "aten._scaled_dot_product_flash_attention.default",

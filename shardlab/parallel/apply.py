@@ -1,7 +1,7 @@
 """apply(model, plan, mesh): the one door to torch's parallel APIs, in the order the layout needs.
 
-this rank's pipeline stages (the other stages' modules pass their input on, `shardlab.parallel.stages`) -> activation
-checkpointing -> TP/SP (`parallelize_module`) -> context-parallel attention (`shardlab.sharding.context`) -> expert
+this rank's pipeline stages (the other stages' modules pass their input on, `shardlab.parallel.stages`) -> FP8 linears
+(`shardlab.parallel.fp8`) -> activation checkpointing -> TP/SP (`parallelize_module`) -> context-parallel attention (`shardlab.sharding.context`) -> expert
 parallelism (`shardlab.sharding.experts`) -> compile -> FSDP/HSDP (`fully_shard` per unit, then the root: the model,
 or the module each of this rank's pipeline stages runs). The pipeline schedule itself runs in the step
 (shardlab.training.pipeline_schedule). Also the JAX-like helpers `shard` (device_put with a spec),
@@ -37,7 +37,11 @@ from shardlab.parallel._compile import compile_block
 from shardlab.parallel.context import all_gather_attention
 from shardlab.parallel.device_mesh import expert_mesh, flat_view, mesh_spec_of
 from shardlab.parallel.experts import expert_dispatch, stacked_experts
+from shardlab.parallel.fp8 import convert as convert_to_fp8
+from shardlab.parallel.fp8 import gathers_float8
+from shardlab.parallel.fp8 import tp_style as fp8_tp_style
 from shardlab.parallel.stages import build_stages, in_stages, keep_own_stages
+from shardlab.sharding.fp8 import Fp8Plan
 from shardlab.sharding.mesh import AXES, FLAT_VIEWS
 from shardlab.sharding.pipeline import StagePlan
 from shardlab.sharding.plan import Plan
@@ -60,6 +64,8 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
         _check_mesh(plan, mesh)
     kept = keep_own_stages(model, plan, mesh["pp"].get_local_rank()) if plan.pipeline is not None else None
     _check_model(model, plan, kept)
+    if plan.fp8 is not None:  # first: TP's styles and FSDP's all-gather act on the Float8Linear
+        convert_to_fp8(model, plan.fp8, None if kept is None else {f for f in plan.fp8.linears if in_stages(f, kept)})
     # Block indices count over the whole model, so selective checkpointing picks the same blocks in every layout.
     blocks = [(i, model.get_submodule(f)) for i, f in enumerate(plan.blocks) if kept is None or in_stages(f, kept)]
     # Checkpointing before TP: its hook keeps a block's inputs as they come, ahead of any TP hook of the block itself
@@ -72,7 +78,8 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
             checkpoint_module(block, ops=plan.activation_checkpoint == "op")
     if plan.mesh.tp > 1:
         kept_modules = plan.modules if kept is None else [m for m in plan.modules if in_stages(m.fqn, kept)]
-        parallelize_module(model, mesh["tp"], {m.fqn: _tp_style(m) for m in kept_modules})
+        fp8 = plan.fp8 if plan.fp8 is not None and gathers_float8(mesh["tp"]) else None
+        parallelize_module(model, mesh["tp"], {m.fqn: _tp_style(m, fp8) for m in kept_modules})
         _retie(model, plan)
     if plan.context is not None:
         attend = all_gather_attention(mesh["cp"].get_group())
@@ -193,14 +200,17 @@ def _tp(spec: Spec | None) -> Placement | None:
     return Replicate() if dim is None else Shard(dim)
 
 
-def _tp_style(m: ModulePlan) -> ParallelStyle:
+def _tp_style(m: ModulePlan, fp8: Fp8Plan | None) -> ParallelStyle:
+    """The module's ParallelStyle; `fp8`: the FP8 linears whose styles gather float8 inputs (None: none do)."""
     inp = _tp(m.inputs[0]) if m.inputs else None
     out = _tp(m.output)
     if m.style in ("colwise", "embedding_colwise"):
-        return ColwiseParallel(input_layouts=inp, output_layouts=out, use_local_output=m.local_output)
+        style = fp8_tp_style(ColwiseParallel, fp8, m.fqn)
+        return style(input_layouts=inp, output_layouts=out, use_local_output=m.local_output)
     if m.style in ("rowwise", "embedding_rowwise"):
         default_in = Replicate() if m.style == "embedding_rowwise" else None
-        return RowwiseParallel(input_layouts=inp or default_in, output_layouts=out, use_local_output=m.local_output)
+        style = fp8_tp_style(RowwiseParallel, fp8, m.fqn)
+        return style(input_layouts=inp or default_in, output_layouts=out, use_local_output=m.local_output)
     if m.style == "sequence_parallel":
         return SequenceParallel(sequence_dim=inp.dim, use_local_output=m.local_output)
     if m.style == "prepare_input_output":

@@ -30,6 +30,7 @@ from shardlab.models import provider_for
 from shardlab.models.llama.moe import moe_layers, router_stats
 from shardlab.models.provider import ModelProvider, logits_of
 from shardlab.parallel.device_mesh import flat_view
+from shardlab.parallel.fp8 import refresh_scales
 from shardlab.sharding.context import cp_positions
 from shardlab.sharding.plan import Plan
 from shardlab.training.loss import all_reduce_sum, counted, local_value, scaled, summed_loss
@@ -204,6 +205,7 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
             )
         if finite:
             opt.step()
+            refresh_scales(model, plan.fp8)  # the float8 weights FSDP gathers next are scaled by their new values
         opt.zero_grad(set_to_none=True)
         if routers is not None and finite:
             routers.update_bias()

@@ -36,11 +36,12 @@ def shared_tmp(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def shared_world4(shared_tmp) -> WorldResult:
     """4 ranks: the dense parity layouts, the estimator's memory, the helpers, the MoE layouts."""
-    from . import test_estimate, test_helpers, test_moe, test_parity_4
+    from . import test_estimate, test_fp8, test_helpers, test_moe, test_parity_4
 
     moe = {"tmp": str(shared_tmp / "moe")}
     checks = [
         *test_parity_4.CHECKS,
+        *test_fp8.CHECKS_4,
         *test_estimate.CHECKS,
         *test_helpers.CHECKS,
         *((c, moe) for c in test_moe.CHECKS_4),
@@ -52,12 +53,13 @@ def shared_world4(shared_tmp) -> WorldResult:
 def shared_world2(shared_tmp) -> WorldResult:
     """2 ranks: the dense parity layouts, transformers' Llama laid out by names, the MoE layouts, context
     parallelism, pipelines, then a compiled layout (its cold compile is the slowest check)."""
-    from . import test_compile, test_context_parallel, test_hf_llama, test_moe, test_parity_2, test_pipeline
+    from . import test_compile, test_context_parallel, test_fp8, test_hf_llama, test_moe, test_parity_2, test_pipeline
 
-    moe, context, pipeline = ({"tmp": str(shared_tmp / name)} for name in ("moe", "context", "pipeline"))
+    moe, context, pipeline, fp8 = ({"tmp": str(shared_tmp / name)} for name in ("moe", "context", "pipeline", "fp8"))
     checks = [
         *test_parity_2.CHECKS,
         *test_hf_llama.CHECKS,
+        *((c, fp8) for c in test_fp8.CHECKS_2),
         *((c, moe) for c in test_moe.CHECKS_2),
         *((c, context) for c in test_context_parallel.CHECKS_2),
         *((c, pipeline) for c in test_pipeline.CHECKS_2),
