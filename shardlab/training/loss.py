@@ -3,9 +3,21 @@ ranks that hold different tokens.
 
 Sums, not means: each rank sums its tokens' losses and the step or evaluation divides once by the global batch's
 token count, so the result does not depend on how the tokens are spread over ranks, micro batches and stages.
+
+Plain (not vocab-sharded) logits go through the cross-entropy in chunks of rows (`CHUNK_ELEMENTS` logits each in
+fp32), never whole: a micro batch's fp32 logits at a 128k vocabulary are GiBs. With gradients, the forward also
+computes each chunk's gradient (softmax - one-hot, 0 on ignored tokens) into one buffer in the logits' dtype, the
+only thing it keeps; the backward scales that buffer by the incoming gradient in place. A micro batch so holds the
+logits and a gradient of their size until the caller drops the logits (`step.forward_backward` does, before the
+backward), and then the gradient alone: not the logits' fp32 copy, the saved log-softmax and the backward's
+full-size buffers. Loss and gradients are F.cross_entropy's (to fp32 rounding). Without gradients (evaluation) only
+the loss is computed. Under loss parallel the logits are vocab-sharded DTensors and torch's vocab-parallel
+`F.cross_entropy` runs as it always did.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,11 +26,69 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from shardlab.data.loader import IGNORE_INDEX
 
+CHUNK_ELEMENTS = 1 << 25
+"""Logits per chunk of rows that the loss holds in fp32 at once (128 MiB; at least one row): 261 rows of a 128,256
+vocabulary."""
+
 
 def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy summed over the tokens whose label is not IGNORE_INDEX, in fp32: [b, s, vocab] and [b, s]
-    (vocab-sharded DTensor logits under loss parallel give a replicated DTensor)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+    (vocab-sharded DTensor logits under loss parallel give a replicated DTensor).
+
+    Plain logits go through in chunks of rows (the module's docstring). Drop every reference to the logits before
+    the backward, or they stay alive beside their gradient; the backward runs once (no retain_graph)."""
+    if isinstance(logits, DTensor):  # loss parallel: torch's vocab-parallel cross-entropy
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+        )
+    flat, targets = logits.flatten(0, 1), labels.flatten()
+    if torch.is_grad_enabled() and flat.requires_grad:
+        return _ChunkedCrossEntropy.apply(flat, targets)
+    with torch.no_grad():
+        return chunked_cross_entropy(flat, targets)
+
+
+def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 cross-entropy of logits [n, vocab] (any float dtype) against labels [n], summed over the labels
+    other than IGNORE_INDEX, `CHUNK_ELEMENTS` logits at a time. With `grad` (the logits' shape, any float dtype), also
+    writes d loss / d logits into it: softmax - one-hot, 0 on ignored rows, in fp32, rounded once to grad's dtype."""
+    n, vocab = logits.shape
+    total = torch.zeros((), dtype=torch.float32, device=logits.device)
+    rows = max(1, CHUNK_ELEMENTS // max(1, vocab))
+    for start in range(0, n, rows):
+        x, y = logits[start : start + rows], labels[start : start + rows]
+        keep = (y != IGNORE_INDEX)[:, None]
+        target = torch.where(keep, y[:, None], 0)
+        top = x.amax(-1, keepdim=True).float()
+        # exp(x - max) in fp32: straight into an fp32 gradient buffer, else into one chunk-sized buffer
+        into = grad[start : start + rows] if grad is not None and grad.dtype == torch.float32 else None
+        work = torch.sub(x, top, out=into) if into is not None else torch.sub(x, top)  # promoted to fp32
+        work.exp_()
+        sums = work.sum(-1, keepdim=True)
+        token_loss = sums.log() + top - x.gather(-1, target).float()  # log-sum-exp - the target's logit
+        total += torch.where(keep, token_loss, 0.0).sum()
+        if grad is not None:
+            work.mul_(torch.where(keep, sums.reciprocal(), 0.0))  # softmax on kept rows, 0 on ignored ones
+            work.scatter_add_(-1, target, -keep.to(work.dtype))
+            if into is None:
+                grad[start : start + rows].copy_(work)
+    return total
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """`chunked_cross_entropy` with its gradient computed in the forward; the logits are not saved."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        ctx.grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        return chunked_cross_entropy(logits, labels, ctx.grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad, ctx.grad = ctx.grad, None
+        if grad is None:
+            raise RuntimeError("summed_loss: its backward ran twice (retain_graph); the gradient is used in place")
+        return grad.mul_(grad_loss), None
 
 
 def scaled(loss: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:

@@ -283,6 +283,7 @@ def forward_backward(
     tokens sit in their sequences (a context-parallel rank's chunks; None: 0..s-1). extra_loss: a term added
     to what is backpropagated after the forward (an MoE model's load-balancing loss), or None. forward: how the
     model turns tokens into logits (`ModelProvider.forward`; default: `model(inputs)`, its output or `.logits`).
+    The logits are dropped before the backward: the loss has their gradient already (`training.loss`).
     """
     with loss_parallel() if vocab_parallel else contextlib.nullcontext():
         if forward is not None:
@@ -290,6 +291,7 @@ def forward_backward(
         else:
             logits = logits_of(model(inputs) if positions is None else model(inputs, positions=positions))
         loss = summed_loss(logits, labels)
+        del logits  # the loss keeps only their gradient: they are freed here, not after the backward
         if after_forward is not None:
             after_forward()
         objective = scaled(loss, scale)
