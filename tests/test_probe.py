@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig, make_mesh
-from shardlab.estimate import estimate
+from shardlab.estimate import estimate, estimate_table
 from shardlab.estimate._fake import fake_world
 from shardlab.estimate.devices import device
 from shardlab.estimate.probe import Probe, _probe_layers, probe
@@ -296,3 +296,21 @@ def test_after_cuda_autograd_the_probe_runs_here_without_forking_with_the_same_r
     assert not _autograd_fork.fork_breaks_autograd()
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert _autograd_fork.fork_breaks_autograd()
+
+
+def test_cpu_offload_counts_parameters_gradients_and_optimizer_state_on_the_host():
+    """plan.cpu_offload: the same bytes of parameters, gradients and AdamW state, held by the host, not the device
+    (what a search fits into a device's memory leaves them out)."""
+    from shardlab.estimate import estimate_memory
+
+    c = cfg(MeshSpec(dp_shard=2)).resolve(2)
+    on_device = estimate_memory(plan_model(c)[1])
+    offloaded = estimate_memory(plan_model(msgspec.structs.replace(c, plan=PlanConfig(cpu_offload=True)))[1])
+    state = on_device.params + on_device.grads + on_device.optim
+    assert (on_device.total, on_device.host) == (state, 0) and state > 0
+    assert (offloaded.params, offloaded.grads, offloaded.optim) == (on_device.params, on_device.grads, on_device.optim)
+    assert (offloaded.total, offloaded.host) == (0, state)
+    c = msgspec.structs.replace(c, plan=PlanConfig(cpu_offload=True))
+    e = estimate(c, plan_model(c)[1])
+    assert e.memory == offloaded and e.peak == e.activations + e.fsdp_buffers
+    assert f"  {'the three above: host memory':<34}{state / 2**30:10.3f} GiB  (not in peak)" in estimate_table(e, c)

@@ -27,7 +27,8 @@ class PlanConfig(Frozen):
     reduce_dtype: Dtype = "float32"
     """FSDP mixed precision: dtype of gradient reduction."""
     cpu_offload: bool = False
-    """FSDP: keep sharded parameters, grads and optimizer state on the CPU (not supported yet: an error)."""
+    """FSDP: keep sharded parameters, grads and optimizer state in host memory, the optimizer step on the CPU (CUDA
+    runs only: FSDP2's CPUOffloadPolicy; not with train.init='sharded')."""
     activation_checkpoint: Literal["none", "full", "selective", "op"] = "none"
     """Recompute activations in backward: none; every block (full); every `ac_every`-th block (selective); or in every
     block only the cheap ops, keeping the outputs of matmuls (every other one), attention and collectives (op:
