@@ -170,6 +170,14 @@ ERRORS = [
         lambda: Config(mesh=MeshSpec(tp=2), plan=PlanConfig(compile=True, activation_checkpoint="op")),
         r"^plan\.compile with plan\.activation_checkpoint='op' under mesh\.tp or mesh\.cp: .* computes wrong gradients",
     ),
+    (
+        lambda: Config(plan=PlanConfig(cpu_offload=True), train=TrainConfig(device="cpu")),
+        r"^plan\.cpu_offload on the CPU: .*; set plan\.cpu_offload=False, or train on CUDA \(train\.device='cuda'\)$",
+    ),
+    (
+        lambda: Config(plan=PlanConfig(cpu_offload=True), train=TrainConfig(init="sharded")),
+        r"^plan\.cpu_offload with train\.init='sharded' is not supported yet .*; use train\.init='full'$",
+    ),
     # Nested structs are validated as they are decoded, with the JSON path appended by msgspec.
     (
         lambda: msgspec.json.decode(b'{"data": {"source": "files"}}', type=Config),
@@ -206,6 +214,8 @@ ACCEPTED = [
     lambda: OptimConfig(min_lr_ratio=1.0),
     lambda: OptimConfig(betas=(0.0, 0.999), weight_decay=0.0),
     lambda: ModelConfig(dim=64, n_heads=4, n_kv_heads=1),
+    lambda: Config(plan=PlanConfig(cpu_offload=True)),  # train.device='auto': on CUDA where there is one
+    lambda: Config(plan=PlanConfig(cpu_offload=True), train=TrainConfig(device="cuda")),
 ]
 
 

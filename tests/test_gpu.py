@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardlab import Config, LogConfig, ModelConfig, OptimConfig, PlanConfig, TrainConfig
+from shardlab import CheckpointConfig, Config, LogConfig, ModelConfig, OptimConfig, PlanConfig, TrainConfig
 from shardlab.data.loader import make_loader
 from shardlab.estimate.probe import probe
 from shardlab.training.loop import build_model, train
-from shardlab.training.step import forward_backward, init_state, make_step
+from shardlab.training.step import forward_backward, init_state, make_step, model_device
 
 pytestmark = pytest.mark.gpu
 
@@ -124,3 +124,40 @@ def test_activation_estimate_matches_cuda_memory():
     dist.destroy_process_group()
     want = probe(cfg.resolve(1)).activation_bytes
     assert 0.7 * want <= seen["added"] <= want, (seen["added"], want)
+
+
+def test_cpu_offload_keeps_the_state_on_the_host_and_trains_as_without_it(tmp_path):
+    """plan.cpu_offload (FSDP2's CPUOffloadPolicy) on one GPU: parameters, gradients and AdamW state on the host,
+    batches and compute on the GPU, the optimizer step on the CPU. The same weights (drawn on the GPU in both runs)
+    and batches give the losses of the run without offload up to the CPU AdamW's rounding; a run saved at step 3
+    and resumed (DCP, the state on the host) goes on with the same losses."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    on_gpu = losses(small(), "cuda")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    cfg = msgspec.structs.replace(
+        small(cpu_offload=True),
+        train=msgspec.structs.replace(small().train, run_dir=str(tmp_path)),
+        checkpoint=CheckpointConfig(every=3),
+    )
+    offloaded = [m["loss"] for m in train(cfg, write=False, until=3)]
+    offloaded += [m["loss"] for m in train(cfg, write=False)]  # resumes from step 3's checkpoint
+    assert len(offloaded) == cfg.train.steps
+    assert max(abs(a - b) for a, b in zip(on_gpu, offloaded)) < 1e-4, (on_gpu, offloaded)
+    assert offloaded[-1] < offloaded[0]
+    dist.destroy_process_group()
+
+    model, plan, mesh = build_model(cfg, device="cuda")
+    assert plan.fsdp is not None and plan.fsdp.cpu_offload
+    assert model_device(model) == torch.device("cuda", torch.cuda.current_device())
+    step, state = make_step(cfg, plan, mesh), init_state(model, cfg.optim)
+    loader = make_loader(cfg.data, seq_len=128, global_batch=4, vocab_size=512, dp_rank=0, dp_size=1)
+    state, metrics = step(state, next(loader))
+    assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+    assert all(local(p).device.type == "cpu" for p in model.parameters())
+    moments = [local(v) for s in state.optim.state.values() for v in s.values() if torch.is_tensor(v)]
+    assert moments and all(m.device.type == "cpu" for m in moments)

@@ -7,9 +7,10 @@ import os
 
 import msgspec
 import pytest
+import torch
 
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig, make_mesh
-from shardlab.estimate import estimate
+from shardlab.estimate import estimate, estimate_table
 from shardlab.estimate._fake import fake_world
 from shardlab.estimate.devices import device
 from shardlab.estimate.probe import Probe, _probe_layers, probe
@@ -206,3 +207,121 @@ def test_the_estimate_reshards_as_the_plan_chose():
         e = estimate(c, plan_model(c)[1])
         estimates[r] = sum(x.bytes for x in e.collectives if x.kind == "all_gather")
     assert estimates[None] == estimates[True] > estimates[False]
+
+
+def _counting_forks(monkeypatch) -> list[int]:
+    """os.fork, counted: the list grows by one per fork."""
+    forks, fork = [], os.fork
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or fork())
+    return forks
+
+
+_AFTER_DEEP_BACKWARD = """
+import os, pickle, sys, torch
+from shardlab.estimate import _autograd_fork
+from shardlab.estimate._forked import _answer, _fork
+from shardlab.estimate.probe import measure
+
+class Deep(torch.autograd.Function):  # a backward that runs one of its own, `depth` deep
+    @staticmethod
+    def forward(ctx, depth):
+        ctx.depth = int(depth.item())
+        return depth * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.depth > 0:
+            with torch.enable_grad():
+                Deep.apply(torch.tensor(ctx.depth - 1.0, requires_grad=True)).backward()
+        return grad
+
+Deep.apply(torch.tensor(100.0, requires_grad=True)).backward()
+refusal = _answer(*_fork(_autograd_fork.backward_here))
+told_before = _autograd_fork.fork_breaks_autograd()
+forks, fork = [], os.fork
+os.fork = lambda: forks.append(1) or fork()
+runs = measure(pickle.load(open(sys.argv[1], "rb"))).runs
+told_after = _autograd_fork.fork_breaks_autograd()
+pickle.dump((refusal[0], str(refusal[1]), told_before, len(forks), runs, told_after), open(sys.argv[1], "wb"))
+"""
+
+
+def test_where_autograd_refuses_forked_children_the_probe_runs_here_with_the_same_results(monkeypatch, tmp_path):
+    """The condition itself, on CPU: past 60 levels of reentrant backward torch's engine starts a pool thread (no
+    name tells it), and from then on a forked child refuses any backward, as after CUDA autograd. The child that
+    refuses answers with the engine's error (not a call's reading of it), its share runs here, and the process
+    forks no more: the probe's runs are the forked ones. In a fresh process: the condition lasts as long as it."""
+    import pickle
+    import subprocess
+    import sys
+
+    from shardlab.estimate._forked import cores
+    from shardlab.estimate.probe import measure
+
+    c = cfg(MeshSpec(dp_shard=2)).resolve(2)
+    forks = _counting_forks(monkeypatch)
+    side_by_side = measure(c).runs
+    assert len(forks) == (cores() > 1)
+    path = tmp_path / "io.pickle"
+    path.write_bytes(pickle.dumps(c))
+    subprocess.run([sys.executable, "-c", _AFTER_DEEP_BACKWARD, str(path)], check=True, timeout=600)
+    answered, refusal, told_before, forked, runs, told_after = pickle.loads(path.read_bytes())
+    assert not answered and "Autograd-and-Fork" in refusal  # the condition is torch's own
+    if not torch.cuda.is_available():  # else the engine started its (named) device threads too
+        assert not told_before and forked == (cores() > 1)  # one child tried, refused, its share run here
+    assert runs == side_by_side and told_after
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads listed through /proc (Linux)")
+def test_after_cuda_autograd_the_probe_runs_here_without_forking_with_the_same_results(monkeypatch):
+    """CUDA autograd simulated on CPU: a thread named as torch's engine names its device threads ("pt_autograd_0"),
+    or CUDA initialised, and the probe's sizes run in order here, no fork tried, with the results they have forked
+    (tests/test_gpu.py's estimate after GPU training is the real case)."""
+    import ctypes
+    import threading
+
+    from shardlab.estimate import _autograd_fork
+    from shardlab.estimate._forked import cores
+    from shardlab.estimate.probe import measure
+
+    c = cfg(MeshSpec(dp_shard=2)).resolve(2)
+    forks = _counting_forks(monkeypatch)
+    side_by_side = measure(c).runs
+    assert len(forks) == (cores() > 1)
+    named, stop = threading.Event(), threading.Event()
+
+    def device_thread():
+        ctypes.CDLL(None).prctl(15, b"pt_autograd_0", 0, 0, 0)  # PR_SET_NAME: this thread's name in /proc
+        named.set()
+        stop.wait()
+
+    thread = threading.Thread(target=device_thread, daemon=True)
+    thread.start()
+    try:
+        assert named.wait(10) and _autograd_fork.fork_breaks_autograd()
+        forks.clear()
+        assert measure(c).runs == side_by_side and not forks
+    finally:
+        stop.set()
+        thread.join()
+    assert not _autograd_fork.fork_breaks_autograd()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert _autograd_fork.fork_breaks_autograd()
+
+
+def test_cpu_offload_counts_parameters_gradients_and_optimizer_state_on_the_host():
+    """plan.cpu_offload: the same bytes of parameters, gradients and AdamW state, held by the host, not the device
+    (what a search fits into a device's memory leaves them out)."""
+    from shardlab.estimate import estimate_memory
+
+    c = cfg(MeshSpec(dp_shard=2)).resolve(2)
+    on_device = estimate_memory(plan_model(c)[1])
+    offloaded = estimate_memory(plan_model(msgspec.structs.replace(c, plan=PlanConfig(cpu_offload=True)))[1])
+    state = on_device.params + on_device.grads + on_device.optim
+    assert (on_device.total, on_device.host) == (state, 0) and state > 0
+    assert (offloaded.params, offloaded.grads, offloaded.optim) == (on_device.params, on_device.grads, on_device.optim)
+    assert (offloaded.total, offloaded.host) == (0, state)
+    c = msgspec.structs.replace(c, plan=PlanConfig(cpu_offload=True))
+    e = estimate(c, plan_model(c)[1])
+    assert e.memory == offloaded and e.peak == e.activations + e.fsdp_buffers
+    assert f"  {'the three above: host memory':<34}{state / 2**30:10.3f} GiB  (not in peak)" in estimate_table(e, c)

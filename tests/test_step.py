@@ -257,3 +257,42 @@ def test_bad_optimizer_globs_are_one_line():
         OptimConfig(no_decay=("a..b",))
     with pytest.raises(ValueError, match=r"optim.lr_scales: '\*\*' has factor -1.0; factors must be >= 0"):
         OptimConfig(lr_scales=(("**", -1.0),))
+
+
+def test_cpu_offload_is_refused_in_one_line_where_the_run_is_on_the_cpu():
+    """plan.cpu_offload keeps a GPU run's state on the host: on the CPU (train.device='auto' finding no GPU, or a
+    device given) the run is refused before anything is built; on CUDA it passes the check."""
+    from shardlab.config import PlanConfig
+    from shardlab.training.loop import check_init
+
+    cfg = msgspec.structs.replace(tiny(), plan=PlanConfig(cpu_offload=True))
+    message = (
+        r"^plan\.cpu_offload on the CPU: .*; set plan\.cpu_offload=False, or train on CUDA \(train\.device='cuda'\)$"
+    )
+    with pytest.raises(ValueError, match=message):
+        build_model(cfg, device="cpu")
+    check_init(cfg, torch.device("cuda", 0))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=message):
+            check_init(cfg)  # train.device='auto' resolves to the CPU here
+
+
+def test_batches_go_where_the_model_computes_not_where_offloaded_shards_live(monkeypatch):
+    """model_device: a parameter's local device; but a shard on the host of a GPU mesh (FSDP's CPU offload) computes
+    on the mesh's current device, where FSDP gathers it, so the batches go there."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from shardlab.estimate._fake import fake_world
+    from shardlab.training.step import model_device
+
+    with fake_world(1):
+        mesh = DeviceMesh("cpu", [0])
+        model = torch.nn.Linear(4, 4, bias=False)
+        model.weight = torch.nn.Parameter(DTensor.from_local(torch.zeros(4, 4), mesh, [Shard(0)], run_check=False))
+        assert model_device(model) == torch.device("cpu")
+        # as FSDP's CPU offload leaves a CUDA run's shards: on the host, their mesh a CUDA one
+        monkeypatch.setattr(DeviceMesh, "device_type", property(lambda self: "cuda"))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+        assert model_device(model) == torch.device("cuda", 3)
+    assert model_device(torch.nn.Linear(2, 2)) == torch.device("cpu")

@@ -139,7 +139,7 @@ def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
     from shardlab.training._preemption import Preempted
     from shardlab.training.loop import train
 
-    dist_info = init_distributed(cfg.train.device)
+    dist_info = init_distributed(cfg.train.device, host_collectives=cfg.plan.cpu_offload)
     code = 0
     try:
         train(cfg, recipe.rules(cfg), device=dist_info.device, provider=provider)

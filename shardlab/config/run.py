@@ -217,6 +217,14 @@ class CheckpointConfig(Frozen):
             raise ShardlabError("checkpoint.resume is empty; use auto, none, or a step directory")
 
 
+CPU_OFFLOAD_ON_CPU = (
+    "plan.cpu_offload on the CPU: FSDP's offload keeps a GPU run's parameters, gradients and optimizer state in host "
+    "memory, where a CPU run holds them already; set plan.cpu_offload=False, or train on CUDA (train.device='cuda')"
+)
+"""The refusal of plan.cpu_offload where the run's device is the CPU (Config.check where train.device says so,
+`shardlab.training.loop.check_init` where "auto" finds no GPU)."""
+
+
 class Config(Frozen):
     """A complete run: mesh, model, plan options, optimizer, data, training, logging."""
 
@@ -298,9 +306,12 @@ class Config(Frozen):
                 f"log.profile_step={self.log.profile_step} is after the run's last step (train.steps="
                 f"{self.train.steps}); pick a step in 1..{self.train.steps}, past the first (warm-up) one"
             )
-        if self.plan.cpu_offload:
+        if self.plan.cpu_offload and self.train.device == "cpu":
+            raise ShardlabError(CPU_OFFLOAD_ON_CPU)
+        if self.plan.cpu_offload and self.train.init == "sharded":
             raise ShardlabError(
-                "plan.cpu_offload: FSDP CPU offload is not supported yet (no GPU test covers it); leave it False"
+                "plan.cpu_offload with train.init='sharded' is not supported yet (the shards are drawn on the GPU, "
+                "and FSDP's offload wants them on the host before its first step); use train.init='full'"
             )
         if self.train.init == "sharded" and m.tie_embeddings:
             raise ShardlabError(

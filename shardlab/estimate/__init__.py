@@ -42,15 +42,25 @@ class MemoryEstimate(Frozen):
     """Sharded gradients: the parameters' dtype and layout (reduce_dtype only changes the reduction)."""
     optim: int
     """AdamW state: two moments per parameter plus one fp32 step counter per tensor."""
+    on_host: bool = False
+    """The three are in host memory, not the device's (FSDP's CPU offload, plan.cpu_offload)."""
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optim
+        """What the device holds of the three: all of them, or none where they are on the host."""
+        return 0 if self.on_host else self.params + self.grads + self.optim
+
+    @property
+    def host(self) -> int:
+        """What the host holds of the three for this rank: all of them where they are offloaded, else none."""
+        return self.params + self.grads + self.optim if self.on_host else 0
 
 
 def estimate_memory(plan: Plan) -> MemoryEstimate:
     params = plan.bytes_per_rank
-    return MemoryEstimate(params=params, grads=params, optim=ADAM_STATES * params + 4 * len(plan.worst_rank_params))
+    optim = ADAM_STATES * params + 4 * len(plan.worst_rank_params)
+    on_host = plan.fsdp is not None and plan.fsdp.cpu_offload
+    return MemoryEstimate(params=params, grads=params, optim=optim, on_host=on_host)
 
 
 def fsdp_buffer_bytes(plan: Plan) -> int:
@@ -379,6 +389,7 @@ def estimate_table(e: Estimate, cfg: Config, dev: Device | None = None) -> str:
         f"  {'parameters':<34}{_gib(e.memory.params)}",
         f"  {'gradients':<34}{_gib(e.memory.grads)}",
         f"  {'optimizer (AdamW)':<34}{_gib(e.memory.optim)}",
+        *([f"  {'the three above: host memory':<34}{_gib(e.memory.host)}  (not in peak)"] if e.memory.on_host else []),
         f"  {f'activations (checkpointing {ac})':<34}{_gib(e.activations)}",
         f"  {f'activations (checkpointing {e.other_checkpointing})':<34}{_gib(e.activations_other)}  (not in peak)",
         f"  {'FSDP unsharded params and grads':<34}{_gib(e.fsdp_buffers)}",

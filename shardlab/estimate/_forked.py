@@ -6,7 +6,9 @@ only what they return comes back, pickled through a pipe, and an error raised in
 are dealt round the cores: this process runs every n-th one, beginning with the first, and each other core a forked
 child running its share in order. A call that runs calls side by side itself gets the cores of its share (one of 2
 cores: its calls run in order, in its process, where the caches it filled are). Where there is no fork (not POSIX)
-or one core, the calls run here, in order.
+or one core, the calls run here, in order; and so where a forked child could not run a backward (this process has run
+one where a GPU is, e.g. trained on it: `_autograd_fork`), with the same results. A child that refuses all the same
+has its share run here.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 import pickle
 from collections.abc import Callable, Sequence
 from typing import TypeVar
+
+from shardlab.estimate._autograd_fork import backward_here, fork_breaks_autograd, refused
 
 T = TypeVar("T")
 
@@ -31,17 +35,19 @@ def run_forked(calls: Sequence[Callable[[], T]]) -> list[T]:
     """Each call's result, in order: dealt round the cores this process may use, here and in forked children."""
     available = cores() if _share is None else _share
     n = min(len(calls), available)
-    if n < 2 or not hasattr(os, "fork"):
+    if n < 2 or not hasattr(os, "fork") or fork_breaks_autograd():
         return [call() for call in calls]
     shares = [calls[i::n] for i in range(n)]
     share = max(1, available // n)
-    children = [_fork(lambda mine=mine: _run_share(mine, share)) for mine in shares[1:]]
+    children = [_fork(lambda mine=mine: _child_share(mine, share)) for mine in shares[1:]]
     try:
         here = _run_share(shares[0], share)
     finally:
         answers = [_answer(*child) for child in children]  # every child waited for, whatever happened here
     done = [here]
-    for ok, value in answers:
+    for mine, (ok, value) in zip(shares[1:], answers, strict=True):
+        if not ok and refused(value):  # the engine's threads were there after all: this share runs here
+            ok, value = True, _run_share(mine, share)
         if not ok:
             raise value
         done.append(value)
@@ -56,6 +62,13 @@ def _run_share(calls: Sequence[Callable[[], T]], share: int) -> list[T]:
         return [call() for call in calls]
     finally:
         _share = before
+
+
+def _child_share(calls: Sequence[Callable[[], T]], share: int) -> list[T]:
+    """A forked child's share, after a backward that raises the engine's refusal as itself (a call could make
+    something else of it: the block counts take a RuntimeError for an op fake tensors cannot run)."""
+    backward_here()
+    return _run_share(calls, share)
 
 
 def _fork(call: Callable[[], T]) -> tuple[int, int]:

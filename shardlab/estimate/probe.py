@@ -389,7 +389,11 @@ def measure(
     pp_rank: int = 0,
     provider: ModelProvider | None = None,
 ) -> Measurement:
-    """`probe`'s runs, before they are extended to a number of blocks: probes of one model serve every count."""
+    """`probe`'s runs, before they are extended to a number of blocks: probes of one model serve every count. A layout
+    with CPU offload is probed as without: the device runs the same (the shards' copies to and from the host are not
+    counted), and fake tensors cannot be pinned."""
+    if cfg.plan.cpu_offload:
+        cfg = msgspec.structs.replace(cfg, plan=msgspec.structs.replace(cfg.plan, cpu_offload=False))
     provider = provider or provider_for(cfg)
     n = provider.n_layers
     k = cfg.plan.ac_every if cfg.plan.activation_checkpoint == "selective" else 1

@@ -94,10 +94,12 @@ def resolve_device(device: str = "auto", local_rank: int | None = None) -> torch
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(device: str = "auto") -> Dist:
+def init_distributed(device: str = "auto", host_collectives: bool = False) -> Dist:
     """Join the world described by the launcher's environment (or a world of one if there is no launcher).
 
     device: "auto" (cuda if available, else cpu), "cuda" (cuda:LOCAL_RANK, backend nccl) or "cpu" (backend gloo).
+    host_collectives: on CUDA, gloo too for tensors on the host (FSDP's CPU offload keeps the shards and their
+    gradients there, and DTensor's collectives on them run where they are).
     A process group is made when WORLD_SIZE > 1 or a launcher started this process; its timeout is env
     SHARDLAB_PG_TIMEOUT_S (default 600 s). An existing default process group is reused.
     """
@@ -123,7 +125,7 @@ def init_distributed(device: str = "auto") -> Dist:
             f"init_distributed: WORLD_SIZE={world_size} needs {' and '.join(missing)} in the environment; "
             "start through torchrun, or export the address and port of rank 0"
         )
-    backend = "nccl" if dev.type == "cuda" else "gloo"
+    backend = ("cpu:gloo,cuda:nccl" if host_collectives else "nccl") if dev.type == "cuda" else "gloo"
     dist.init_process_group(
         backend,
         rank=rank,

@@ -32,7 +32,8 @@ class PlanConfig(Frozen):
     reduce_dtype: Dtype = "float32"
     """FSDP mixed precision: dtype of gradient reduction."""
     cpu_offload: bool = False
-    """FSDP: keep sharded parameters, grads and optimizer state on the CPU (not supported yet: an error)."""
+    """FSDP: keep sharded parameters, grads and optimizer state in host memory, the optimizer step on the CPU (CUDA
+    runs only: FSDP2's CPUOffloadPolicy; not with train.init='sharded')."""
     fp8: Fp8Recipe = "none"
     """Float8 matmuls through torchao (the `fp8` extra) in the blocks' linear layers whose dims are multiples of 16:
     tensorwise (with FSDP: float8 weights all-gathered), rowwise, or rowwise_with_gw_hp (the weight gradient in

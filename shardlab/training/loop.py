@@ -23,6 +23,7 @@ from shardlab._base import to_json
 from shardlab._errors import ShardlabError
 from shardlab._faults import fault_point
 from shardlab.config import Config
+from shardlab.config.run import CPU_OFFLOAD_ON_CPU
 from shardlab.data.loader import make_loader, run_data
 from shardlab.data.tokenizer import run_tokenizer
 from shardlab.hf import initial_weights, load_hf_weights
@@ -61,8 +62,10 @@ def plan_model(
 
 
 def check_init(cfg: Config, device: torch.device | None = None) -> None:
-    """The limits of train.init='sharded' (checked by the CLI before launch, and again here for library use);
-    device: where the model goes (None: cfg.train.device)."""
+    """The limits that depend on the run's device: train.init='sharded', plan.cpu_offload (checked by the CLI before
+    launch, and again here for library use); device: where the model goes (None: cfg.train.device)."""
+    if cfg.plan.cpu_offload and (device or resolve_device(cfg.train.device)).type == "cpu":
+        raise ShardlabError(CPU_OFFLOAD_ON_CPU)
     if cfg.train.init == "sharded" and cfg.mesh.pp > 1:
         raise ShardlabError(
             "train.init='sharded' with mesh.pp > 1 is not supported yet; use train.init='full', which with pp "

@@ -302,9 +302,16 @@ def forward_backward(
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """Where the model's (local shards of) parameters live: where batches go."""
+    """Where the model computes, so where batches go: where its (local shards of) parameters live, but for shards on
+    the host of a GPU mesh (FSDP's CPU offload, plan.cpu_offload), the mesh's current device, where FSDP gathers
+    them."""
     p = next(iter(model.parameters()))
-    return p.to_local().device if isinstance(p, DTensor) else p.device
+    if not isinstance(p, DTensor):
+        return p.device
+    local, compute = p.to_local().device, p.device_mesh.device_type
+    if local.type == "cpu" and compute != "cpu":
+        return torch.device(compute, torch.get_device_module(compute).current_device())
+    return local
 
 
 def match_param_layouts(model: nn.Module) -> None:
@@ -320,11 +327,12 @@ def clip_grad_norm(
 ) -> torch.Tensor:
     """Global L2 norm of all gradients (DTensors on any mix of meshes), clipped to max_norm in place.
 
-    Gradients are grouped by (mesh, placements): a group's squared norm is summed locally, then
-    all-reduced over each mesh dim that shards it (Replicate dims hold copies). With pipeline stages, the
-    stages' squared norms are summed over `stage_group` (the pp group). Returns the norm before clipping as a
-    float64 scalar on the gradients' device, the number one process computes; nothing is read back to the host
-    (the factor is applied on the device, 1 where the norm is within max_norm, as torch's `clip_grad_norm_`).
+    Gradients are grouped by (mesh, placements): a group's squared norm is summed locally, where the gradients are,
+    then all-reduced over each mesh dim that shards it (Replicate dims hold copies) on the model's device (the GPU
+    too where FSDP keeps the gradients on the host). With pipeline stages, the stages' squared norms are summed over
+    `stage_group` (the pp group). Returns the norm before clipping as a float64 scalar on the model's device, the
+    number one process computes; nothing is read back to the host (the factor is applied where the gradients are, 1
+    where the norm is within max_norm, as torch's `clip_grad_norm_`).
     """
     groups: dict[object, list[torch.Tensor]] = {}
     for p in model.parameters():
@@ -336,7 +344,7 @@ def clip_grad_norm(
     local: dict[object, list[torch.Tensor]] = {}
     for key, grads in groups.items():
         local[key] = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        sq = torch.stack([n.double() for n in torch._foreach_norm(local[key])]).pow(2).sum()
+        sq = torch.stack([n.double() for n in torch._foreach_norm(local[key])]).pow(2).sum().to(device)
         if key is not None:
             mesh, placements = key
             for dim, placement in enumerate(placements):
@@ -346,7 +354,7 @@ def clip_grad_norm(
                     )
                 if not placement.is_replicate() and mesh.size(dim) > 1:
                     dist.all_reduce(sq, group=mesh.get_group(dim))
-        total_sq += sq.to(device)
+        total_sq += sq
     if stage_group is not None:
         dist.all_reduce(total_sq, group=stage_group)
     total = total_sq.sqrt()
