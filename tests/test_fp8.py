@@ -144,3 +144,27 @@ def test_float8_linears_keep_their_parameter_names():
     convert(model, msgspec.structs.replace(plan, linears=("0", "1")))
     assert [n for n, _ in model.named_parameters()] == names
     assert type(model[0]).__name__ == "Float8Linear"
+
+
+def test_without_torchao_the_config_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    from shardlab.config import run
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(run.importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name))
+    with pytest.raises(ValueError, match=r"^plan.fp8='rowwise' needs torchao: pip install 'shardlab\[fp8\]', or set "):
+        tiny(fp8="rowwise").validated().check()
+
+
+def test_a_gpu_without_float8_is_refused_before_anything_is_built(monkeypatch):
+    from shardlab.training.loop import check_init
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"^plan.fp8='tensorwise' needs float8 matmuls, which CUDA devices of compute "
+                       r"capability 8.9 or more have .*this NVIDIA A100 is 8.0: set plan.fp8='none'$"):  # fmt: skip
+        check_init(tiny(fp8="tensorwise"), torch.device("cuda", 0))
+    check_init(tiny(), torch.device("cuda", 0))  # without FP8: no question asked
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _: (9, 0))
+    check_init(tiny(fp8="tensorwise"), torch.device("cuda", 0))

@@ -6,6 +6,7 @@ runs the checks that need the world size. Derived numbers are properties, never 
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Annotated, Literal
 
 import msgspec
@@ -305,6 +306,10 @@ class Config(Frozen):
             raise ShardlabError(
                 f"log.profile_step={self.log.profile_step} is after the run's last step (train.steps="
                 f"{self.train.steps}); pick a step in 1..{self.train.steps}, past the first (warm-up) one"
+            )
+        if self.plan.fp8 != "none" and importlib.util.find_spec("torchao") is None:
+            raise ShardlabError(
+                f"plan.fp8={self.plan.fp8!r} needs torchao: pip install 'shardlab[fp8]', or set plan.fp8='none'"
             )
         if self.plan.cpu_offload and self.train.device == "cpu":
             raise ShardlabError(CPU_OFFLOAD_ON_CPU)

@@ -61,11 +61,23 @@ def plan_model(
     return model, make_plan(model, cfg.mesh, rules or provider.rules(cfg.plan), cfg.plan, flops)
 
 
+FP8_CAPABILITY = (8, 9)
+"""The CUDA compute capability from which devices have float8 tensor cores."""
+
+
 def check_init(cfg: Config, device: torch.device | None = None) -> None:
-    """The limits that depend on the run's device: train.init='sharded', plan.cpu_offload (checked by the CLI before
-    launch, and again here for library use); device: where the model goes (None: cfg.train.device)."""
+    """The limits that depend on the run's device: train.init='sharded', plan.cpu_offload, plan.fp8 (checked by the
+    CLI before launch, and again here for library use); device: where the model goes (None: cfg.train.device)."""
     if cfg.plan.cpu_offload and (device or resolve_device(cfg.train.device)).type == "cpu":
         raise ShardlabError(CPU_OFFLOAD_ON_CPU)
+    if cfg.plan.fp8 != "none" and (at := device or resolve_device(cfg.train.device)).type == "cuda":
+        major, minor = torch.cuda.get_device_capability(at)
+        if (major, minor) < FP8_CAPABILITY:
+            raise ShardlabError(
+                f"plan.fp8={cfg.plan.fp8!r} needs float8 matmuls, which CUDA devices of compute capability "
+                f"{'.'.join(map(str, FP8_CAPABILITY))} or more have (Ada, Hopper, Blackwell); this "
+                f"{torch.cuda.get_device_name(at)} is {major}.{minor}: set plan.fp8='none'"
+            )
     if cfg.train.init == "sharded" and cfg.mesh.pp > 1:
         raise ShardlabError(
             "train.init='sharded' with mesh.pp > 1 is not supported yet; use train.init='full', which with pp "
