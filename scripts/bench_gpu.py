@@ -2,6 +2,7 @@
 
     python scripts/bench_gpu.py                       # recipes/llama3_1b.py, 30 steps, eager then compiled
     python scripts/bench_gpu.py --steps 50 --variants compile --seq-len 4096 --global-batch 2
+    python scripts/bench_gpu.py --fp8 tensorwise      # the same in FP8 (torchao; compute capability >= 8.9)
 
 Each variant is one `python -m shardlab` run of the recipe (the real CLI: plan, apply, step, metrics).
 Reported per variant: median tokens/s and step time over the steps after `--warmup` (compile happens in the
@@ -25,7 +26,7 @@ def run(variant: str, args: argparse.Namespace) -> dict:
     _, rows = run_shardlab(args.recipe, [
         *VARIANTS[variant], "--train.steps", str(args.steps), "--train.seq-len", str(args.seq_len),
         "--train.global-batch", str(args.global_batch), "--plan.activation-checkpoint", args.ac, "--log.every", "1",
-        "--checkpoint.resume", "none",
+        "--checkpoint.resume", "none", "--plan.fp8", args.fp8,
     ])  # fmt: skip
     timed = [r for r in rows if r["step"] > args.warmup]
     if not timed:
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--global-batch", type=int, default=4)
     parser.add_argument("--ac", default="none", choices=["none", "full", "selective", "op"])
+    parser.add_argument("--fp8", default="none", choices=["none", "tensorwise", "rowwise", "rowwise_with_gw_hp"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", type=Path, help="also write the rows here as JSON")
     args = parser.parse_args()

@@ -95,7 +95,7 @@ def _fingerprint(provider: ModelProvider) -> bytes:
     digest = hashlib.sha256()
     for file in files:
         digest.update(str(file.name).encode() + file.read_bytes())
-    versions = [FORMAT, platform.python_version(), torch.__version__, _version("transformers")]
+    versions = [FORMAT, platform.python_version(), torch.__version__, _version("transformers"), _version("torchao")]
     identity = json.dumps([type(provider).__qualname__, provider.identity(), versions], sort_keys=True, default=str)
     return digest.digest() + identity.encode()
 
