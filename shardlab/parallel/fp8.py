@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections.abc import Collection
 from types import ModuleType
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from shardlab._errors import ShardlabError
@@ -73,6 +75,27 @@ def gathers_float8(mesh: DeviceMesh) -> bool:
     float8 types, so TP there gathers the compute dtype and Float8Linear casts after the gather (the same scales:
     tensorwise amaxes are taken over the whole DTensor)."""
     return dist.get_backend(mesh.get_group()) != "gloo"
+
+
+def plain_shards(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` (a nested state dict) with each DTensor whose shard is torchao's float8-gather wrapper as a DTensor
+    over the plain tensor it wraps, the same storage: checkpoints then hold ordinary tensors (read without torchao,
+    exported as plain weights) and a load still writes into the weights. Without FP8 (torchao not imported) `state`
+    is returned as it is."""
+    fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")
+    if fsdp_utils is None:
+        return state
+    wrapper = fsdp_utils.WeightWithDynamicFloat8CastTensor
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, DTensor) and isinstance(local := value.to_local(), wrapper):
+            return DTensor.from_local(local._tensor, value.device_mesh, value.placements, run_check=False,
+                                      shape=value.shape, stride=value.stride())  # fmt: skip
+        return value
+
+    return plain(state)
 
 
 def refresh_scales(model: nn.Module, fp8: Fp8Plan | None) -> None:

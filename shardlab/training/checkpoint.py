@@ -43,6 +43,7 @@ from shardlab.data.tokenizer import run_tokenizer
 from shardlab.models import provider_for
 from shardlab.models.llama.provider import LlamaProvider
 from shardlab.models.provider import ModelProvider, first_difference
+from shardlab.parallel.fp8 import plain_shards
 from shardlab.training import _manifest
 from shardlab.training.step import TrainState
 
@@ -207,10 +208,11 @@ different parameters in their group 0, and DCP would keep only one rank's group.
 
 
 def _tensors(state: TrainState) -> dict:
-    return {
+    """What a checkpoint saves and loads: plain tensors, also where FP8 wraps the weights' shards."""
+    return plain_shards({
         "model": get_model_state_dict(state.model),
         "optim": get_optimizer_state_dict(state.model, state.optim, options=OPTIM_OPTIONS),
-    }
+    })  # fmt: skip
 
 
 def _rank() -> int:

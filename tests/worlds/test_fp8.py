@@ -133,7 +133,9 @@ def test_an_fp8_run_resumes_bitwise_resumes_without_fp8_and_exports_plain_weight
     straight, resumed, plain = world2.value(resume)
     assert resumed == straight
     assert len(plain) == STEPS - MID and all(abs(a - b) < 0.05 for a, b in zip(plain, straight[MID:])), plain
-    out = export_to_hf(shared_tmp / "fp8" / "fp8", tmp_path / "hf")  # one process, as the export verb runs
-    weights = load_file(out / "model.safetensors")
+    files = list((shared_tmp / "fp8" / "fp8" / "checkpoints").rglob("*.distcp"))
+    assert files and not any(b"torchao" in f.read_bytes() for f in files)  # plain tensors: read without torchao
+    export_to_hf(shared_tmp / "fp8" / "fp8", tmp_path / "hf")  # one process, as the export verb runs
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
     assert {type(t) for t in weights.values()} == {torch.Tensor}
     assert {t.dtype for t in weights.values()} == {torch.float32}
