@@ -181,3 +181,38 @@ def test_a_model_micro_batch_gets_cross_entropys_gradients(monkeypatch):
 def test_a_compiled_model_micro_batch_gets_cross_entropys_gradients(monkeypatch):
     """plan.compile (inductor on CPU: tens of seconds to compile on 2 cores)."""
     check_model_gradients(True, monkeypatch)
+
+
+def test_the_step_lets_the_backward_write_the_gradient_into_the_logits(small_chunks):
+    """reuse_logits: a linear head's logits take their own gradient in the backward (no second buffer), and the
+    head's parameters get F.cross_entropy's gradients; where the producer's backward reads its output (tanh) or the
+    logits are a leaf, they are left as they were."""
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(3, 11, 16, generator=g), torch.randn(50, 16, generator=g)
+    _, labels = logits_and_labels(torch.float32)
+
+    def run(head, loss_fn, **kwargs):
+        w = weight.clone().requires_grad_(True)
+        logits = head(hidden, w)
+        seen = logits.detach()  # the same memory
+        before = seen.clone()
+        (loss_fn(logits, labels, **kwargs) * 0.37).backward()
+        return w.grad, seen, before
+
+    linear = lambda h, w: h @ w.T  # noqa: E731
+    grad, seen, before = run(linear, summed_loss, reuse_logits=True)
+    want, _, _ = run(linear, reference)
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+    x = before.clone().requires_grad_(True)
+    (reference(x, labels) * 0.37).backward()
+    torch.testing.assert_close(seen, x.grad, rtol=1e-5, atol=1e-7)  # the logits now hold their gradient
+    assert not torch.equal(seen, before)
+
+    capped = lambda h, w: torch.tanh(h @ w.T)  # noqa: E731  # tanh's backward reads its output
+    grad, seen, before = run(capped, summed_loss, reuse_logits=True)
+    want, _, _ = run(capped, reference)
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(seen, before)
+    leaf = before.clone().requires_grad_(True)
+    summed_loss(leaf, labels, reuse_logits=True).backward()
+    assert torch.equal(leaf.detach(), before)

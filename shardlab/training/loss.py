@@ -31,21 +31,43 @@ CHUNK_ELEMENTS = 1 << 25
 vocabulary."""
 
 
-def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def summed_loss(logits: torch.Tensor, labels: torch.Tensor, reuse_logits: bool = False) -> torch.Tensor:
     """Cross-entropy summed over the tokens whose label is not IGNORE_INDEX, in fp32: [b, s, vocab] and [b, s]
     (vocab-sharded DTensor logits under loss parallel give a replicated DTensor).
 
     Plain logits go through in chunks of rows (the module's docstring). Drop every reference to the logits before
-    the backward, or they stay alive beside their gradient; the backward runs once (no retain_graph)."""
+    the backward, or they stay alive beside their gradient; the backward runs once (no retain_graph).
+    reuse_logits: the caller will not read the logits again, so the backward may write their gradient into their
+    memory (where no autograd node needs their values: `_reusable`); a micro batch then holds one logits-sized
+    buffer, the logits themselves, from the forward to the backward."""
     if isinstance(logits, DTensor):  # loss parallel: torch's vocab-parallel cross-entropy
         return F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
         )
     flat, targets = logits.flatten(0, 1), labels.flatten()
     if torch.is_grad_enabled() and flat.requires_grad:
+        if reuse_logits and _reusable(flat):
+            return _CrossEntropyIntoLogits.apply(flat, targets)
         return _ChunkedCrossEntropy.apply(flat, targets)
     with torch.no_grad():
         return chunked_cross_entropy(flat, targets)
+
+
+_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "AliasBackward0", "ReshapeAliasBackward0"})
+_OUTPUT_NOT_SAVED = frozenset({
+    "MmBackward0", "AddmmBackward0", "BmmBackward0", "ToCopyBackward0", "MulBackward0", "MulBackward1",
+    "DivBackward0", "DivBackward1", "AddBackward0", "AddBackward1", "SubBackward0",
+})  # fmt: skip
+"""Producers of logits whose backward reads their inputs, not their output (a matmul, a cast, a scaling)."""
+
+
+def _reusable(logits: torch.Tensor) -> bool:
+    """Whether the logits' memory may take their gradient: made (through views) by an op whose backward does not
+    read its output, not a leaf. Any other producer keeps its output intact (the gradient then gets a buffer)."""
+    node = logits.grad_fn
+    while node is not None and type(node).__name__ in _VIEWS:
+        node = node.next_functions[0][0]
+    return node is not None and type(node).__name__ in _OUTPUT_NOT_SAVED
 
 
 def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,6 +111,25 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         if grad is None:
             raise RuntimeError("summed_loss: its backward ran twice (retain_graph); the gradient is used in place")
         return grad.mul_(grad_loss), None
+
+
+class _CrossEntropyIntoLogits(torch.autograd.Function):
+    """`chunked_cross_entropy` whose backward writes the gradient into the logits' own memory, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(logits, labels)
+        ctx.used = False
+        return chunked_cross_entropy(logits, labels)
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.used:
+            raise RuntimeError("summed_loss: its backward ran twice (retain_graph); the gradient is used in place")
+        ctx.used = True
+        logits, labels = ctx.saved_tensors
+        chunked_cross_entropy(logits, labels, grad=logits)  # each chunk is read before it is overwritten
+        return logits.mul_(grad_loss), None
 
 
 def scaled(loss: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:

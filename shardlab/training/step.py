@@ -290,8 +290,8 @@ def forward_backward(
             logits = forward(model, inputs, positions)
         else:
             logits = logits_of(model(inputs) if positions is None else model(inputs, positions=positions))
-        loss = summed_loss(logits, labels)
-        del logits  # the loss keeps only their gradient: they are freed here, not after the backward
+        loss = summed_loss(logits, labels, reuse_logits=True)
+        del logits  # the loss's backward writes their gradient into them: nothing else holds them
         if after_forward is not None:
             after_forward()
         objective = scaled(loss, scale)
