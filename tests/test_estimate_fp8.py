@@ -10,7 +10,12 @@ import msgspec
 import pytest
 
 from shardlab import Config, MeshSpec, ModelConfig, PlanConfig, TrainConfig
+from shardlab._errors import ShardlabError
+from shardlab.estimate import estimate
+from shardlab.estimate.devices import DEVICES, device
 from shardlab.estimate.probe import Probe, probe
+from shardlab.estimate.roofline import compute_seconds
+from shardlab.training.loop import plan_model
 
 pytest.importorskip("torchao")
 
@@ -54,3 +59,64 @@ def test_the_probe_runs_float8_matmuls_and_gathers_float8_weights():
     assert not any(c.kind == "all_reduce" for c in fp8.collectives)
     rowwise = probe(cfg("rowwise"))  # torchao gathers float8 under tensorwise only
     assert _gathers(rowwise) == _gathers(bf16)
+
+
+def test_float8_matmuls_are_priced_at_the_fp8_peak():
+    """With the bytes free (bandwidth without limit), the matmuls' seconds fall by exactly what the linears' FLOPs
+    take at 989 rather than 1979 TFLOP/s (the flat efficiency of both); attention stays at the bf16 peak."""
+    h100 = msgspec.structs.replace(DEVICES["h100"], hbm_tb_s=1e30)
+    bf16, fp8 = (_by_kind(probed(r), "matmul", "fp8_matmul", "attention") for r in ("none", "tensorwise"))
+    linear_flops = 6 * LINEAR_PARAMS * 128
+    saved = compute_seconds(bf16, h100) - compute_seconds(fp8, h100)
+    assert saved == pytest.approx(linear_flops / 0.8e12 * (1 / 989 - 1 / 1979), rel=1e-9)
+    b200 = msgspec.structs.replace(DEVICES["b200"], hbm_tb_s=1e30)
+    assert compute_seconds(_by_kind(probed("tensorwise"), "fp8_matmul"), b200) == pytest.approx(
+        linear_flops / (4500e12 * 0.8), rel=1e-9
+    )
+
+
+def test_the_estimate_of_an_fp8_plan_is_faster_and_a100_refuses_it():
+    c = cfg("tensorwise")
+    plan = plan_model(c)[1]
+    with pytest.raises(ShardlabError, match=r"^plan.fp8='tensorwise': the A100 SXM 80GB has no float8 matmuls; set "):
+        estimate(c, plan, dev=device("a100"))
+    fast = estimate(c, plan, dev=device("h100"), compare_checkpointing=False)
+    slow = estimate(cfg(), plan_model(cfg())[1], dev=device("h100"), compare_checkpointing=False)
+    gathered = {x.phase: x.bytes for x in fast.collectives if x.kind == "all_gather"}
+    assert (
+        gathered["forward"]
+        == {x.phase: x.bytes for x in slow.collectives if x.kind == "all_gather"}["forward"] - LINEAR_PARAMS
+    )
+    assert fast.time.fsdp_comm_s < slow.time.fsdp_comm_s
+
+
+def test_a_search_keeps_a_pinned_fp8_recipe_and_its_floors_stay_below_its_estimates():
+    """plan.fp8 is a field of the recipe's plan: every candidate keeps it, and the pick written as a recipe runs it.
+    The floors (at the FP8 peak, float8 gathers) never prune a layout the exhaustive search would have ranked."""
+    from shardlab.estimate.search import search
+    from shardlab.estimate.search_report import layout_recipe
+    from shardlab.models.llama.provider import LlamaProvider
+
+    c = Config(model=MODEL, plan=PlanConfig(fp8="tensorwise", param_dtype="bfloat16"),
+               train=TrainConfig(global_batch=4, seq_len=64))  # fmt: skip
+    fixed = {"pp": 1, "cp": 1, "tp": 1, "dp_replicate": 1}
+    provider, dev, probes = LlamaProvider(MODEL), device("h100"), {}
+    run = lambda prune: search(c, 2, provider, lambda _: None, dev, 2**40, fixed=fixed, top=2, prune=prune,  # noqa: E731
+                               probes=probes)  # fmt: skip
+    pruned, every = run(True), run(False)
+    assert [(b.layout, b.step_s) for b in pruned.best] == [(b.layout, b.step_s) for b in every.best]
+    best = pruned.best[0]
+    assert best.layout.config(c).plan.fp8 == "tensorwise"
+    assert "'fp8': 'tensorwise'" in layout_recipe(c, best.layout, 2, "recipe.py", False, "note")
+    with pytest.raises(ShardlabError, match="A100"):
+        search(c, 2, provider, lambda _: None, device("a100"), 2**40, fixed=fixed)
+
+
+def test_a_kernel_table_prices_float8_matmuls_on_its_matmul_curve_at_the_fp8_peak():
+    from shardlab.estimate.kernels import Kernels
+
+    table = Kernels(matmul=((1.0, 0.5),), attention=((1.0, 0.25),), memory=((1.0, 1.0),), overhead_s=0.0, command="")
+    dev = msgspec.structs.replace(DEVICES["h100"], kernels=table)
+    ops = ((10**12, 0, 1, "fp8_matmul"), (10**12, 0, 2, "matmul"))
+    p = Probe(collectives=(), flops=3 * 10**12, ops=ops, activation_bytes=0, block_activation_bytes=0)
+    assert compute_seconds(p, dev) == pytest.approx(1 / (1979 * 0.5) + 2 / (989 * 0.5), rel=1e-12)

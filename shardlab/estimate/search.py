@@ -37,7 +37,7 @@ import torch
 from shardlab._base import Frozen
 from shardlab._errors import ShardlabError
 from shardlab.config import Config
-from shardlab.estimate import Estimate, estimate_memory, fsdp_buffer_bytes
+from shardlab.estimate import Estimate, check_fp8, estimate_memory, fsdp_buffer_bytes
 from shardlab.estimate.device import Device
 from shardlab.estimate.floors import Floors
 from shardlab.estimate.layouts import AC_MODES, Layout, divisors, enumerate_layouts, recomputes_no_more, uses_fsdp
@@ -149,6 +149,7 @@ def search(
     A request nothing satisfies is a ValueError of one line saying what was tried and what came closest.
     """
     start = time.perf_counter()
+    check_fp8(cfg, dev)
     layouts, refused = enumerate_layouts(
         cfg, world, fixed=fixed, tp_divisors=provider.tp_divisors(), n_layers=provider.n_layers,
         n_experts=provider.moe.n_experts if provider.moe is not None else 0,
