@@ -120,3 +120,51 @@ def test_a_kernel_table_prices_float8_matmuls_on_its_matmul_curve_at_the_fp8_pea
     ops = ((10**12, 0, 1, "fp8_matmul"), (10**12, 0, 2, "matmul"))
     p = Probe(collectives=(), flops=3 * 10**12, ops=ops, activation_bytes=0, block_activation_bytes=0)
     assert compute_seconds(p, dev) == pytest.approx(1 / (1979 * 0.5) + 2 / (989 * 0.5), rel=1e-12)
+
+
+SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128, vocab_size=512)
+
+
+@functools.cache
+def small_provider():
+    """One provider for the searches below: the floors' block counts and the probes are kept per provider."""
+    from shardlab.models.llama.provider import LlamaProvider
+
+    return LlamaProvider(SMALL)
+
+
+PROBES: dict = {}
+"""Probes shared by the searches below."""
+
+
+@pytest.mark.parametrize(("fp8_tflops", "winner"), [(1e6, "tensorwise"), (1.0, "none")])
+def test_a_search_given_fp8_choices_picks_the_faster_one(fp8_tflops, winner):
+    """`--fp8-choices none,tensorwise`: every layout twice, once per choice; on a device whose FP8 matmuls (and
+    bytes) are nearly free tensorwise wins, on one where they crawl none does; the floors, per choice, prune nothing
+    the exhaustive search would rank."""
+    from shardlab.estimate.search import search
+
+    c = Config(model=SMALL, plan=PlanConfig(param_dtype="bfloat16"), train=TrainConfig(global_batch=2, seq_len=64))
+    fixed = {"pp": 1, "cp": 1, "tp": 1, "dp_replicate": 1}
+    dev = msgspec.structs.replace(DEVICES["h100"], fp8_tflops=fp8_tflops, hbm_tb_s=1e6)
+    run = lambda prune: search(c, 2, small_provider(), lambda _: None, dev, 2**40, fixed=fixed, top=3,  # noqa: E731
+                               prune=prune, probes=PROBES, fp8=("none", "tensorwise"))  # fmt: skip
+    pruned, every = run(True), run(False)
+    assert [(b.layout, b.step_s) for b in pruned.best] == [(b.layout, b.step_s) for b in every.best]
+    assert pruned.layouts == 2 * 8  # dp_shard=2, one micro batch: 4 checkpointing modes x resharding or not
+    assert pruned.best[0].layout.fp8 == winner
+    assert f"fp8 {winner}" in pruned.best[0].layout.describe()
+    with pytest.raises(ShardlabError, match="A100"):
+        search(c, 2, small_provider(), lambda _: None, device("a100"), 2**40, fixed=fixed, fp8=("none", "rowwise"))
+
+
+def test_the_fp8_choices_flag_is_a_list_of_recipes_each_once():
+    from shardlab.cli.flags import SearchFlags, parse
+
+    config = Config(model=SMALL)
+    assert parse(SearchFlags, ["--world", "2"], "prog", config)[0].fp8_choices is None
+    flags, _ = parse(SearchFlags, ["--world", "2", "--fp8-choices", "none,tensorwise"], "prog", config)
+    assert flags.fp8_choices == ("none", "tensorwise")
+    for bad in ("none,bogus", "none,none", ""):
+        with pytest.raises(ShardlabError, match=rf"^--fp8-choices '{bad}': expected plan.fp8 values separated by "):
+            parse(SearchFlags, ["--world", "2", "--fp8-choices", bad], "prog", config)

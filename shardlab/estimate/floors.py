@@ -176,9 +176,7 @@ class Floors(Frozen):
             return 0.0
         gathers, reductions = self.fsdp_runs(layout)
         weights = self._held_blocks(m.pp) * self.block.params / m.tp
-        param, reduce = DTYPE_BYTES[cfg.plan.param_dtype], DTYPE_BYTES[cfg.plan.reduce_dtype]
-        if cfg.plan.fp8 == "tensorwise":  # the FP8 linears' weights are gathered in float8 (at least: all of them)
-            param = 1
+        param, reduce = _gathered_bytes(cfg), DTYPE_BYTES[cfg.plan.reduce_dtype]
         bandwidth = (dev.nvlink_gb_s if shards * m.tp <= GPUS_PER_NODE else dev.network_gb_s) * 1e9
         return weights * (gathers * param + reductions * reduce) * (shards - 1) / shards / bandwidth
 
@@ -230,9 +228,7 @@ class Floors(Frozen):
             # FSDP copies each gathered block out of its flat buffer (its weights read and written in param_dtype)
             # and each block's gradients into the reduce-scatter's (read in param_dtype, written in reduce_dtype):
             # once per micro batch without a pipeline, once per step at least with one
-            param, reduce = DTYPE_BYTES[cfg.plan.param_dtype], DTYPE_BYTES[cfg.plan.reduce_dtype]
-        if cfg.plan.fp8 == "tensorwise":  # the FP8 linears' weights are gathered in float8 (at least: all of them)
-            param = 1
+            param, reduce = _gathered_bytes(cfg), DTYPE_BYTES[cfg.plan.reduce_dtype]
             times = 1 if m.pp > 1 else layout.micro_batches
             copies = times * blocks * b.params / m.tp * (3 * param + reduce)
         return (tokens * moved / m.tp + copies) / self.bandwidth
@@ -243,7 +239,7 @@ class Floors(Frozen):
         m = layout.mesh
         blocks, recomputed = self._held_blocks(m.pp), self._recomputed(cfg, layout)
         tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
-        all_reduced = tokens * self.tp_dim * DTYPE_BYTES[cfg.plan.param_dtype] * (4 * blocks + recomputed)
+        all_reduced = tokens * self.tp_dim * _gathered_bytes(cfg) * (4 * blocks + recomputed)  # fp8: inputs gathered
         return all_reduced * 2 * (m.tp - 1) / m.tp / axis_bandwidth(m, "tp", dev)
 
     def cp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
@@ -303,3 +299,9 @@ def _matmul_peak(cfg: Config, dev: Device) -> float:
     if cfg.plan.fp8 != "none" and dev.fp8_tflops is not None:
         return max(dev.bf16_tflops, dev.fp8_tflops) * 1e12
     return dev.bf16_tflops * 1e12
+
+
+def _gathered_bytes(cfg: Config) -> int:
+    """Bytes per element FSDP gathers of a weight, and TP of an activation, at least: under tensorwise FP8 a byte
+    (FSDP gathers the FP8 linears' weights in float8, TP their inputs; at most all of them), else param_dtype's."""
+    return 1 if cfg.plan.fp8 == "tensorwise" else DTYPE_BYTES[cfg.plan.param_dtype]
