@@ -168,3 +168,16 @@ def test_the_fp8_choices_flag_is_a_list_of_recipes_each_once():
     for bad in ("none,bogus", "none,none", ""):
         with pytest.raises(ShardlabError, match=rf"^--fp8-choices '{bad}': expected plan.fp8 values separated by "):
             parse(SearchFlags, ["--world", "2", "--fp8-choices", bad], "prog", config)
+
+
+def test_a_pipelined_fp8_layout_is_probed_with_each_stage_gathering_float8():
+    """Each stage is its own FSDP root: each is initialized before the scales are computed, and gathers float8."""
+    mesh, model = MeshSpec(pp=2, dp_shard=2), msgspec.structs.replace(SMALL, n_layers=4)
+    gathered = {}
+    for fp8 in ("none", "tensorwise"):
+        plan = PlanConfig(fp8=fp8, param_dtype="bfloat16", pp_stages_per_rank=2, pp_schedule="interleaved_1f1b")
+        c = Config(mesh=mesh, model=model, plan=plan, train=TrainConfig(global_batch=8, seq_len=64)).resolve(4)
+        p = probe(c)
+        gathered[fp8] = {x.stage: x.bytes for x in p.collectives if x.kind == "all_gather" and x.phase == "forward"}
+    per_block = 4 * 64 * 64 + 3 * 64 * 128  # the FP8 linears' weights of one block: a byte each less
+    assert {s: gathered["none"][s] - b for s, b in gathered["tensorwise"].items()} == {0: per_block, 2: per_block}

@@ -128,10 +128,9 @@ def _scale_float8_gathers(model: nn.Module, plan: Plan) -> None:
     them (`refresh_scales`); without them every gather would all-reduce its own amax, as only the first step does.
     FSDP's lazy init comes first: it re-wraps the shards, which fails on fake tensors holding a scale (torchao's
     `__tensor_flatten__` asks the scale's truth value)."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module._get_fsdp_state()._lazy_init()  # the root's: it initializes every unit
-            break
+    for root in stage_modules(model):  # the model, or each of this rank's pipeline stages: FSDP roots
+        if isinstance(root, FSDPModule):
+            root._get_fsdp_state()._lazy_init()  # a root's initializes each unit under it
     refresh_scales(model, plan.fp8)
 
 

@@ -213,7 +213,9 @@ class Recorder(CommDebugMode):
         # c10d ops take (output, input): an all-gather's full buffer is its output, a reduce-scatter's its input.
         # funcol ops take the input alone: an all-gather's shard, a reduce-scatter's full buffer.
         full = 1 if packet in (c10d._reduce_scatter_base_, c10d.reduce_scatter_) else 0
-        nbytes = sum(t.nbytes for t in _tensors(args[full : full + 1]))
+        nbytes = sum(
+            t.nbytes if (data := _float8_data(t)) is None else data.nbytes for t in _tensors(args[full : full + 1])
+        )
         if kind == "all_gather" and packet not in (c10d._allgather_base_, c10d.allgather_):
             nbytes *= size
         phase: Phase = "backward" if in_backward() else "forward"
@@ -248,7 +250,8 @@ FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.f
 def _float8_data(t: torch.Tensor) -> torch.Tensor | None:
     """The float8 data of one of torchao's float8 tensors (Float8TrainingTensor: its float8 `_data` and scale under
     the dtype it stands for), else None. A matmul of them reaches this mode as the matmul of the training dtype: the
-    tensor's own dispatch, which calls `_scaled_mm`, runs below the mode; its operands move a byte per element."""
+    tensor's own dispatch, which calls `_scaled_mm`, runs below the mode; its operands move a byte per element, and
+    so do the collectives that carry it (TP's gathers of float8 inputs under tensorwise)."""
     data = getattr(t, "_data", None)
     return data if isinstance(data, torch.Tensor) and data.dtype in FLOAT8 else None
 
