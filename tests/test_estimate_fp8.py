@@ -75,7 +75,7 @@ def test_float8_matmuls_are_priced_at_the_fp8_peak():
     )
 
 
-def test_the_estimate_of_an_fp8_plan_is_faster_and_a100_refuses_it():
+def test_an_fp8_estimate_gathers_a_byte_per_fp8_weight_and_a100_refuses_it():
     c = cfg("tensorwise")
     plan = plan_model(c)[1]
     with pytest.raises(ShardlabError, match=r"^plan.fp8='tensorwise': the A100 SXM 80GB has no float8 matmuls; set "):
