@@ -73,6 +73,16 @@ def _path(text: str) -> str | None:
     return text or None
 
 
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")
+"""plan.fp8's values (`shardlab.sharding.fp8.Fp8Recipe`)."""
+
+
+def _fp8_choices(text: str) -> tuple[str, ...] | None:
+    """A comma-separated list of plan.fp8 values, each once."""
+    choices = tuple(text.split(","))
+    return choices if choices and len(set(choices)) == len(choices) and set(choices) <= set(FP8_RECIPES) else None
+
+
 class _Debug(Frozen):
     """The flag every verb has."""
 
@@ -144,6 +154,17 @@ class SearchFlags(EstimateFlags):
     ] = 600.0
     """Stop after this many seconds once a layout fits (0: no limit), and say how far from the fastest the pick may
     be."""
+    fp8_choices: Annotated[
+        tuple[str, ...] | None,
+        _flag(
+            "--fp8-choices",
+            "R,R",
+            _fp8_choices,
+            f"plan.fp8 values separated by commas, each once: {', '.join(FP8_RECIPES)}",
+        ),
+        tyro.conf.arg(help_behavior_hint="(default: the recipe's plan.fp8 only)"),
+    ] = None
+    """Let the search choose FP8 too: every layout with each of these plan.fp8 values (e.g. none,tensorwise)."""
 
 
 class ExportFlags(_Debug, kw_only=True):

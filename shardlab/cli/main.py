@@ -183,7 +183,7 @@ def _search(cfg, recipe, flags: SearchFlags, pinned: dict[str, int]) -> int:
     provider = provider_for(cfg, recipe.model(cfg))
     store = ProbeStore(provider)  # probes an earlier search of this model measured are read, not run again
     found = search(cfg, world, provider, recipe.rules, dev, memory, fixed=pinned, top=flags.top, store=store,
-                   budget=flags.budget or None)  # fmt: skip
+                   budget=flags.budget or None, fp8=flags.fp8_choices or ())  # fmt: skip
     print(search_json(found).decode() if flags.json else search_table(found, dev, memory))
     if flags.out:
         best = found.best[0]

@@ -16,6 +16,7 @@ import msgspec
 import torch.distributed as dist
 
 from shardlab._base import Frozen
+from shardlab._errors import ShardlabError
 from shardlab.config import Config
 from shardlab.estimate._fake import fake_world
 from shardlab.estimate.device import Device
@@ -147,6 +148,7 @@ def estimate(
     bubble. Every stage waits for the slowest, so the compute is the busiest rank's or that of the rank holding the
     last stage (`head_rank`: the output layer and the loss), whichever takes longer.
     """
+    check_fp8(cfg, dev)
     other = "full" if cfg.plan.activation_checkpoint == "none" else "none"
     if not compare_checkpointing:
         other = cfg.plan.activation_checkpoint
@@ -164,6 +166,15 @@ def estimate(
         held = sum(len(s.blocks) for s in plan.pipeline.stages_of(head_rank(plan)))
         last = cached_probe(probes, cfg, rules, pp_rank=head_rank(plan), blocks=held, provider=provider)
     return estimate_from(cfg, plan, p, forward, other, dev, provider, last=last)
+
+
+def check_fp8(cfg: Config, dev: Device | None) -> None:
+    """Refuse plan.fp8 on a device without float8 matmuls, as training refuses a GPU below compute capability 8.9."""
+    if cfg.plan.fp8 != "none" and dev is not None and dev.fp8_tflops is None:
+        raise ShardlabError(
+            f"plan.fp8={cfg.plan.fp8!r}: the {dev.name} has no float8 matmuls; set plan.fp8='none' or pick a --device "
+            "that has them (h100, h200, b200, cpu)"
+        )
 
 
 def head_rank(plan: Plan) -> int:

@@ -24,6 +24,9 @@ class Device(Frozen):
     """Per GPU, one direction, between nodes (one NIC per GPU)."""
     memory_gib: float
     """Memory per device, as the driver reports it (what `search` fits layouts into by default)."""
+    fp8_tflops: float | None = None
+    """Dense float8 matmul peak (torch's `_scaled_mm`, which torchao's Float8Linear runs); None: the device has no
+    float8 matmuls (A100), and `estimate` refuses plan.fp8 on it."""
     matmul_efficiency: float = MATMUL_EFFICIENCY
     """Achieved / peak FLOP/s (1 for a measured device: its numbers are achieved ones)."""
     hbm_efficiency: float = HBM_EFFICIENCY

@@ -6,7 +6,8 @@ That holds only if each floor is at most what the estimate gives, term by term:
 - compute: the blocks' matmul FLOPs (forward and backward; the forward again under full checkpointing, in every
   ac_every-th block under selective, every other matmul of a block under op-level checkpointing) on the busiest pp
   rank, which holds at least ceil(L / pp) blocks, each rank's share being 1 / (tp x cp) of them, at the device's
-  best matmul rate; without a pipeline the output layer's too, and with one at least the average over the pp ranks
+  best matmul rate (its FP8 peak under plan.fp8, and FSDP's gathers at a byte per weight under tensorwise FP8);
+  without a pipeline the output layer's too, and with one at least the average over the pp ranks
   (the estimate prices the busiest and the one running the output layer). Plus the traffic of the ops without FLOPs
   (norms, activations, residual adds, rotary, copies, the loss), each its own kernel in eager PyTorch and priced by
   its bytes at the device's best bandwidth: counted per row of a micro batch (what grows with the rows; what does
@@ -126,7 +127,7 @@ class Floors(Frozen):
         expert_rows = moe.top_k * min(1.0, moe.capacity_factor or 1.0) if moe is not None else 0.0
         return cls(block=block, tp_dim=provider.dim if llama else 0, kv_dim=kv_dim, expert_rows=expert_rows,
                    param_bytes=param_bytes,
-                   n_layers=provider.n_layers, rate=dev.bf16_tflops * 1e12 * best,
+                   n_layers=provider.n_layers, rate=_matmul_peak(cfg, dev) * best,
                    bandwidth=dev.hbm_tb_s * 1e12 * best_memory)  # fmt: skip
 
     def time(self, cfg: Config, layout: Layout, dev: Device) -> float:
@@ -175,7 +176,7 @@ class Floors(Frozen):
             return 0.0
         gathers, reductions = self.fsdp_runs(layout)
         weights = self._held_blocks(m.pp) * self.block.params / m.tp
-        param, reduce = DTYPE_BYTES[cfg.plan.param_dtype], DTYPE_BYTES[cfg.plan.reduce_dtype]
+        param, reduce = _gathered_bytes(cfg), DTYPE_BYTES[cfg.plan.reduce_dtype]
         bandwidth = (dev.nvlink_gb_s if shards * m.tp <= GPUS_PER_NODE else dev.network_gb_s) * 1e9
         return weights * (gathers * param + reductions * reduce) * (shards - 1) / shards / bandwidth
 
@@ -227,7 +228,7 @@ class Floors(Frozen):
             # FSDP copies each gathered block out of its flat buffer (its weights read and written in param_dtype)
             # and each block's gradients into the reduce-scatter's (read in param_dtype, written in reduce_dtype):
             # once per micro batch without a pipeline, once per step at least with one
-            param, reduce = DTYPE_BYTES[cfg.plan.param_dtype], DTYPE_BYTES[cfg.plan.reduce_dtype]
+            param, reduce = _gathered_bytes(cfg), DTYPE_BYTES[cfg.plan.reduce_dtype]
             times = 1 if m.pp > 1 else layout.micro_batches
             copies = times * blocks * b.params / m.tp * (3 * param + reduce)
         return (tokens * moved / m.tp + copies) / self.bandwidth
@@ -238,7 +239,7 @@ class Floors(Frozen):
         m = layout.mesh
         blocks, recomputed = self._held_blocks(m.pp), self._recomputed(cfg, layout)
         tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
-        all_reduced = tokens * self.tp_dim * DTYPE_BYTES[cfg.plan.param_dtype] * (4 * blocks + recomputed)
+        all_reduced = tokens * self.tp_dim * _gathered_bytes(cfg) * (4 * blocks + recomputed)  # fp8: inputs gathered
         return all_reduced * 2 * (m.tp - 1) / m.tp / axis_bandwidth(m, "tp", dev)
 
     def cp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
@@ -291,3 +292,16 @@ class Floors(Frozen):
         if m.pp > 1:
             held = in_flight(layout.pp_schedule, m.pp, layout.pp_stages_per_rank, layout.micro_batches)
         return int(held * rows * cfg.train.seq_len * per_token / (m.tp * m.cp))
+
+
+def _matmul_peak(cfg: Config, dev: Device) -> float:
+    """The device's fastest matmul FLOP/s the layout's linears may run at: its FP8 peak under plan.fp8."""
+    if cfg.plan.fp8 != "none" and dev.fp8_tflops is not None:
+        return max(dev.bf16_tflops, dev.fp8_tflops) * 1e12
+    return dev.bf16_tflops * 1e12
+
+
+def _gathered_bytes(cfg: Config) -> int:
+    """Bytes per element FSDP gathers of a weight, and TP of an activation, at least: under tensorwise FP8 a byte
+    (FSDP gathers the FP8 linears' weights in float8, TP their inputs; at most all of them), else param_dtype's."""
+    return 1 if cfg.plan.fp8 == "tensorwise" else DTYPE_BYTES[cfg.plan.param_dtype]

@@ -48,6 +48,8 @@ class Layout(Frozen):
     """None without pipeline stages (mesh.pp == 1)."""
     pp_stages_per_rank: int = 1
     reshard_after_forward: bool = True
+    fp8: str | None = None
+    """plan.fp8 where the search chooses it (`search --fp8-choices`); None: the recipe's."""
 
     def config(self, cfg: Config) -> Config:
         """`cfg` laid out this way (raises the config's own ValueError where the layout does not fit it)."""
@@ -63,6 +65,7 @@ class Layout(Frozen):
             pp_stages_per_rank=self.pp_stages_per_rank,
             pp_microbatches=self.micro_batches if pp else None,
             pp_split=cfg.plan.pp_split if pp and mesh.pp == cfg.mesh.pp else (),
+            fp8=cfg.plan.fp8 if self.fp8 is None else self.fp8,
         )
         micro_batch = None if pp or per_rank is None else per_rank // self.micro_batches
         train = msgspec.structs.replace(cfg.train, micro_batch=micro_batch)
@@ -76,6 +79,8 @@ class Layout(Frozen):
             parts.append(self.pp_schedule + (f" x{self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else ""))
         if not self.reshard_after_forward:
             parts.append("no reshard")
+        if self.fp8 is not None:
+            parts.append(f"fp8 {self.fp8}")
         return ", ".join(parts)
 
 
@@ -111,13 +116,15 @@ def enumerate_layouts(
     n_layers: int,
     n_experts: int = 0,
     one_stage_pipelines: bool = False,
+    fp8: tuple[str, ...] = (),
 ) -> tuple[list[Layout], list[str]]:
     """Every valid layout of `cfg`'s model and batch on `world` ranks, and why the meshes that were refused were.
 
     fixed: axis -> size the user pinned (ep among them); tp_divisors: the model sizes tp must divide (the provider's);
     n_layers: blocks a pipeline cuts into stages (pp x stages per rank may not exceed it); n_experts: with shardlab's
     MoE, ep ranges over its divisors that divide dp_shard x cp (else ep stays 1); one_stage_pipelines: the model runs
-    one stage per pp rank (a transformers model). Layouts come in a stable order, without duplicates.
+    one stage per pp rank (a transformers model); fp8: the plan.fp8 values each layout is tried with (empty: the
+    config's alone, Layout.fp8 None). Layouts come in a stable order, without duplicates.
     """
     fixed, tp_divisors = fixed or {}, dict(tp_divisors or {})
     layouts: list[Layout] = []
@@ -136,7 +143,8 @@ def enumerate_layouts(
             except ValueError as err:
                 refused.append(f"{with_ep.describe()}: {err}")
                 continue
-            layouts.extend(_variants(cfg, with_ep, n_layers, one_stage_pipelines))
+            for variant in _variants(cfg, with_ep, n_layers, one_stage_pipelines):
+                layouts.extend(msgspec.structs.replace(variant, fp8=f) for f in fp8) if fp8 else layouts.append(variant)
     return layouts, refused
 
 

@@ -27,6 +27,7 @@ import msgspec
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlab._base import Frozen
@@ -40,6 +41,7 @@ from shardlab.models.llama.moe import balanced_routing
 from shardlab.models.provider import ModelProvider
 from shardlab.parallel.apply import apply
 from shardlab.parallel.device_mesh import make_mesh
+from shardlab.parallel.fp8 import refresh_scales
 from shardlab.parallel.stages import stage_modules
 from shardlab.sharding.context import cp_positions
 from shardlab.sharding.plan import Plan, make_plan
@@ -95,6 +97,8 @@ def _probe_layers(
     )
     with fake_tensors():
         model.to_empty(device="cpu")
+        if plan.fp8 is not None and plan.fp8.all_gather:
+            _scale_float8_gathers(model, plan)
         positions = None
         if plan.context is not None:  # cp rank 0's chunks of every sequence
             positions = cp_positions(cfg.train.seq_len, cfg.mesh.cp, mesh["cp"].get_local_rank())
@@ -117,6 +121,17 @@ def _probe_layers(
                     model, plan, mesh, cfg, provider.dim, tokens, after_forward, recorder, positions
                 )
     return recorder
+
+
+def _scale_float8_gathers(model: nn.Module, plan: Plan) -> None:
+    """Give FSDP's float8 all-gathers the scales that each step's gathers read, as the optimizer step before computes
+    them (`refresh_scales`); without them every gather would all-reduce its own amax, as only the first step does.
+    FSDP's lazy init comes first: it re-wraps the shards, which fails on fake tensors holding a scale (torchao's
+    `__tensor_flatten__` asks the scale's truth value)."""
+    for root in stage_modules(model):  # the model, or each of this rank's pipeline stages: FSDP roots
+        if isinstance(root, FSDPModule):
+            root._get_fsdp_state()._lazy_init()  # a root's initializes each unit under it
+    refresh_scales(model, plan.fp8)
 
 
 def stage_boundary(cfg: Config, plan: Plan, rows: int, dim: int) -> tuple[tuple[int, int, int], torch.dtype]:

@@ -72,8 +72,9 @@ CPU_ATTENTION = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward: (sdpa_backward_flop_count, 4, 7),
 }
 """CPU's flash attention, which torch's flop counter lacks: (formula, tensors it reads shapes of, is_causal's position)."""
-OpKind = Literal["matmul", "attention", "memory"]
-"""How the roofline prices an op (shardlab.estimate.kernels): attention kernels, other ops with FLOPs, ops without."""
+OpKind = Literal["matmul", "fp8_matmul", "attention", "memory"]
+"""How the roofline prices an op (shardlab.estimate.kernels): attention kernels, float8 matmuls (torchao's
+Float8Linear: `_scaled_mm`, at the device's FP8 peak), other ops with FLOPs, ops without (its float8 casts too)."""
 ATTENTION = {*CPU_ATTENTION, *(p for p in flop_registry if "attention" in str(p))}
 REGATHER = ("FSDP::pre_backward", "FSDP::backward_prefetch")
 """torch's record_function names of FSDP's backward unshard (its own, and a prefetch of the next unit's)."""
@@ -182,11 +183,16 @@ class Recorder(CommDebugMode):
         flops = _flops(packet, args, kwargs or {}, out)
         if packet is aten._grouped_mm:
             flops = round(flops * self.grouped_rows)
-        moved = sum(t.nbytes for t in _tensors((args, kwargs)) if t.numel()) + sum(t.nbytes for t in outputs)
+        inputs = [t if (data := _float8_data(t)) is None else data for t in _tensors((args, kwargs))]
+        moved = sum(t.nbytes for t in inputs if t.numel()) + sum(t.nbytes for t in outputs)
         if packet in WAITS:
             moved = 0
         self.flops += flops
-        op_kind: OpKind = "attention" if packet in ATTENTION else "matmul" if flops else "memory"
+        float8 = packet is aten._scaled_mm or any(t.dtype in FLOAT8 for t in inputs)
+        op_kind: OpKind = (
+            "attention" if packet in ATTENTION else "fp8_matmul" if flops and float8 else
+            "matmul" if flops else "memory"
+        )  # fmt: skip
         self.ops[(flops, moved, op_kind)] += 1
         self.sequence.append((flops, moved, op_kind, self._role(), self.stage))
         return out
@@ -207,7 +213,9 @@ class Recorder(CommDebugMode):
         # c10d ops take (output, input): an all-gather's full buffer is its output, a reduce-scatter's its input.
         # funcol ops take the input alone: an all-gather's shard, a reduce-scatter's full buffer.
         full = 1 if packet in (c10d._reduce_scatter_base_, c10d.reduce_scatter_) else 0
-        nbytes = sum(t.nbytes for t in _tensors(args[full : full + 1]))
+        nbytes = sum(
+            t.nbytes if (data := _float8_data(t)) is None else data.nbytes for t in _tensors(args[full : full + 1])
+        )
         if kind == "all_gather" and packet not in (c10d._allgather_base_, c10d.allgather_):
             nbytes *= size
         phase: Phase = "backward" if in_backward() else "forward"
@@ -234,6 +242,18 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
             yield leaf._local_tensor
         elif isinstance(leaf, torch.Tensor):
             yield leaf
+
+
+FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+
+
+def _float8_data(t: torch.Tensor) -> torch.Tensor | None:
+    """The float8 data of one of torchao's float8 tensors (Float8TrainingTensor: its float8 `_data` and scale under
+    the dtype it stands for), else None. A matmul of them reaches this mode as the matmul of the training dtype: the
+    tensor's own dispatch, which calls `_scaled_mm`, runs below the mode; its operands move a byte per element, and
+    so do the collectives that carry it (TP's gathers of float8 inputs under tensorwise)."""
+    data = getattr(t, "_data", None)
+    return data if isinstance(data, torch.Tensor) and data.dtype in FLOAT8 else None
 
 
 def _group(args: tuple) -> tuple[str, int]:

@@ -20,6 +20,9 @@ The model, stated so it can be argued with:
 - The AdamW step streams 7 fp32 words per local parameter (read p, g, m, v; write p, m, v) through HBM.
 - No stragglers, and without a kernel table no kernel-launch or Python overheads: a floor, which real runs
   approach from above.
+- FP8 (plan.fp8): torchao's float8 matmuls (`_scaled_mm`) run at the device's FP8 peak with the efficiency of its
+  bf16 matmuls; its casts (amax, scale, cast to float8) are memory-bound ops like any other; FSDP's float8
+  all-gathers move one byte per weight, as the probe records them. MFU stays relative to the bf16 peak.
 """
 
 from __future__ import annotations
@@ -87,14 +90,24 @@ def collective_latency(dev: Device, group_size: int) -> float:
 
 
 def compute_seconds(p: Probe, dev: Device) -> float:
+    """Seconds the ops of `p` take: float8 matmuls at the device's FP8 peak, with the efficiency (flat, or the
+    kernel table's matmul curve) of the training dtype's matmuls; every other op at the training dtype's peak."""
+    fp8 = dev.fp8_tflops if dev.fp8_tflops is not None else dev.bf16_tflops
+
+    def peak(kind: str) -> float:
+        return (fp8 if kind == "fp8_matmul" else dev.bf16_tflops) * 1e12
+
     if dev.kernels is not None:
-        peak, bandwidth = dev.bf16_tflops * 1e12, dev.hbm_tb_s * 1e12
+        bandwidth = dev.hbm_tb_s * 1e12
         return sum(
-            count * dev.kernels.seconds(kind, flops, moved, peak, bandwidth) for flops, moved, count, kind in p.ops
+            count * dev.kernels.seconds(kind, flops, moved, peak(kind), bandwidth)
+            for flops, moved, count, kind in p.ops
         )
-    flops_s = dev.bf16_tflops * 1e12 * dev.matmul_efficiency
     bytes_s = dev.hbm_tb_s * 1e12 * dev.hbm_efficiency
-    return sum(count * max(flops / flops_s, moved / bytes_s) for flops, moved, count, _ in p.ops)
+    return sum(
+        count * max(flops / (peak(kind) * dev.matmul_efficiency), moved / bytes_s)
+        for flops, moved, count, kind in p.ops
+    )
 
 
 def step_time(

@@ -37,7 +37,7 @@ import torch
 from shardlab._base import Frozen
 from shardlab._errors import ShardlabError
 from shardlab.config import Config
-from shardlab.estimate import Estimate, estimate_memory, fsdp_buffer_bytes
+from shardlab.estimate import Estimate, check_fp8, estimate_memory, fsdp_buffer_bytes
 from shardlab.estimate.device import Device
 from shardlab.estimate.floors import Floors
 from shardlab.estimate.layouts import AC_MODES, Layout, divisors, enumerate_layouts, recomputes_no_more, uses_fsdp
@@ -139,20 +139,25 @@ def search(
     probes: dict[bytes, Shape] | None = None,
     store: ProbeStore | None = None,
     budget: float | None = None,
+    fp8: tuple[str, ...] = (),
 ) -> Search:
     """The `top` fastest layouts of `cfg`'s model and batch on `world` ranks of `dev` within `memory` bytes per rank.
 
     fixed: mesh axes the user pinned (axis -> size); rules_of: the recipe's rules for a config (None: the model's);
     prune=False looks at every layout its floor would skip (the ranking is the same); probes: a cache of the twins'
     probes that searches of one model and rules share; store: where probes are kept between searches (`ProbeStore`);
-    budget: seconds after which the search stops, once a layout fits (None: it looks at every layout it must).
+    budget: seconds after which the search stops, once a layout fits (None: it looks at every layout it must);
+    fp8: the plan.fp8 values every layout is tried with (empty: the config's alone).
     A request nothing satisfies is a ValueError of one line saying what was tried and what came closest.
     """
     start = time.perf_counter()
+    choices = {f: cfg if f is None else _with_fp8(cfg, f) for f in (fp8 or (None,))}
+    for chosen in choices.values():
+        check_fp8(chosen, dev)
     layouts, refused = enumerate_layouts(
         cfg, world, fixed=fixed, tp_divisors=provider.tp_divisors(), n_layers=provider.n_layers,
         n_experts=provider.moe.n_experts if provider.moe is not None else 0,
-        one_stage_pipelines=(rules_of(cfg) or provider.rules(cfg.plan)).stage_call != "tensor",
+        one_stage_pipelines=(rules_of(cfg) or provider.rules(cfg.plan)).stage_call != "tensor", fp8=fp8,
     )  # fmt: skip
     if not layouts:
         pinned = " x ".join(f"mesh.{a}={s}" for a, s in (fixed or {}).items())
@@ -186,8 +191,13 @@ def search(
         plan = plan_of(shape.config(cfg).resolve(world))
         return estimate_memory(plan).total + fsdp_buffer_bytes(plan)
 
-    floors = Floors.of(cfg, provider, model, dev, own_rules=rules_of(cfg) is not None, store=store)
-    time_floor = [floors.time(cfg, layout, dev) for layout in layouts]  # arithmetic: 0.3 s for 405B's 21,648
+    floors = {  # per plan.fp8 choice: its matmul peak, its gathers' bytes, its casts' traffic
+        f: Floors.of(c, provider, model, dev, own_rules=rules_of(cfg) is not None, store=store)
+        for f, c in choices.items()
+    }
+    time_floor = [  # arithmetic: 0.3 s for 405B's 21,648
+        floors[layout.fp8].time(choices[layout.fp8], layout, dev) for layout in layouts
+    ]
     order = sorted(range(len(layouts)), key=lambda i: (time_floor[i], _cheapest_first(layouts[i]), i))
     measured = {} if probes is None else probes  # probes of twins, shared by every layout with the same twin
     known = _probed(measured)
@@ -266,7 +276,7 @@ def search(
             unsearched, floor_left = len(order) - n, time_floor[i]  # the lowest floor left: `order` ascends
             break
         frame = _frame(layout)
-        need = floors.memory(cfg, layout)
+        need = floors[layout.fp8].memory(choices[layout.fp8], layout)
         if need <= memory:
             if any(_beats(d, layout) for d in done.get(frame, ())):
                 continue
@@ -276,7 +286,7 @@ def search(
             fixed_by_plan = fixed_bytes(layout)
             if fixed_by_plan is None:
                 continue
-            need = fixed_by_plan + floors.activations(cfg, layout)
+            need = fixed_by_plan + floors[layout.fp8].activations(choices[layout.fp8], layout)
         if need > memory:
             over += 1
             if closest_state is None or need < closest_state[0]:
@@ -316,7 +326,12 @@ def _state_shape(layout: Layout) -> Layout:
     return Layout(
         mesh=layout.mesh, activation_checkpoint="none", micro_batches=layout.mesh.pp, pp_schedule=layout.pp_schedule,
         pp_stages_per_rank=layout.pp_stages_per_rank, reshard_after_forward=layout.reshard_after_forward,
+        fp8=layout.fp8,
     )  # fmt: skip
+
+
+def _with_fp8(cfg: Config, fp8: str) -> Config:
+    return msgspec.structs.replace(cfg, plan=msgspec.structs.replace(cfg.plan, fp8=fp8))
 
 
 def _probed(measured: dict[bytes, Shape]) -> int:
@@ -324,8 +339,9 @@ def _probed(measured: dict[bytes, Shape]) -> int:
 
 
 def _frame(layout: Layout) -> tuple:
-    """Layouts of one frame differ only in checkpointing, micro batches and resharding."""
-    return layout.mesh, layout.pp_schedule, layout.pp_stages_per_rank
+    """Layouts of one frame differ only in checkpointing, micro batches and resharding (FP8 changes what each
+    costs and keeps)."""
+    return layout.mesh, layout.pp_schedule, layout.pp_stages_per_rank, layout.fp8
 
 
 def _needs_no_more(small: Layout, other: Layout) -> bool:

@@ -32,6 +32,9 @@ def why(best: Candidate, runner_up: Candidate | None) -> str:
 def search_table(s: Search, dev: Device, memory: int) -> str:
     """The ranking as text, for `python -m shardlab search`."""
     header = ("#", "mesh", "AC", "micro", "schedule", "peak GiB", "comm s/step by axis", "tokens/s/dev", "MFU")
+    chose_fp8 = any(c.layout.fp8 is not None for c in s.best)  # `--fp8-choices`: a column for what it chose
+    if chose_fp8:
+        header = (*header[:4], "fp8", *header[4:])
     rows = [header]
     for i, c in enumerate(s.best, 1):
         lay = c.layout
@@ -41,7 +44,7 @@ def search_table(s: Search, dev: Device, memory: int) -> str:
         comm = " ".join(f"{axis} {sec:.3g}" for axis, sec in c.comm_s) or "-"
         rows.append((
             str(i), lay.mesh.describe().rsplit(" (", 1)[0], lay.activation_checkpoint, str(lay.micro_batches),
-            schedule, f"{c.peak / 2**30:.2f}", comm, f"{c.tokens_per_s_per_device:,.0f}", f"{100 * c.mfu:.1f}%",
+            *([lay.fp8 or "-"] if chose_fp8 else []), schedule, f"{c.peak / 2**30:.2f}", comm, f"{c.tokens_per_s_per_device:,.0f}", f"{100 * c.mfu:.1f}%",
         ))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [
