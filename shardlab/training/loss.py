@@ -5,14 +5,13 @@ Sums, not means: each rank sums its tokens' losses and the step or evaluation di
 token count, so the result does not depend on how the tokens are spread over ranks, micro batches and stages.
 
 Plain (not vocab-sharded) logits go through the cross-entropy in chunks of rows (`CHUNK_ELEMENTS` logits each in
-fp32), never whole: a micro batch's fp32 logits at a 128k vocabulary are GiBs. With gradients, the forward also
-computes each chunk's gradient (softmax - one-hot, 0 on ignored tokens) into one buffer in the logits' dtype, the
-only thing it keeps; the backward scales that buffer by the incoming gradient in place. A micro batch so holds the
-logits and a gradient of their size until the caller drops the logits (`step.forward_backward` does, before the
-backward), and then the gradient alone: not the logits' fp32 copy, the saved log-softmax and the backward's
-full-size buffers. Loss and gradients are F.cross_entropy's (to fp32 rounding). Without gradients (evaluation) only
-the loss is computed. Under loss parallel the logits are vocab-sharded DTensors and torch's vocab-parallel
-`F.cross_entropy` runs as it always did.
+fp32), never whole: a micro batch's fp32 logits at a 128k vocabulary are GiBs. The step lets the backward write
+each chunk's gradient (softmax - one-hot, 0 on ignored tokens) into the logits themselves (`reuse_logits`), so a
+micro batch holds one logits-sized buffer from its forward to its backward. Elsewhere the forward computes the
+gradient into a buffer of the logits' dtype, the only thing it keeps, and the backward scales it in place. Loss and
+gradients are F.cross_entropy's (to fp32 rounding). Without gradients (evaluation) only the loss is computed. Under
+loss parallel the logits are vocab-sharded DTensors and torch's vocab-parallel `F.cross_entropy` runs as it always
+did.
 """
 
 from __future__ import annotations
