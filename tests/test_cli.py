@@ -490,6 +490,8 @@ def test_export_errors_are_one_line(tmp_path, capsys, monkeypatch, args, message
         (["plan", "recipes/llama_fsdp_tp.py", "--wrld", "4"], "error: Unrecognized options: --wrld, 4 (did you mean "
                                                               "--world N?); see"),
         (["plan", "recipes/llama_fsdp_tp.py", "--mesh.tpp", "4"], "(did you mean --mesh.pp INT?)"),
+        (["plan", "recipes/llama_fsdp_tp.py", "--plan.fp8", "bogus"], "invalid choice 'bogus' for argument "
+         "'--plan.fp8'. Expected one of ('none', 'tensorwise', 'rowwise', 'rowwise_with_gw_hp'); see"),  # wrapped
     ],
 )  # fmt: skip
 def test_a_malformed_command_line_is_one_line(args, message, capsys, monkeypatch):

@@ -230,14 +230,22 @@ def parse(
 def box_line(box: str, prog: str) -> str:
     """tyro's error box as one line: its message, the flag it suggests, where the help is."""
     lines = [line.strip().strip("│|╭╮╰╯+").strip() for line in box.splitlines()]  # unicode or ASCII borders
-    lines = [line for line in lines if line and set(line) - set("─-+ ")]
-    body = lines[1:]
+    lines = [line for line in lines if line][1:]  # the title's line (the top border, or above a rule)
+    paragraphs: list[list[str]] = [[]]
+    for line in lines:  # rules part the box: the message, wrapped over lines, is its first paragraph
+        if set(line) - set("─-+ "):
+            paragraphs[-1].append(line)
+        elif paragraphs[-1]:
+            paragraphs.append([])
+    first = paragraphs[0]
+    body = [line for line in lines if set(line) - set("─-+ ")]
     body = body[: next((i for i, line in enumerate(body) if line.startswith("For full helptext")), len(body))]
     if not body:
         return f"{prog}: a malformed command line; see `{prog} --help`"
-    message = body[0].rstrip(".")
-    if message.endswith(":") and len(body) > 1:  # "Missing from PROG:", then the flags
-        message = f"{message[:-1]}: {body[1]}"
+    if first and first[0].endswith(":") and len(body) > 1:  # "Missing from PROG:", then the flags
+        message = f"{first[0][:-1]}: {body[1]}"
+    else:
+        message = " ".join(first or body[:1]).rstrip(".")
     if "Perhaps you meant:" in body and body.index("Perhaps you meant:") + 1 < len(body):
         message += f" (did you mean {body[body.index('Perhaps you meant:') + 1]}?)"
     return f"{message}; see `{prog} --help`"
