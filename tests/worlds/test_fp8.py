@@ -1,10 +1,11 @@
 """FP8 (torchao Float8Linear) on gloo ranks: fp32 master weights, layouts.STEPS steps.
 
 - FSDP 2 (tensorwise: float8 weights all-gathered, their scales computed after each optimizer step), FSDP 2 x TP 2,
-  PP 2 and CP 2 against the one-process FP8 run of the same recipe. FP8 is not layout-exact: a tensorwise
+  HSDP 2 x 2, PP 2 and CP 2 against the one-process FP8 run of the same recipe. FP8 is not layout-exact: a tensorwise
   activation scale is the amax of a rank's micro batch (or sequence chunk), so other ranks' tokens change it.
   Measured against one process (tiny, 4 steps): loss within 1.4e-4, gradient norm within 3.1e-3 (FSDP 2 and FSDP 2 x
-  TP 2 tensorwise, PP 2), 8e-5 and 5e-4 (rowwise), 1.3e-5 and 8e-5 (rowwise_with_gw_hp); CP 2 loss within 1.3e-3.
+  TP 2 tensorwise, PP 2), 8e-5 and 5e-4 (rowwise), 1.3e-5 and 8e-5 (rowwise_with_gw_hp); CP 2 and HSDP 2 x 2 (each
+  rank a quarter of the batch) loss within 1.3e-3 and 1.6e-3.
   The tolerances below leave about twice the largest.
 - After each step every gathered weight's scale is that of its current values (a stale or missing scale fails).
 - An FP8 run stopped and resumed is bitwise the uninterrupted one; its checkpoint resumes with plan.fp8='none' and
@@ -40,7 +41,10 @@ LAYOUTS_2 = {
     "pp2-tensorwise": tiny(MeshSpec(pp=2, dp_shard=1), fp8="tensorwise"),
     "cp2-tensorwise": tiny(MeshSpec(dp_shard=1, cp=2), fp8="tensorwise"),
 }
-LAYOUTS_4 = {f"fsdp2_tp2-{r}": tiny(FSDP2_TP2, fp8=r) for r in RECIPES}
+LAYOUTS_4 = {
+    **{f"fsdp2_tp2-{r}": tiny(FSDP2_TP2, fp8=r) for r in RECIPES},
+    "hsdp2x2-tensorwise": tiny(MeshSpec(dp_replicate=2, dp_shard=2), fp8="tensorwise"),
+}
 
 
 def run_2(rank, world_size, tmp):
