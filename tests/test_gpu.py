@@ -161,3 +161,21 @@ def test_cpu_offload_keeps_the_state_on_the_host_and_trains_as_without_it(tmp_pa
     assert all(local(p).device.type == "cpu" for p in model.parameters())
     moments = [local(v) for s in state.optim.state.values() for v in s.values() if torch.is_tensor(v)]
     assert moments and all(m.device.type == "cpu" for m in moments)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs float8 tensor cores"
+)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_on_one_gpu_follows_bf16_and_runs_float8_matmuls(recipe):
+    """FP8 on a GPU with float8 tensor cores: the curve stays near bf16's (the CPU tests' tolerance), the one-rank
+    FSDP keeps its gathers (nothing to free), and the step runs torch's scaled matmul kernels."""
+    pytest.importorskip("torchao")
+    bf16 = losses(small(param_dtype="bfloat16"), "cuda")
+    cfg = small(param_dtype="bfloat16", fp8=recipe)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fp8 = losses(cfg, "cuda")
+    assert max(abs(a - b) for a, b in zip(fp8, bf16)) < 0.05 and fp8 != bf16, (fp8, bf16)
+    assert any("_scaled_mm" in e.key for e in prof.key_averages()), "no float8 matmul ran"
+    _, plan, _ = build_model(cfg, device="cuda")
+    assert plan.fsdp.reshard_after_forward is False and plan.fsdp.resharding == "one shard: nothing to free"
