@@ -30,7 +30,8 @@ FIELDS = {
     "matmul_efficiency": "achieved / peak matmul FLOP/s, a number in (0, 1] (default 0.8)",
     "hbm_efficiency": "achieved / peak HBM bandwidth, a number in (0, 1] (default 0.9)",
 }
-"""What a device file gives: the first seven are required but fp8_tflops; Device's measured fields may follow."""
+"""What a device file gives (name, the peaks and bandwidths, memory; fp8_tflops, power_w and the efficiencies may
+be left out), and the fix a bad value names."""
 
 
 def _table() -> dict[str, Device]:
