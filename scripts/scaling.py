@@ -116,10 +116,10 @@ def published_rows(path: Path | None) -> list[dict]:
 
 
 def estimate_panels(rows: list[dict], published: list[dict], device_name: str) -> list[Panel]:
-    from shardlab.estimate.devices import DEVICES
+    from shardlab.estimate.devices import device
 
     unit = "GPUs" if device_name != "cpu" else "CPU ranks"
-    where = DEVICES[device_name].name if device_name in DEVICES else "this machine"
+    where = device(device_name).name if device_name != "cpu" else "this machine"  # a name or a device file
 
     def panel(title: str, key: str, y_title: str, scale: float = 1.0) -> Panel:
         labels = [_layout(r) for r in rows]

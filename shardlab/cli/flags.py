@@ -123,8 +123,10 @@ class EstimateFlags(_World):
     one micro batch run on fake tensors in a fake world of --world ranks; no devices."""
 
     device: Annotated[str, tyro.conf.arg(metavar="D")] = "h100"
-    """The accelerator to predict step time for: h100, h200, a100, b200; cpu: this machine, measured once (matmul,
-    memory and gloo bandwidth with --world ranks sharing its cores) and cached."""
+    """The accelerator to predict step time for: a name from shardlab/estimate/devices.toml (h100, h100-96gb-500w,
+    h200, a100, b200); a .toml or .json file describing one device in the same fields (docs/estimate.md, Devices);
+    cpu: this machine, measured once (matmul, memory and gloo bandwidth with --world ranks sharing its cores) and
+    cached."""
 
 
 class SearchFlags(EstimateFlags):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import msgspec
+
 from shardlab._base import Frozen
 from shardlab.estimate.kernels import Kernels
 
@@ -11,25 +15,34 @@ HBM_EFFICIENCY = 0.9
 """Achievable / datasheet HBM bandwidth: a device-to-device copy moved 3.0 of 3.35 TB/s on the same H100."""
 
 
+Rate = Annotated[float, msgspec.Meta(gt=0)]
+"""A peak or a bandwidth: a number > 0 (checked where a Device is decoded: the table, a `--device FILE`)."""
+Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+
 class Device(Frozen):
-    """Datasheet numbers of one accelerator (SXM parts, dense bf16), or measured ones (`cpu`)."""
+    """Datasheet numbers of one accelerator (dense bf16), or measured ones (`cpu`). The named ones are data
+    (shardlab/estimate/devices.toml); `--device FILE` reads one more in the same fields."""
 
     name: str
-    bf16_tflops: float
+    bf16_tflops: Rate
     """Dense matmul peak in the training dtype (bf16 on GPUs; a measured device: what it reached, fp32 on CPUs)."""
-    hbm_tb_s: float
-    nvlink_gb_s: float
+    hbm_tb_s: Rate
+    nvlink_gb_s: Rate
     """Per GPU, one direction."""
-    network_gb_s: float
+    network_gb_s: Rate
     """Per GPU, one direction, between nodes (one NIC per GPU)."""
-    memory_gib: float
+    memory_gib: Rate
     """Memory per device, as the driver reports it (what `search` fits layouts into by default)."""
-    fp8_tflops: float | None = None
+    fp8_tflops: Rate | None = None
     """Dense float8 matmul peak (torch's `_scaled_mm`, which torchao's Float8Linear runs); None: the device has no
     float8 matmuls (A100), and `estimate` refuses plan.fp8 on it."""
-    matmul_efficiency: float = MATMUL_EFFICIENCY
+    matmul_efficiency: Fraction = MATMUL_EFFICIENCY
     """Achieved / peak FLOP/s (1 for a measured device: its numbers are achieved ones)."""
-    hbm_efficiency: float = HBM_EFFICIENCY
+    hbm_efficiency: Fraction = HBM_EFFICIENCY
+    power_w: Rate | None = None
+    """The power cap the numbers above are for, in W: informational. No derating is applied for it; a capped part
+    whose peak under load is not published carries its silicon's datasheet peak (docs/estimate.md, "Devices")."""
     kernels: Kernels | None = None
     """Measured efficiency per kernel class and size, and a cost per op; None: the flat efficiencies above."""
     busy_speed: tuple[float, ...] = ()
