@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -147,6 +148,7 @@ class RunState:
         self.final: str | None = None
         self.started = 0
         self.announced = 0
+        self.stopping = False
 
     def join(self, rank: int) -> tuple[int, str | None]:
         """A rank starts: its attempt number (0 first) and, if a bad value ended the run, its line."""
@@ -183,6 +185,13 @@ class RunState:
 
     def last_failure(self) -> tuple[str | None, str | None]:
         return self.failure, self.final
+
+    def stop(self) -> None:
+        """The driver got SIGTERM: the ranks are to save and stop, as torchrun's would."""
+        self.stopping = True
+
+    def stop_requested(self) -> bool:
+        return self.stopping
 
 
 class _Relay(io.TextIOBase):
@@ -224,6 +233,8 @@ def rank_main(config: dict[str, Any]) -> int:
         os.chdir(config["cwd"])  # relative paths (run_dir, data) as the user gave them
     saved = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Relay(state, 1), _Relay(state, 2)
+    done = threading.Event()
+    threading.Thread(target=_pass_stop_on, args=(state, done), name="shardlab-stop", daemon=True).start()
     try:
         return config["entry"]("train", config["recipe"], list(config["args"]))
     except Exception as err:
@@ -237,10 +248,27 @@ def rank_main(config: dict[str, Any]) -> int:
         ray.get(state.fail.remote(line, isinstance(err, ShardlabError)))
         raise RankFailed(line) from None
     finally:
+        done.set()
         for relay in (sys.stdout, sys.stderr):
             relay.flush()
         sys.stdout, sys.stderr = saved
         ray.get(state.write.remote(1, ""))  # every line this rank sent is in before it returns
+
+
+def _pass_stop_on(state: Any, done: threading.Event, every_s: float = 0.5) -> None:
+    """A rank's watch for the driver's SIGTERM: Ray Train runs the rank off the worker's main thread, where no
+    signal handler can be installed, so the run is asked to stop as SIGTERM asks it (save after the step every rank
+    agrees on, exit EXIT_STOPPED); asked again each time until the rank ends, in case its loop had not begun."""
+    import ray
+
+    from shardlab.training._preemption import request_stop
+
+    while not done.wait(every_s):
+        try:
+            if ray.get(state.stop_requested.remote()):
+                request_stop()
+        except Exception:  # the run state is gone: the launch is over
+            return
 
 
 class RankFailed(Exception):
@@ -361,7 +389,20 @@ def _raylet_messages_dropped() -> Iterator[None]:
 
 
 def _follow(ray: ModuleType, thread: threading.Thread, state: Any, outcome: dict[str, Any], max_restarts: int) -> int:
-    """Print the ranks' output and a line per restart while `thread` fits; then the exit code and failure line."""
+    """Print the ranks' output and a line per restart while `thread` fits; then the exit code and failure line.
+    SIGTERM to this process (a cluster's preemption, `kill`) asks the ranks to save and stop, as under torchrun."""
+    forward = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: state.stop.remote()) if forward else None
+    try:
+        return _print_until_done(ray, thread, state, outcome, max_restarts)
+    finally:
+        if forward:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _print_until_done(
+    ray: ModuleType, thread: threading.Thread, state: Any, outcome: dict[str, Any], max_restarts: int
+) -> int:
     restarts = 0
     while True:
         done = not thread.is_alive()
