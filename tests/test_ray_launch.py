@@ -22,7 +22,7 @@ from shardlab._errors import ShardlabError
 from shardlab._faults import FAULT_ENV
 from shardlab.cli.flags import RayFlags
 from shardlab.cli.main import main
-from shardlab.cli.ray_launch import RunState, check_reachable, check_resources, worker_resources
+from shardlab.cli.ray_launch import RunState, check_reachable, check_resources, cluster_address, worker_resources
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = """
@@ -73,6 +73,14 @@ def test_an_address_nobody_answers_at_is_one_line(address, message):
         check_reachable(address, timeout_s=2)
 
 
+def test_the_address_comes_from_the_flag_else_ray_address():
+    assert cluster_address(RayFlags(address="h:1"), {"RAY_ADDRESS": "e:2"}) == ("h:1", "--ray.address")
+    assert cluster_address(RayFlags(), {"RAY_ADDRESS": "e:2"}) == ("e:2", "env RAY_ADDRESS")
+    assert cluster_address(RayFlags(), {}) == (None, "env RAY_ADDRESS")
+    with pytest.raises(ShardlabError, match=r"^env RAY_ADDRESS '127\.0\.0\.1:1': no Ray cluster answers there"):
+        check_reachable("127.0.0.1:1", "env RAY_ADDRESS", timeout_s=2)
+
+
 def test_a_bad_address_fails_the_cli_before_training(tmp_path, capsys, monkeypatch):
     pytest.importorskip("ray.train.torch")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -92,6 +100,25 @@ def test_a_bad_address_fails_the_cli_before_training(tmp_path, capsys, monkeypat
 )
 def test_resources_that_are_not_a_json_object_of_amounts(value, message, capsys):
     err = one_line_error(["recipes/llama_debug.py", "--launcher", "ray", "--ray.resources-per-worker", value], capsys)
+    assert err.startswith("error: ")
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--launcher", "slurm"],
+            r"^error: invalid choice 'slurm' for argument '--launcher'\. Expected one of \('torchrun', 'ray'\); see",
+        ),
+        (
+            ["--launcher", "ray", "--ray.placement-strategy", "PACKED"],
+            r"^error: invalid choice 'PACKED' for argument '--ray\.placement-strategy'\. Expected one of \('PACK', ",
+        ),
+    ],
+)
+def test_a_launcher_or_strategy_that_does_not_exist(args, message, capsys):
+    err = one_line_error(["recipes/llama_debug.py", *args], capsys)
     assert err.startswith("error: ")
     assert re.search(message, err), err
 

@@ -256,7 +256,12 @@ def box_line(box: str, prog: str) -> str:
     body = body[: next((i for i, line in enumerate(body) if line.startswith("For full helptext")), len(body))]
     if not body:
         return f"{prog}: a malformed command line; see `{prog} --help`"
-    message = body[0].rstrip(".")
+    message = body[0]
+    for line in body[1:]:  # a sentence the box wrapped: "... Expected one of" / "('torchrun', 'ray')."
+        if message.endswith((".", ":")) or line == "Perhaps you meant:":
+            break
+        message += f" {line}"
+    message = message.rstrip(".")
     if message.endswith(":") and len(body) > 1:  # "Missing from PROG:", then the flags
         message = f"{message[:-1]}: {body[1]}"
     if "Perhaps you meant:" in body and body.index("Perhaps you meant:") + 1 < len(body):

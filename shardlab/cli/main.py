@@ -130,6 +130,11 @@ def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
     _check_run(cfg)
     max_restarts = flags.max_restarts
     started_here = ERROR_FILE_ENV in os.environ or RAY_RANK_ENV in os.environ  # a rank `relaunch` or Ray started
+    if flags.launcher == "ray" and launched and rank == 0 and not started_here:
+        print(
+            "shardlab: --launcher ray is ignored: an outside launcher (torchrun, srun) started this process",
+            flush=True,
+        )
     if max_restarts and launched and rank == 0 and not started_here:
         print(
             f"shardlab: --max-restarts {max_restarts} is ignored: an outside launcher (torchrun, srun) started this "

@@ -53,13 +53,15 @@ def import_ray() -> ModuleType:
     return ray
 
 
-def cluster_address(flags: RayFlags, env: dict[str, str] | None = None) -> str | None:
-    """--ray.address, else env RAY_ADDRESS, else None (a local instance)."""
+def cluster_address(flags: RayFlags, env: dict[str, str] | None = None) -> tuple[str | None, str]:
+    """--ray.address, else env RAY_ADDRESS, else None (a local instance); and where it came from, for errors."""
     env = dict(os.environ) if env is None else env
-    return flags.address or env.get("RAY_ADDRESS") or None
+    if flags.address:
+        return flags.address, "--ray.address"
+    return env.get("RAY_ADDRESS") or None, "env RAY_ADDRESS"
 
 
-def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+def check_reachable(address: str, source: str = "--ray.address", timeout_s: float = 5.0) -> None:
     """One line unless something listens at `address` (host:port, ray://host:port): ray.init itself would retry for
     a minute before saying so. "auto" and "local" are ray's own words and left to it."""
     if address in ("auto", "local"):
@@ -68,19 +70,20 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit():
         raise ShardlabError(
-            f"--ray.address {address!r} is not HOST:PORT (e.g. 10.0.0.5:6379, or ray://10.0.0.5:10001); "
+            f"{source} {address!r} is not HOST:PORT (e.g. 10.0.0.5:6379, or ray://10.0.0.5:10001); "
             "`ray status` on the head node prints it"
         )
     try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as err:
         raise ShardlabError(
-            f"--ray.address {address!r}: no Ray cluster answers there ({err.strerror or err}); start one with "
-            "`ray start --head`, fix the address, or leave --ray.address out for a local Ray instance"
+            f"{source} {address!r}: no Ray cluster answers there ({err.strerror or err}); start one with "
+            "`ray start --head`, fix the address, or leave --ray.address out (and RAY_ADDRESS unset) for a local Ray "
+            "instance"
         ) from None
 
 
-def connect(ray: ModuleType, address: str | None, cpus: float) -> bool:
+def connect(ray: ModuleType, address: str | None, cpus: float, source: str = "--ray.address") -> bool:
     """Join the cluster at `address`, or start a local Ray instance offering at least `cpus` CPUs (its ranks share
     this machine's cores, as torchrun's do); return whether this process started Ray (and so shuts it down). A
     Ray already initialised in this process (a notebook, a test) is used as it is."""
@@ -88,12 +91,12 @@ def connect(ray: ModuleType, address: str | None, cpus: float) -> bool:
         return False
     quiet = {"log_to_driver": False, "logging_level": "ERROR", "include_dashboard": False}
     if address is not None:
-        check_reachable(address)
+        check_reachable(address, source)
         try:
             ray.init(address=address, **quiet)
         except Exception as err:
             raise ShardlabError(
-                f"--ray.address {address!r}: could not join the Ray cluster there ({first_line(err)}); check that "
+                f"{source} {address!r}: could not join the Ray cluster there ({first_line(err)}); check that "
                 "its Ray version is this one's, or leave --ray.address out for a local Ray instance"
             ) from None
         return True
@@ -309,9 +312,9 @@ def launch(world: int, recipe_path: str, args: list[str], cfg: Any, flags: Any, 
     ray_flags: RayFlags = flags.ray
     run_dir = Path(cfg.run_dir).resolve()  # the same directory for every worker, whatever its working directory
     args = [*args, "--train.run-dir", str(run_dir)]
-    address = cluster_address(ray_flags)
+    address, source = cluster_address(ray_flags)
     wanted = ray_flags.resources_per_worker or {}
-    owned = connect(ray, address, world * wanted.get("CPU", 1.0))
+    owned = connect(ray, address, world * wanted.get("CPU", 1.0), source)
     try:
         nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
         cluster = {k: sum(n.get(k, 0.0) for n in nodes) for n in nodes for k in n}
