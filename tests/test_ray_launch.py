@@ -22,7 +22,14 @@ from shardlab._errors import ShardlabError
 from shardlab._faults import FAULT_ENV
 from shardlab.cli.flags import RayFlags
 from shardlab.cli.main import main
-from shardlab.cli.ray_launch import RunState, check_reachable, check_resources, cluster_address, worker_resources
+from shardlab.cli.ray_launch import (
+    LOCAL_RAY_ENV,
+    RunState,
+    check_reachable,
+    check_resources,
+    cluster_address,
+    worker_resources,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = """
@@ -198,7 +205,10 @@ def local_ray():
     """One local Ray instance with 4 CPUs for the module's launches (the CLI joins a Ray this process started)."""
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.train.torch")
-    ray.init(num_cpus=4, log_to_driver=False, logging_level="ERROR", include_dashboard=False)
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in LOCAL_RAY_ENV.items():  # what the CLI's own local instance gets
+            patch.setenv(name, value)
+        ray.init(num_cpus=4, log_to_driver=False, logging_level="ERROR", include_dashboard=False)
     yield ray
     ray.shutdown()
 

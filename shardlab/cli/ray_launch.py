@@ -33,8 +33,14 @@ RAY_RANK_ENV = "SHARDLAB_RAY_RANK"
 """Set in a Ray worker while it runs a rank: `_run` then trains, as any launched rank does, without a note."""
 FORWARDED = ("SHARDLAB_", "WANDB_", "HF_")
 """Environment variables (by prefix) the driver hands its ranks: on a cluster the workers do not inherit its env."""
-RAY_QUIET = {"RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-"""What a local Ray instance is started with: no deduplication of the ranks' lines, no usage-stats notice."""
+LOCAL_RAY_ENV = {
+    "RAY_DEDUP_LOGS": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600",
+}
+"""What a local Ray instance is started with (unless set): no deduplication of the ranks' lines, no usage-stats
+notice, and time for the workers to start where the ranks share a few cores (4 workers took 25 s of Ray Train's
+default 60 on 2 busy cores; past it Ray Train starts them again, and again)."""
 WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 """The workers' Ray environment: Ray Train's print patch would copy every print of a rank to its logger (stderr),
 so each of rank 0's lines would come twice."""
@@ -100,7 +106,7 @@ def connect(ray: ModuleType, address: str | None, cpus: float, source: str = "--
                 "its Ray version is this one's, or leave --ray.address out for a local Ray instance"
             ) from None
         return True
-    for name, value in RAY_QUIET.items():
+    for name, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(name, value)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     ray.init(num_cpus=max(cores, int(cpus + 0.999)), **quiet)
