@@ -28,6 +28,7 @@ from typing import Any
 from shardlab._errors import ShardlabError, debugging, first_line, one_line
 from shardlab.cli.flags import RayFlags
 from shardlab.cli.torchrun import EXIT_BAD_VALUE, EXIT_STOPPED, PEER_LOST
+from shardlab.parallel.world import CUDA_INDEX_ENV, env_number
 
 RAY_RANK_ENV = "SHARDLAB_RAY_RANK"
 """Set in a Ray worker while it runs a rank: `_run` then trains, as any launched rank does, without a note."""
@@ -238,6 +239,10 @@ def rank_main(config: dict[str, Any]) -> int:
     os.environ.update(config["env"])
     os.environ[RAY_RANK_ENV] = "1"
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # where fault points and restarts read the attempt
+    if ray.get_gpu_ids():
+        from ray.train.torch import get_device
+
+        os.environ[CUDA_INDEX_ENV] = str(get_device().index)  # this worker's GPU, not necessarily cuda:LOCAL_RANK
     if os.path.isdir(config["cwd"]):
         os.chdir(config["cwd"])  # relative paths (run_dir, data) as the user gave them
     saved = sys.stdout, sys.stderr
@@ -312,8 +317,6 @@ def launch(world: int, recipe_path: str, args: list[str], cfg: Any, flags: Any, 
     ray = import_ray()
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-
-    from shardlab.parallel.world import env_number
 
     ray_flags: RayFlags = flags.ray
     run_dir = Path(cfg.run_dir).resolve()  # the same directory for every worker, whatever its working directory
