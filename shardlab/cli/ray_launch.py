@@ -402,11 +402,14 @@ def _raylet_messages_dropped() -> Iterator[None]:
 
 def _follow(ray: ModuleType, thread: threading.Thread, state: Any, outcome: dict[str, Any], max_restarts: int) -> int:
     """Print the ranks' output and a line per restart while `thread` fits; then the exit code and failure line.
-    SIGTERM to this process (a cluster's preemption, `kill`) asks the ranks to save and stop, as under torchrun."""
+    SIGTERM to this process (a cluster's preemption, `kill`) asks the ranks to save and stop, as under torchrun;
+    Ctrl-C ends them."""
     forward = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda *_: state.stop.remote()) if forward else None
     try:
         return _print_until_done(ray, thread, state, outcome, max_restarts)
+    except KeyboardInterrupt:  # Ctrl-C: the ranks end with this process's Ray job (torchrun's code: 128 + SIGINT)
+        return 128 + signal.SIGINT
     finally:
         if forward:
             signal.signal(signal.SIGTERM, previous)
