@@ -144,10 +144,11 @@ def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
     if on_ray:
         from shardlab.cli.ray_launch import launch
 
-        restarts = f", restarting them up to {max_restarts} time{'s' * (max_restarts > 1)}"
+        many = world > 1
+        restarts = f", restarting {'them' if many else 'it'} up to {max_restarts} time{'s' * (max_restarts > 1)}"
         print(
-            f"shardlab: launching {world} rank{'s' * (world > 1)} ({cfg.mesh.describe()}) as Ray workers through "
-            f"Ray Train's TorchTrainer{restarts if max_restarts else ''}",
+            f"shardlab: launching {world} rank{'s' * many} ({cfg.mesh.describe()}) as {'' if many else 'a '}Ray "
+            f"worker{'s' * many} through Ray Train's TorchTrainer{restarts if max_restarts else ''}",
             flush=True,
         )
         return launch(world, recipe_path, args, cfg, flags, entry=_run)
