@@ -28,6 +28,7 @@ from shardlab.cli.ray_launch import (
     check_reachable,
     check_resources,
     cluster_address,
+    forwarded_env,
     worker_resources,
 )
 
@@ -175,6 +176,12 @@ def test_each_rank_reserves_a_gpu_where_the_run_uses_cuda():
         "GPU": 2.0,
         "CPU": 8.0,
     }
+
+
+def test_the_ranks_get_the_drivers_shardlab_wandb_and_hf_variables_but_not_its_own():
+    env = {"SHARDLAB_FAULT_AT": "step:3@1", "WANDB_MODE": "offline", "HF_HOME": "/h", "PATH": "/bin",
+           "SHARDLAB_RAY_RANK": "1", "SHARDLAB_ERROR_FILE": "/e", "SHARDLAB_CUDA_INDEX": "2"}  # fmt: skip
+    assert forwarded_env(env) == {"SHARDLAB_FAULT_AT": "step:3@1", "WANDB_MODE": "offline", "HF_HOME": "/h"}
 
 
 def test_a_restart_is_announced_once_with_the_failure_of_the_attempt_before():

@@ -20,20 +20,23 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from shardlab._errors import ShardlabError, debugging, first_line, one_line
+from shardlab.cli._parent_death import LAUNCHER_ENV
 from shardlab.cli.flags import RayFlags
-from shardlab.cli.torchrun import EXIT_BAD_VALUE, EXIT_STOPPED, PEER_LOST
+from shardlab.cli.torchrun import ERROR_FILE_ENV, EXIT_BAD_VALUE, EXIT_STOPPED, PEER_LOST, STOPPED_FILE_ENV
 from shardlab.parallel.world import CUDA_INDEX_ENV, env_number
 
 RAY_RANK_ENV = "SHARDLAB_RAY_RANK"
 """Set in a Ray worker while it runs a rank: `_run` then trains, as any launched rank does, without a note."""
 FORWARDED = ("SHARDLAB_", "WANDB_", "HF_")
 """Environment variables (by prefix) the driver hands its ranks: on a cluster the workers do not inherit its env."""
+PER_PROCESS = (RAY_RANK_ENV, CUDA_INDEX_ENV, ERROR_FILE_ENV, STOPPED_FILE_ENV, LAUNCHER_ENV)
+"""Of those, what describes one process (set for the ranks that a launcher starts), never handed on."""
 LOCAL_RAY_ENV = {
     "RAY_DEDUP_LOGS": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -45,6 +48,11 @@ default 60 on 2 busy cores; past it Ray Train starts them again, and again)."""
 WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 """The workers' Ray environment: Ray Train's print patch would copy every print of a rank to its logger (stderr),
 so each of rank 0's lines would come twice."""
+
+
+def forwarded_env(env: Mapping[str, str]) -> dict[str, str]:
+    """What of the driver's environment the ranks get (FORWARDED, less PER_PROCESS)."""
+    return {k: v for k, v in env.items() if k.startswith(FORWARDED) and k not in PER_PROCESS}
 
 
 def import_ray() -> ModuleType:
@@ -332,7 +340,7 @@ def launch(world: int, recipe_path: str, args: list[str], cfg: Any, flags: Any, 
         use_gpu = per_worker.get("GPU", 0) > 0
         backend = ("cpu:gloo,cuda:nccl" if cfg.plan.cpu_offload else "nccl") if use_gpu else "gloo"
         state = ray.remote(num_cpus=0)(RunState).remote()
-        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED) and k != RAY_RANK_ENV}
+        env = forwarded_env(os.environ)
         trainer = TorchTrainer(
             rank_main,
             train_loop_config={
