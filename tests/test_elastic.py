@@ -91,6 +91,46 @@ def test_sigterm_during_the_last_step_ends_the_run_as_usual(tmp_path, sigterm_du
     assert [p.name for p in complete(tmp_path / "checkpoints")] == ["step-00000002", "step-00000004", "step-00000006"]
 
 
+def test_request_stop_stops_a_run_off_the_main_thread_as_sigterm_does(tmp_path, monkeypatch):
+    """Ray Train runs a rank in a thread, where no SIGTERM handler can be installed: `request_stop` (what the Ray
+    launch calls when the driver gets SIGTERM) stops it after the step, with the step saved."""
+    import threading
+
+    from shardlab.training._preemption import request_stop
+
+    make_step = loop.make_step
+
+    def requesting(*args, **kwargs):
+        step = make_step(*args, **kwargs)
+
+        def run(state, batch):
+            out = step(state, batch)
+            if out[0].step == 2:
+                request_stop()
+            return out
+
+        return run
+
+    monkeypatch.setattr(loop, "make_step", requesting)
+    outcome = {}
+
+    def rank() -> None:
+        try:
+            loop.train(tiny(tmp_path))
+        except Preempted as stopped:
+            outcome["stopped"] = stopped
+
+    thread = threading.Thread(target=rank)
+    thread.start()
+    thread.join(120)
+    checkpoints = tmp_path / "checkpoints"
+    assert (
+        str(outcome["stopped"]) == f"stopped by SIGTERM after step 2; checkpoint saved: {checkpoints / 'step-00000002'}"
+    )
+    assert [p.name for p in complete(checkpoints)] == ["step-00000002"]
+    request_stop()  # no run is open now: nothing to stop, nothing raised
+
+
 def test_the_cli_says_where_it_stopped_and_exits_75(tmp_path, sigterm_during, capsys, monkeypatch):
     from shardlab.cli.main import main
 

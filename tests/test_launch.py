@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from shardlab._errors import DEBUG_ENV, ShardlabError
 from shardlab.cli.launch import TORCHRUN, nproc_for, relaunch, relaunch_command, relaunch_env
 from shardlab.cli.torchrun import EXIT_PEER_LOST, TRACEBACK_ENV, describe, report
-from shardlab.parallel.world import init_distributed, under_launcher
+from shardlab.parallel.world import CUDA_INDEX_ENV, init_distributed, resolve_device, under_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS")
@@ -177,6 +177,16 @@ def test_init_distributed_errors(no_launcher, monkeypatch):
 def test_cuda_without_a_device_is_an_error(no_launcher):
     with pytest.raises(ValueError, match=r"^train\.device='cuda' needs cuda:0 \(LOCAL_RANK\) but 0 CUDA"):
         init_distributed("cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_the_device_a_launcher_names_wins_over_local_rank(no_launcher, monkeypatch):
+    """Ray Train names each worker's GPU (SHARDLAB_CUDA_INDEX), which need not be cuda:LOCAL_RANK."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv(CUDA_INDEX_ENV, "3")
+    with pytest.raises(ValueError, match=r"^train\.device='cuda' needs cuda:3 \(SHARDLAB_CUDA_INDEX\) but 0 CUDA"):
+        resolve_device("cuda")
+    assert resolve_device("cpu") == torch.device("cpu")
 
 
 @pytest.mark.gpu

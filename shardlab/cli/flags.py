@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import json
 import math
 from collections.abc import Callable
-from typing import Annotated, Generic, TypeVar
+from typing import Annotated, Generic, Literal, TypeVar
 
 import tyro
 from tyro.constructors import PrimitiveConstructorSpec
@@ -102,16 +103,57 @@ class _World(_Debug):
     """World size: the size of the mesh's -1 axis."""
 
 
+def _resources(text: str) -> dict[str, float] | None:
+    """A JSON object of Ray resource names to amounts > 0, e.g. '{"GPU": 1}'."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not value:
+        return None
+    ok = all(isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < math.inf for v in value.values())
+    return {str(k): float(v) for k, v in value.items()} if ok else None
+
+
+class RayFlags(Frozen):
+    """Where and how `--launcher ray` starts the ranks (LLaMA-Factory's ray_* arguments, as flags)."""
+
+    address: Annotated[
+        str | None,
+        _flag("--ray.address", "ADDR", _path, "the address of a Ray cluster's head, e.g. 10.0.0.5:6379"),
+        tyro.conf.arg(help_behavior_hint="(default: env RAY_ADDRESS, else a local Ray instance)"),
+    ] = None
+    """Join the Ray cluster at this address (as `ray start --address` takes it); without one, start a local one."""
+    resources_per_worker: Annotated[
+        dict[str, float] | None,
+        _flag(
+            "--ray.resources-per-worker", "JSON", _resources,
+            "a JSON object of Ray resources per rank with amounts > 0, e.g. '{\"GPU\": 1}'",
+        ),
+        tyro.conf.arg(help_behavior_hint='(default: {"GPU": 1} on CUDA, else {"CPU": 1})'),
+    ] = None  # fmt: skip
+    """What each rank reserves on the cluster."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How Ray places the ranks on nodes: PACK on as few nodes as it can, SPREAD over as many; STRICT_ refuses to
+    start otherwise."""
+
+
 class TrainFlags(_World):
     """Train the recipe's model: check everything before any rank starts, then train on --world ranks (several
-    through torch.distributed.run, one in this process; under torchrun or srun this process is one of the ranks)."""
+    through torch.distributed.run or as Ray workers, one in this process; under torchrun or srun this process is one
+    of the ranks)."""
 
     max_restarts: Annotated[
         int, _flag("--max-restarts", "N", _integer(0), "how many times to restart, an integer >= 0")
     ] = 0
     """Start the ranks again, up to N times, when one dies (torch.distributed.run's restarts); each restart resumes
     from the run's last checkpoint; an error a restart would meet again (a bad value: a ShardlabError) is not retried;
-    ignored under an outside launcher (torchrun, srun)."""
+    ignored under an outside launcher (torchrun, srun). With --launcher ray, Ray Train's FailureConfig(max_failures=N)."""
+    launcher: Literal["torchrun", "ray"] = "torchrun"
+    """What starts the ranks: torch.distributed.run on this node, or Ray Train's TorchTrainer as Ray workers on a Ray
+    cluster (`pip install 'shardlab[ray]'`; see --ray.*)."""
+    ray: RayFlags = RayFlags()
+    """Ray cluster and placement, read with --launcher ray."""
 
 
 class PlanFlags(_World):

@@ -15,9 +15,12 @@ from shardlab._errors import DEBUG_ENV, ShardlabError, debugging, one_line
 from shardlab._version import version
 from shardlab.cli._parent_death import LAUNCHER_ENV, die_with_parent
 from shardlab.cli.flags import EstimateFlags, ExportFlags, PlanFlags, SearchFlags, TrainFlags, parse
+from shardlab.cli.ray_launch import RAY_RANK_ENV
 from shardlab.cli.torchrun import ERROR_FILE_ENV, EXIT_STOPPED, STOPPED_FILE_ENV
 
 USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world N] [--max-restarts N]
+                                [--launcher torchrun|ray] [--ray.address ADDR] [--ray.resources-per-worker JSON]
+                                [--ray.placement-strategy PACK|SPREAD|STRICT_PACK|STRICT_SPREAD]
        python -m shardlab plan RECIPE [--section.field VALUE ...] [--world N]
        python -m shardlab estimate RECIPE [--section.field VALUE ...] [--world N] [--device D]
        python -m shardlab search RECIPE --world N [--device D] [--memory GiB] [--top K] [--out FILE] [--json]
@@ -91,6 +94,11 @@ def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     flags, cfg = parse(verb, args, f"{prog} {recipe_path}", recipe.config, console_outputs=rank == 0)
     cfg = cfg.validated()
+    on_ray = command == "train" and flags.launcher == "ray" and not launched
+    if on_ray:
+        from shardlab.cli.ray_launch import import_ray
+
+        import_ray()  # a missing ray is one line before anything else runs
     if command == "search":
         return _search(cfg, recipe, flags, _pinned_axes(args, cfg))
     if launched:
@@ -121,12 +129,29 @@ def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
     _check_data(cfg, provider.vocab_size)
     _check_run(cfg)
     max_restarts = flags.max_restarts
-    if max_restarts and launched and rank == 0 and ERROR_FILE_ENV not in os.environ:  # not a rank `relaunch` started
+    started_here = ERROR_FILE_ENV in os.environ or RAY_RANK_ENV in os.environ  # a rank `relaunch` or Ray started
+    if flags.launcher == "ray" and launched and rank == 0 and not started_here:
+        print(
+            "shardlab: --launcher ray is ignored: an outside launcher (torchrun, srun) started this process",
+            flush=True,
+        )
+    if max_restarts and launched and rank == 0 and not started_here:
         print(
             f"shardlab: --max-restarts {max_restarts} is ignored: an outside launcher (torchrun, srun) started this "
             "process; ask it for restarts (torchrun --max-restarts)",
             flush=True,
         )
+    if on_ray:
+        from shardlab.cli.ray_launch import launch
+
+        many = world > 1
+        restarts = f", restarting {'them' if many else 'it'} up to {max_restarts} time{'s' * (max_restarts > 1)}"
+        print(
+            f"shardlab: launching {world} rank{'s' * many} ({cfg.mesh.describe()}) as {'' if many else 'a '}Ray "
+            f"worker{'s' * many} through Ray Train's TorchTrainer{restarts if max_restarts else ''}",
+            flush=True,
+        )
+        return launch(world, recipe_path, args, cfg, flags, entry=_run)
     if (world > 1 or max_restarts) and not launched:  # one rank too, when it is to be restarted
         many = world > 1
         restarts = f", restarting {'them' if many else 'it'} up to {max_restarts} time{'s' * (max_restarts > 1)}"

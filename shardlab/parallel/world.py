@@ -73,8 +73,14 @@ def under_launcher(env: MutableMapping[str, str] | None = None) -> bool:
     return True
 
 
+CUDA_INDEX_ENV = "SHARDLAB_CUDA_INDEX"
+"""The CUDA device a launcher gave this process, where it is not cuda:LOCAL_RANK: Ray Train shows each worker the
+GPUs of every worker on its node and names the worker's own (several per worker, or in any order)."""
+
+
 def resolve_device(device: str = "auto", local_rank: int | None = None) -> torch.device:
-    """ "auto" -> cuda:LOCAL_RANK when CUDA is available, else cpu; "cuda" -> cuda:LOCAL_RANK; "cpu" -> cpu."""
+    """ "auto" -> cuda:LOCAL_RANK when CUDA is available, else cpu; "cuda" -> cuda:LOCAL_RANK; "cpu" -> cpu.
+    env SHARDLAB_CUDA_INDEX, where a launcher sets it, names the CUDA device instead of LOCAL_RANK."""
     import torch
 
     if local_rank is None:
@@ -86,12 +92,17 @@ def resolve_device(device: str = "auto", local_rank: int | None = None) -> torch
     if device != "cuda":
         raise ShardlabError(f"train.device={device!r} is not one of 'auto', 'cuda', 'cpu'")
     count = torch.cuda.device_count()
-    if local_rank >= count:
+    index, source = (
+        (env_number(os.environ, CUDA_INDEX_ENV, 0), CUDA_INDEX_ENV)
+        if CUDA_INDEX_ENV in os.environ
+        else (local_rank, "LOCAL_RANK")
+    )
+    if index >= count:
         raise ShardlabError(
-            f"train.device='cuda' needs cuda:{local_rank} (LOCAL_RANK) but {count} CUDA devices are visible; "
+            f"train.device='cuda' needs cuda:{index} ({source}) but {count} CUDA devices are visible; "
             "use device='cpu' or fewer processes per node"
         )
-    return torch.device("cuda", local_rank)
+    return torch.device("cuda", index)
 
 
 def init_distributed(device: str = "auto", host_collectives: bool = False) -> Dist:

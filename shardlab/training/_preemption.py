@@ -28,12 +28,24 @@ class Preempted(Exception):
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
 
 
+_OPEN: list[Preemption] = []
+"""The Preemptions open in this process (a run's loop holds one)."""
+
+
+def request_stop() -> None:
+    """Stop the open runs of this process as SIGTERM would (after the step every rank agrees on, with a save): for
+    a launcher that runs a rank off the main thread, where no signal handler can be installed (Ray Train), and so
+    passes SIGTERM on by other means."""
+    for preemption in _OPEN:
+        preemption.received = True
+
+
 class Preemption:
     """A context manager: while open, SIGTERM sets a flag instead of ending the process; `requested()` reads
     every rank's flag at a step boundary.
 
-    The handler can be installed from the main thread only; elsewhere SIGTERM keeps its usual effect. Open it on
-    every rank or on none.
+    The handler can be installed from the main thread only; elsewhere SIGTERM keeps its usual effect, and
+    `request_stop()` sets the flag instead. Open it on every rank or on none.
     """
 
     SIGNAL = signal.SIGTERM
@@ -53,6 +65,7 @@ class Preemption:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(self.SIGNAL, self._on_signal)
             self._installed = True
+        _OPEN.append(self)
         return self
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -69,6 +82,8 @@ class Preemption:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self in _OPEN:
+            _OPEN.remove(self)
         if self._installed:
             # None: the previous handler was not set from Python; the default is the closest
             signal.signal(self.SIGNAL, signal.SIG_DFL if self._previous is None else self._previous)
