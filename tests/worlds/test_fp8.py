@@ -93,16 +93,6 @@ CHECKS_4 = [run_4]
 
 
 @pytest.fixture(scope="module")
-def world2(shared_world2):
-    return shared_world2
-
-
-@pytest.fixture(scope="module")
-def world4(shared_world4):
-    return shared_world4
-
-
-@pytest.fixture(scope="module")
 def fp8_reference():
     """The one-process FP8 curve of each recipe."""
     return {r: curves(tiny(fp8=r)) for r in RECIPES}
@@ -117,24 +107,24 @@ def _close(got, want, name):
 
 @pytest.mark.world
 @pytest.mark.parametrize("layout", list(LAYOUTS_2))
-def test_fp8_on_fsdp2_follows_one_process(world2, fp8_reference, layout):
-    _close(world2.value(run_2)[layout], fp8_reference[layout.split("-")[1]], layout)
+def test_fp8_on_2_ranks_follows_one_process(shared_world2, fp8_reference, layout):
+    _close(shared_world2.value(run_2)[layout], fp8_reference[layout.split("-")[1]], layout)
 
 
 @pytest.mark.world
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))
-def test_fp8_on_fsdp2_tp2_follows_one_process(world4, fp8_reference, layout):
-    _close(world4.value(run_4)[layout], fp8_reference[layout.split("-")[1]], layout)
+def test_fp8_on_4_ranks_follows_one_process(shared_world4, fp8_reference, layout):
+    _close(shared_world4.value(run_4)[layout], fp8_reference[layout.split("-")[1]], layout)
 
 
 @pytest.mark.world
-def test_gathered_float8_weights_are_scaled_by_their_current_values(world2):
-    world2.raise_for(scales)
+def test_gathered_float8_weights_are_scaled_by_their_current_values(shared_world2):
+    shared_world2.raise_for(scales)
 
 
 @pytest.mark.world
-def test_an_fp8_run_resumes_bitwise_resumes_without_fp8_and_exports_plain_weights(world2, shared_tmp, tmp_path):
-    straight, resumed, plain = world2.value(resume)
+def test_an_fp8_run_resumes_bitwise_resumes_without_fp8_and_exports_plain_weights(shared_world2, shared_tmp, tmp_path):
+    straight, resumed, plain = shared_world2.value(resume)
     assert resumed == straight
     assert len(plain) == STEPS - MID and all(abs(a - b) < 0.05 for a, b in zip(plain, straight[MID:])), plain
     files = list((shared_tmp / "fp8" / "fp8" / "checkpoints").rglob("*.distcp"))
