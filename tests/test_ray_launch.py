@@ -22,15 +22,8 @@ from shardlab._errors import ShardlabError
 from shardlab._faults import FAULT_ENV
 from shardlab.cli.flags import RayFlags
 from shardlab.cli.main import main
-from shardlab.cli.ray_launch import (
-    LOCAL_RAY_ENV,
-    RunState,
-    check_reachable,
-    check_resources,
-    cluster_address,
-    forwarded_env,
-    worker_resources,
-)
+from shardlab.cli.ray_cluster import LOCAL_RAY_ENV, check_reachable, check_resources, cluster_address, worker_resources
+from shardlab.cli.ray_launch import RunState, forwarded_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = """

@@ -96,7 +96,7 @@ def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
     cfg = cfg.validated()
     on_ray = command == "train" and flags.launcher == "ray" and not launched
     if on_ray:
-        from shardlab.cli.ray_launch import import_ray
+        from shardlab.cli.ray_cluster import import_ray
 
         import_ray()  # a missing ray is one line before anything else runs
     if command == "search":
