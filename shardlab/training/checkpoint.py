@@ -44,7 +44,7 @@ from shardlab.models import provider_for
 from shardlab.models.llama.provider import LlamaProvider
 from shardlab.models.provider import ModelProvider, first_difference
 from shardlab.parallel.fp8 import plain_shards
-from shardlab.training import _manifest
+from shardlab.training import _manifest, _one_process_save
 from shardlab.training.step import TrainState
 
 STEP_PREFIX = "step-"
@@ -302,10 +302,12 @@ def save(
         files |= tokenizer.files()
     tensors = _tensors(state)
     no_dist = not dist.is_initialized()  # one process: DCP needs no process group
-    write = dcp.async_save if async_save else dcp.save
-    # an async save warns from DCP's own thread, after this call may have returned: no filter scoped to it reaches
-    with one_process(no_dist and not async_save):
-        future = write(tensors, checkpoint_id=str(tmp), no_dist=no_dist, process_group=group)
+    if async_save and no_dist:  # DCP's own would warn from its thread, where no filter scoped to this call reaches
+        future = _one_process_save.async_save(tensors, tmp)
+    else:
+        write = dcp.async_save if async_save else dcp.save
+        with one_process(no_dist):
+            future = write(tensors, checkpoint_id=str(tmp), no_dist=no_dist, process_group=group)
     rank = dist.get_rank(group) if dist.is_initialized() else 0  # the rank DCP names this rank's files by
     if async_save:
         own = _after(future, tmp, rank)
