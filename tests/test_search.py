@@ -207,6 +207,39 @@ def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_
     assert floors.memory(c, piped) > 4 * floors.param_bytes // 16  # the held stage's unsharded weights too
 
 
+def test_pipeline_floors_price_the_ranks_the_estimate_prices():
+    """Split by blocks, a pipeline's floor counts the busiest pp rank and the one holding the last stage (its output
+    layer too) as the plan splits them: under a V-shaped schedule the first rank holds both ends, with uneven stages
+    the first ranks hold more, and selective checkpointing recomputes each rank's own multiples of ac_every. Each
+    floor stays at most the estimate (both ranks probed), and for a large output layer it is far above what the
+    average rank alone would give."""
+    from shardlab.estimate.devices import device
+    from shardlab.estimate.floors import Floors
+    from shardlab.estimate.twin import estimate_shared
+    from shardlab.models.llama.provider import LlamaProvider
+    from shardlab.training.loop import plan_model
+
+    model = msgspec.structs.replace(WIDE, n_layers=6, vocab_size=65536)  # the output layer: a block and a half
+    c = cfg(model, global_batch=8, seq_len=2048, param_dtype="bfloat16", reduce_dtype="float32")
+    provider, dev, probes = LlamaProvider(model), device("h100"), {}
+    floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
+    cases = [  # 6 blocks in 4 stages: 2, 2, 1, 1
+        Layout(mesh=MeshSpec(pp=2, dp_shard=2), activation_checkpoint="selective", micro_batches=4,
+               pp_schedule="zbv_zero_bubble", pp_stages_per_rank=2, reshard_after_forward=False),  # V-shaped
+        Layout(mesh=MeshSpec(pp=4, dp_shard=1), activation_checkpoint="full", micro_batches=4, pp_schedule="1f1b"),
+        Layout(mesh=MeshSpec(pp=2, dp_shard=1, tp=2), activation_checkpoint="op", micro_batches=4,
+               pp_schedule="interleaved_1f1b", pp_stages_per_rank=2),
+    ]  # fmt: skip
+    by_params = msgspec.structs.replace(c, plan=msgspec.structs.replace(c.plan, pp_balance="params"))
+    for layout in cases:
+        run = layout.config(c).resolve(4)
+        e = estimate_shared(run, plan_model(run)[1], None, dev, provider, probes)
+        assert 0 < floors.time(c, layout, dev) <= e.time.step_s, layout
+        # split otherwise (here by parameters), the floor knows only that the busiest rank holds ceil(L / pp) blocks
+        # and that some rank computes the average: the rank holding the last stage computes more
+        assert floors.busy(c, layout, dev) > 1.05 * floors.busy(by_params, layout, dev), layout
+
+
 def test_the_fsdp_floor_counts_the_gathers_each_schedule_runs():
     """FSDP's floor is at most the data-parallel collectives of the layout's estimate and within a fifth of them.
     Without a pipeline each micro batch gathers the weights, and again in its backward where they are resharded

@@ -4,11 +4,12 @@ The search (`shardlab.estimate.search`) estimates layouts lowest floor first and
 the K-th fastest layout that fits: no layout left can then enter the top K, so the ranking is the exhaustive one.
 That holds only if each floor is at most what the estimate gives, term by term:
 - compute: the blocks' matmul FLOPs (forward and backward; the forward again under full checkpointing, in every
-  ac_every-th block under selective, every other matmul of a block under op-level checkpointing) on the busiest pp
-  rank, which holds at least ceil(L / pp) blocks, each rank's share being 1 / (tp x cp) of them, at the device's
-  best matmul rate (its FP8 peak under plan.fp8, and FSDP's gathers at a byte per weight under tensorwise FP8);
-  without a pipeline the output layer's too, and with one at least the average over the pp ranks
-  (the estimate prices the busiest and the one running the output layer). Plus the traffic of the ops without FLOPs
+  ac_every-th block under selective, every other matmul of a block under op-level checkpointing), each rank's share
+  being 1 / (tp x cp) of them, at the device's best matmul rate (its FP8 peak under plan.fp8, and FSDP's gathers at
+  a byte per weight under tensorwise FP8), and the output layer's where the rank runs it. With a pipeline the
+  estimate prices the busiest pp rank and the one holding the last stage: where the stages split by blocks (the
+  default), both as the plan splits them (a V-shaped schedule puts the output layer on the first rank, beside the
+  first stage), else a rank of at least ceil(L / pp) blocks and one computing at least the average. Plus the traffic of the ops without FLOPs
   (norms, activations, residual adds, rotary, copies, the loss), each its own kernel in eager PyTorch and priced by
   its bytes at the device's best bandwidth: counted per row of a micro batch (what grows with the rows; what does
   not is dropped) on fake CPU tensors as the probe runs them (`step.forward_backward`), on one rank with the
@@ -62,6 +63,7 @@ not counted.
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -75,7 +77,17 @@ from shardlab.estimate.probe_store import ProbeStore
 from shardlab.estimate.roofline import DTYPE_BYTES, GPUS_PER_NODE, axis_bandwidth, shared_pipeline_factor
 from shardlab.models.llama.provider import LlamaProvider
 from shardlab.models.provider import ModelProvider
-from shardlab.sharding.pipeline import bubble_fraction, in_flight
+from shardlab.sharding.pipeline import bubble_fraction, in_flight, split_stages, stage_ranks
+
+
+class _Rank(NamedTuple):
+    """A pp rank as the floors count it."""
+
+    blocks: int
+    recomputed: int
+    """Of its blocks, those whose forward runs again (checkpointed whole)."""
+    head: bool | None
+    """Whether it runs the output layer (None: not known, the split is not by blocks alone)."""
 
 
 class Floors(Frozen):
@@ -145,20 +157,7 @@ class Floors(Frozen):
         m = layout.mesh
         if self.block is None:
             return 0.0
-        blocks = self._held_blocks(m.pp)
-        b, recomputed = self.block, self._recomputed(cfg, layout)
-        masked = 2 if m.cp > 1 and self.kv_dim else 1  # CP's attention masks by position: the whole square
-        flops = blocks * (b.train_flops + masked * b.attention_flops) + recomputed * (
-            b.forward_flops + masked * b.attention_forward_flops
-        )
-        if layout.activation_checkpoint == "op":
-            flops += blocks * b.op_recompute_flops
-        if m.pp == 1:  # the rank runs the output layer too
-            flops += b.head_flops
-        else:  # the estimate prices the busiest rank and the one running the output layer: neither computes less
-            flops = max(flops, (self.n_layers * (b.train_flops + masked * b.attention_flops) + b.head_flops) / m.pp)
-        tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
-        compute = tokens * flops / m.tp / self.rate + self.memory_seconds(cfg, layout)
+        compute = max(self._compute_seconds(cfg, layout, rank) for rank in self._ranks(cfg, layout))
         busy = max(compute, self.fsdp_seconds(cfg, layout, dev))
         if m.tp > 1 and self.tp_dim:
             busy += self.tp_seconds(cfg, layout, dev)
@@ -167,6 +166,44 @@ class Floors(Frozen):
         if m.ep > 1 and self.expert_rows:
             busy += self.ep_seconds(cfg, layout, dev)
         return busy
+
+    def _compute_seconds(self, cfg: Config, layout: Layout, rank: _Rank) -> float:
+        """Seconds one pp rank computes per step at least: its blocks' matmuls (and recomputation) at the best rate,
+        the output layer's where it runs it, and its ops without FLOPs (`memory_seconds`)."""
+        m, b = layout.mesh, self.block
+        masked = 2 if m.cp > 1 and self.kv_dim else 1  # CP's attention masks by position: the whole square
+        flops = rank.blocks * (b.train_flops + masked * b.attention_flops) + rank.recomputed * (
+            b.forward_flops + masked * b.attention_forward_flops
+        )
+        if layout.activation_checkpoint == "op":
+            flops += rank.blocks * b.op_recompute_flops
+        if rank.head is None:  # the estimate prices the busiest rank and the one running the output layer: neither
+            flops = max(flops, (self.n_layers * (b.train_flops + masked * b.attention_flops) + b.head_flops) / m.pp)
+        elif rank.head:
+            flops += b.head_flops
+        tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
+        return tokens * flops / m.tp / self.rate + self.memory_seconds(cfg, layout, rank)
+
+    def _ranks(self, cfg: Config, layout: Layout) -> list[_Rank]:
+        """The pp ranks whose compute the estimate prices: without a pipeline the one rank; with one whose stages split
+        evenly by blocks (plan.pp_balance "blocks", no pp_split), exactly as the plan splits them, the busiest rank
+        (the most blocks, the lowest such rank) and the one holding the last stage (which also runs the output
+        layer); otherwise a rank of ceil(L / pp) blocks, at least the average rank's compute."""
+        m = layout.mesh
+        if m.pp == 1:
+            return [_Rank(self.n_layers, self._recomputed(cfg, layout), True)]
+        if cfg.plan.pp_balance != "blocks" or cfg.plan.pp_split:
+            return [_Rank(self._held_blocks(m.pp), self._recomputed(cfg, layout), None)]
+        v = layout.pp_stages_per_rank
+        starts = (*split_stages([1.0] * self.n_layers, 0.0, 0.0, m.pp * v), self.n_layers)
+        owner = stage_ranks(m.pp, v, layout.pp_schedule)
+        blocks = [[i for s, r in enumerate(owner) if r == rank for i in range(starts[s], starts[s + 1])]
+                  for rank in range(m.pp)]  # fmt: skip
+        ac, k = layout.activation_checkpoint, cfg.plan.ac_every
+        recomputed = [len(b) if ac == "full" else sum(i % k == 0 for i in b) if ac == "selective" else 0
+                      for b in blocks]  # fmt: skip
+        busiest = max(range(m.pp), key=lambda r: (len(blocks[r]), -r))
+        return [_Rank(len(blocks[r]), recomputed[r], r == owner[-1]) for r in dict.fromkeys((busiest, owner[-1]))]
 
     def fsdp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
         """Seconds per step FSDP's gathers of the held blocks' weights and reductions of their gradients take at
@@ -212,16 +249,16 @@ class Floors(Frozen):
         v = layout.pp_stages_per_rank
         return max(0, -(-(self._held_blocks(pp) - v * (k - 1)) // k))
 
-    def memory_seconds(self, cfg: Config, layout: Layout) -> float:
-        """Seconds per step the ops without FLOPs take at least on the busiest rank (part of `time`): the blocks',
-        and without a pipeline those outside them."""
+    def memory_seconds(self, cfg: Config, layout: Layout, rank: _Rank | None = None) -> float:
+        """Seconds per step the ops without FLOPs take at least on a pp rank (part of `time`; default: the busiest,
+        as `_ranks` gives it): its blocks', and those outside them where it runs the output layer."""
         m, b = layout.mesh, self.block
         if b is None or not self.bandwidth:
             return 0.0
-        blocks, recomputed = self._held_blocks(m.pp), self._recomputed(cfg, layout)
+        rank = rank or self._ranks(cfg, layout)[0]
         tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
-        moved = blocks * b.memory_bytes + recomputed * b.memory_forward_bytes
-        if m.pp == 1:
+        moved = rank.blocks * b.memory_bytes + rank.recomputed * b.memory_forward_bytes
+        if rank.head:
             moved += b.head_memory_bytes
         copies = 0.0
         if m.dp_shard * m.cp > 1 and uses_fsdp(cfg, m):
@@ -230,7 +267,7 @@ class Floors(Frozen):
             # once per micro batch without a pipeline, once per step at least with one
             param, reduce = _gathered_bytes(cfg), DTYPE_BYTES[cfg.plan.reduce_dtype]
             times = 1 if m.pp > 1 else layout.micro_batches
-            copies = times * blocks * b.params / m.tp * (3 * param + reduce)
+            copies = times * rank.blocks * b.params / m.tp * (3 * param + reduce)
         return (tokens * moved / m.tp + copies) / self.bandwidth
 
     def tp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
