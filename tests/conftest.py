@@ -1,5 +1,6 @@
 """One intra-op thread per test process, the checkout under test first on the import path, and tests marked `gpu`
-skipped without a CUDA device, a temporary cache; nothing else is global.
+skipped without a CUDA device, a temporary cache, and `hf_dir` (a tiny transformers model directory, for the recipe
+and the search that take one); nothing else is global.
 
 The tests' tensors are tiny: a second OpenMP thread buys nothing on them, and on a machine whose cores are busy (2
 cores, gloo ranks or other jobs) it spins waiting for them and makes the run several times slower. Set before torch
@@ -34,3 +35,16 @@ def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         for item in gpu_items:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory):
+    """A small local transformers model directory (its config alone), for the recipe that trains one by directory."""
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf")
+    config = transformers.Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    config.save_pretrained(root)
+    return root

@@ -77,6 +77,7 @@ def error_of(args, capsys) -> str:
         (["search", "recipes/llama_debug.py", "--budget=inf", "--world", "4"], r"--budget 'inf': expected seconds"),
         (["search", "recipes/llama_debug.py", "--world", "4", "--out="], r"--out '': expected the path of the recipe"),
         (["search", "recipes/llama_debug.py", "--world", "4", "--device", "tpu"], r"--device 'tpu' is unknown"),
+        (["search", "recipes/llama_debug.py", "--world", "4", "--explain", "--json"], r"--explain is for the table"),
     ],
 )
 def test_bad_input_is_one_line_before_launch(args, message, capsys, monkeypatch):
@@ -84,7 +85,8 @@ def test_bad_input_is_one_line_before_launch(args, message, capsys, monkeypatch)
     assert re.search(message, error_of(args, capsys))
 
 
-SEARCH_FLAGS = ["--world N", "--device D", "--memory GiB", "--top K", "--out FILE", "--json", "--budget SECONDS"]
+SEARCH_FLAGS = ["--world N", "--device D", "--memory GiB", "--top K", "--out FILE", "--json", "--explain",
+                "--budget SECONDS"]  # fmt: skip
 
 
 def help_of(args: list[str], capsys) -> str:
@@ -515,7 +517,7 @@ def test_search_ranks_the_layouts_that_fit_and_writes_the_winner(tmp_path, capsy
         "Search on H100 SXM, 79.6 GiB per rank: 40 layouts, 0 dropped by their state and activations"
     )
     assert lines[1].split() == ["#", "mesh", "AC", "micro", "schedule", "peak", "GiB", "comm", "s/step", "by", "axis",
-                                "tokens/s/dev", "MFU"]  # fmt: skip
+                                "step", "s", "tokens/s/dev", "MFU"]  # fmt: skip
     assert re.match(r"^dp_shard=2, AC none, 1 micro(, no reshard)? (wins|ties)", lines[-2])
     assert main([*args, "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
@@ -533,6 +535,46 @@ def test_search_ranks_the_layouts_that_fit_and_writes_the_winner(tmp_path, capsy
     assert re.match(
         r"Stopped at the budget after \d+ s: \d+ layouts not looked at, each at least .* s per step", stopped
     )
+
+
+@pytest.mark.parametrize(
+    "model,world",
+    [(TINY, 2), (["--model.hf-path", "HF_DIR", "--train.seq-len", "64"], 2), (TINY, 1)],
+    ids=["recipe", "transformers_dir", "no_runner_up"],
+)
+def test_search_explains_the_winner_term_by_term(model, world, hf_dir, capsys, monkeypatch):
+    """--top 1 --explain: one row in the ranking, then the winner and the runner-up (still searched for) side by
+    side, whose terms add up to the step time the ranking shows, and the terms that decide. On one rank the winner
+    (no checkpointing, one micro batch) beats every other layout by construction: it is explained alone."""
+    monkeypatch.chdir(ROOT)
+    recipe = "recipes/hf_causal_lm.py" if "HF_DIR" in model else "recipes/llama_debug.py"
+    model = [str(hf_dir) if a == "HF_DIR" else a for a in model]
+    assert main(["search", recipe, *model, "--world", str(world), "--mesh.pp", "1", "--mesh.cp", "1",
+                 "--top", "1", "--explain"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("1 ") and lines[3].startswith("Where the step goes (exposed comm: ")
+    cells = [re.split(r"\s{2,}", line) for line in lines[4:-1]]
+    columns = 2 if world > 1 else 1
+    assert [c.split(" ", 1)[0] for c in cells[0][1:]] == ["#1", "#2", "#2"][: columns + columns - 1]
+    rows = {row[0]: row[1:] for row in cells[1:]}
+    assert list(rows)[:5] == ["compute", "recomputation", "pp sends", "bubble", "optimizer"]
+    assert rows["step"][0] == lines[2].split()[-3]  # the ranking's step time
+    terms = [name for name in rows if name not in ("step", "peak memory", "headroom of 79.6 GiB")]
+    for i in range(columns):
+        assert sum(float(rows[t][i]) for t in terms) == pytest.approx(float(rows["step"][i]), rel=1e-3)
+    assert len(rows["headroom of 79.6 GiB"]) == columns
+    if world > 1:
+        assert float(rows["step"][2]) >= 0 and float(rows["step"][2]) == pytest.approx(
+            float(rows["step"][1]) - float(rows["step"][0]), abs=1e-3 * float(rows["step"][1])
+        )
+        assert re.search(
+            r" (wins, [\d.]+% faster than .* \([\d.e-]+ s per step\): [\d.e-]+ s less |ties with )", lines[-1]
+        )
+    else:
+        assert lines[-1] == (
+            "1 rank, AC none, 1 micro, no reshard has no runner-up: every other layout is too big, or one it beats by "
+            "construction (its mesh with more recomputation, micro batches or FSDP gathers: not estimated)"
+        )
 
 
 @pytest.mark.parametrize("verb", ["plan", "estimate", "search", "export"])

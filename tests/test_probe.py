@@ -77,6 +77,20 @@ def test_checkpointing_trades_activations_for_recompute():
     assert none.flops < full.flops < 1.5 * none.flops
 
 
+@pytest.mark.parametrize("ac", ["full", "selective", "op"])
+def test_the_recomputation_is_what_checkpointing_adds_to_the_compute(ac):
+    """Under FSDP and TP with SP (DTensor's and autograd Functions' ops inside the recomputation too), two micro
+    batches: the recomputation's seconds are exactly the compute checkpointing adds to the layout without."""
+    c = cfg(MeshSpec(dp_shard=2, tp=2), sequence_parallel=True, activation_checkpoint=ac)
+    c = msgspec.structs.replace(c, train=msgspec.structs.replace(c.train, micro_batch=1))
+    times = {}
+    for mode in ("none", ac):
+        run = msgspec.structs.replace(c, plan=msgspec.structs.replace(c.plan, activation_checkpoint=mode)).resolve(4)
+        times[mode] = estimate(run, plan_model(run)[1], dev=device("h100"), compare_checkpointing=False).time
+    assert times["none"].recompute_s == 0 and times[ac].recompute_s > 0
+    assert times[ac].compute_s - times["none"].compute_s == pytest.approx(times[ac].recompute_s, rel=1e-9)
+
+
 def test_estimate_sums_up():
     c = cfg(MeshSpec(dp_shard=2, tp=2), sequence_parallel=True, loss_parallel=True).resolve(4)
     _, plan = plan_model(c)

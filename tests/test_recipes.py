@@ -42,19 +42,6 @@ def test_every_recipe_has_a_world():
     assert sorted(p.name for p in RECIPES.glob("*.py")) == sorted(WORLD)
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A small local transformers model directory, for the recipe that trains one by directory."""
-    transformers = pytest.importorskip("transformers")
-    root = tmp_path_factory.mktemp("hf")
-    config = transformers.Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16,
-    )  # fmt: skip
-    config.save_pretrained(root)
-    return root
-
-
 @pytest.mark.parametrize("name", sorted(WORLD))
 def test_recipe_plans(name, request):
     if name in NEEDS_TRANSFORMERS:

@@ -24,6 +24,12 @@ def layouts(c: Config, world: int, **kw):
     return enumerate_layouts(c, world, **kw)
 
 
+def assert_parts_add_up(c) -> None:
+    """A candidate's terms (`search --explain`'s) add up to its step time; it recomputes where it checkpoints."""
+    assert math.fsum(seconds for _, seconds in c.parts) == pytest.approx(c.step_s, rel=1e-12, abs=0)
+    assert (dict(c.parts)["recomputation"] > 0) == (c.layout.activation_checkpoint != "none"), c.layout.describe()
+
+
 def test_factorizations_are_every_split_of_the_world_once():
     splits = [tuple(s.values()) for s in factorizations(8, {})]
     assert len(splits) == len(set(splits)) == math.comb(3 + 4, 4)  # 2^3 over 5 axes: stars and bars
@@ -198,6 +204,7 @@ def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_
     floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
     for b in every.best:
         assert 0 < floors.time(c, b.layout, dev) <= b.step_s and floors.memory(c, b.layout) <= b.peak
+        assert_parts_add_up(b)
     piped = Layout(mesh=MeshSpec(pp=2, dp_shard=8), activation_checkpoint="full", micro_batches=2, pp_schedule="1f1b")
     split = Layout(mesh=MeshSpec(dp_shard=4, cp=2, tp=2), activation_checkpoint="selective", micro_batches=1)
     for layout in (piped, split):  # a bubble of a third; attention over cp (the probe's masked kernel) and tp
@@ -427,6 +434,8 @@ def test_a_pipelines_last_rank_is_probed_only_for_layouts_that_may_enter_the_top
                         for last in (True, False))  # fmt: skip
         assert exact.time.step_s == b.step_s and exact.peak == bound.peak == b.peak
         assert bound.time.step_s < exact.time.step_s
+        assert_parts_add_up(b)
+        assert dict(b.parts)["bubble"] > 0 and dict(b.parts)["pp sends"] > 0
 
 
 def test_the_siblings_a_layout_is_dropped_for_are_layouts_of_the_search():

@@ -193,6 +193,10 @@ class SearchFlags(EstimateFlags):
     """Write the fastest layout as a recipe file here (same model and batch), which `python -m shardlab FILE` runs."""
     json: tyro.conf.FlagCreatePairsOff[bool] = False
     """Print the ranking as JSON, for scripts."""
+    explain: tyro.conf.FlagCreatePairsOff[bool] = False
+    """After the ranking, the winner's and the runner-up's step time term by term (compute, recomputation, exposed
+    communication per axis, pp sends, bubble, optimizer), peak memory and headroom, and the terms that decide. With
+    --top 1 the runner-up is still searched for (as with --top 2) and shown only there."""
     budget: Annotated[
         float, _flag("--budget", "SECONDS", _seconds, "seconds the search may take, a number >= 0 (0: no limit)")
     ] = 600.0

@@ -24,7 +24,7 @@ USAGE = """usage: python -m shardlab RECIPE [--section.field VALUE ...] [--world
        python -m shardlab plan RECIPE [--section.field VALUE ...] [--world N]
        python -m shardlab estimate RECIPE [--section.field VALUE ...] [--world N] [--device D]
        python -m shardlab search RECIPE --world N [--device D] [--memory GiB] [--top K] [--out FILE] [--json]
-                                [--budget SECONDS] [--section.field VALUE ...]
+                                [--explain] [--budget SECONDS] [--section.field VALUE ...]
        python -m shardlab export RUN_DIR --to-hf OUT [--recipe RECIPE]
        python -m shardlab --version
 
@@ -203,13 +203,16 @@ def _search(cfg, recipe, flags: SearchFlags, pinned: dict[str, int]) -> int:
     world = flags.world
     if world is None:
         raise ShardlabError("search: --world N is required (the number of ranks to lay the model out on)")
+    if flags.explain and flags.json:
+        raise ShardlabError("search: --explain is for the table; --json already holds each layout's parts and peak")
     dev = device(flags.device, world)
     memory = round((flags.memory or dev.memory_gib) * 2**30)
     provider = provider_for(cfg, recipe.model(cfg))
     store = ProbeStore(provider)  # probes an earlier search of this model measured are read, not run again
-    found = search(cfg, world, provider, recipe.rules, dev, memory, fixed=pinned, top=flags.top, store=store,
+    top = max(flags.top, 2) if flags.explain else flags.top  # a runner-up to explain the winner against
+    found = search(cfg, world, provider, recipe.rules, dev, memory, fixed=pinned, top=top, store=store,
                    budget=flags.budget or None, fp8=flags.fp8_choices or ())  # fmt: skip
-    print(search_json(found).decode() if flags.json else search_table(found, dev, memory))
+    print(search_json(found).decode() if flags.json else search_table(found, dev, memory, flags.top, flags.explain))
     if flags.out:
         best = found.best[0]
         note = (

@@ -234,8 +234,10 @@ def estimate_from(
         ranks = [per_step(p, micro, plan, rank)]
         if last is not None:  # the rank holding the last stage: whichever computes longer sets the pace
             ranks.append(per_step(last, micro, plan, head_rank(plan)))
+        pace = max(ranks, key=lambda x: compute_seconds(x, dev))  # its recomputation is the step's
         time = step_time(
-            max(compute_seconds(x, dev) for x in ranks), collectives, plan.mesh, dev,
+            compute_seconds(pace, dev), collectives, plan.mesh, dev,
+            recompute=compute_seconds(msgspec.structs.replace(pace, ops=pace.recompute_ops), dev),
             params_per_rank=sum(math.prod(q.local_shape) for q in plan.worst_rank_params),
             global_tokens=cfg.train.global_batch * cfg.train.seq_len, model_flops_per_token=fpt, bubble=bubble,
         )  # fmt: skip
@@ -256,8 +258,8 @@ def estimate_from(
 
 
 def per_step(p: Probe, micro: int, plan: Plan, rank: int) -> Probe:
-    """`p` (one micro batch of pp rank `rank`) over a step of `micro` micro batches: each op once per micro batch,
-    except FSDP's under a pipeline, where torch's schedule gathers the weights in the forward once per step (the
+    """`p` (one micro batch of pp rank `rank`) over a step of `micro` micro batches: each op (and each of the
+    recomputation's, `recompute_ops`) once per micro batch, except FSDP's under a pipeline, where torch's schedule gathers the weights in the forward once per step (the
     backward's gathers after a resharding forward stay once per micro batch: m + 1 in all) and reduces gradients
     once, at the last backward; and the adds that accumulate the gradients of the micro batches
     (`_accumulation`), which a probe of one micro batch does not run."""
@@ -270,7 +272,8 @@ def per_step(p: Probe, micro: int, plan: Plan, rank: int) -> Probe:
     for f, b, n, kind in _accumulation(plan, rank, micro):
         counts[f, b, kind] += n
     ops = tuple(sorted((f, b, n, kind) for (f, b, kind), n in counts.items() if n))
-    return msgspec.structs.replace(p, ops=ops, gather_ops=(), reduce_ops=())
+    recompute = tuple((f, b, n * micro, kind) for f, b, n, kind in p.recompute_ops)
+    return msgspec.structs.replace(p, ops=ops, gather_ops=(), reduce_ops=(), recompute_ops=recompute)
 
 
 def _accumulation(plan: Plan, rank: int, micro: int) -> tuple[tuple[int, int, int, OpKind], ...]:
@@ -418,8 +421,9 @@ def estimate_table(e: Estimate, cfg: Config, dev: Device | None = None) -> str:
     t = e.time
     if t is not None and dev is not None:
         lines += [
-            f"on {dev.name} (see shardlab/estimate/roofline.py for the model): compute {t.compute_s * 1e3:.1f} ms, "
-            f"FSDP comm {t.fsdp_comm_s * 1e3:.1f} ms (overlapped), TP/CP/EP comm {t.tp_comm_s * 1e3:.1f} ms, "
+            f"on {dev.name} (see shardlab/estimate/roofline.py for the model): compute {t.compute_s * 1e3:.1f} ms"
+            + (f" ({t.recompute_s * 1e3:.1f} ms of it recomputation), " if t.recompute_s else ", ")
+            + f"FSDP comm {t.fsdp_comm_s * 1e3:.1f} ms (overlapped), TP/CP/EP comm {t.tp_comm_s * 1e3:.1f} ms, "
             + (f"PP sends {t.pp_comm_s * 1e3:.1f} ms, bubble {t.bubble_s * 1e3:.1f} ms, " if cfg.mesh.pp > 1 else "")
             + f"optimizer {t.optimizer_s * 1e3:.1f} ms",
             f"  step {t.step_s:.3f} s, {t.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * t.mfu:.1f}%",

@@ -67,6 +67,8 @@ class Probe(Frozen):
     """The part of `ops` FSDP ran to gather weights in the forward (copying shards in, gathered weights out)."""
     reduce_ops: tuple[tuple[int, int, int, OpKind], ...] = ()
     """The part of `ops` FSDP ran to reduce gradients (copying them into the reduce-scatter's buffer)."""
+    recompute_ops: tuple[tuple[int, int, int, OpKind], ...] = ()
+    """The part of `ops` that recomputed checkpointed activations in the backward (activation checkpointing's cost)."""
 
 
 def _probe_layers(
@@ -251,18 +253,18 @@ class Run(NamedTuple):
             {s: n for r in runs for s, n in r.stage_activations.items()},
         )  # fmt: skip
 
-    def counted(self, regather: bool) -> tuple[dict, dict, Counter, int, int, Counter, Counter]:
+    def counted(self, regather: bool) -> tuple[dict, dict, Counter, int, int, Counter, Counter, Counter]:
         """(collective counts, their bytes, ops, FLOPs, activations, FSDP's forward gathers' ops, its reductions'
-        ops), without the backward's gathers if not `regather`."""
+        ops, the recomputation's ops), without the backward's gathers if not `regather`."""
         counts, nbytes = Counter(self.collectives), Counter(self.collective_bytes)
         if not regather:
             counts.subtract(self.regathers)
             nbytes.subtract(self.regather_bytes)
         ops = Counter((f, b, kind) for f, b, kind, role, _ in self.sequence if regather or role != "regather")
         flops = sum(f * n for (f, _, _), n in ops.items())
-        gathers, reductions = (Counter((f, b, kind) for f, b, kind, r, _ in self.sequence if r == role)
-                               for role in ("gather", "reduce"))  # fmt: skip
-        return dict(counts), dict(nbytes), ops, flops, self.activation_bytes, gathers, reductions
+        gathers, reductions, recomputed = (Counter((f, b, kind) for f, b, kind, r, _ in self.sequence if r == role)
+                                           for role in ("gather", "reduce", "recompute"))  # fmt: skip
+        return dict(counts), dict(nbytes), ops, flops, self.activation_bytes, gathers, reductions, recomputed
 
     def at_rows(self, other: Run, t: tuple[int, int]) -> Run | None:
         """The run on the line through this one (at 0) and `other` (at 1) at t = t[0] / t[1], where both ran the same ops and
@@ -360,6 +362,7 @@ class Measurement:
             ops=extended(2),
             gather_ops=extended(5),
             reduce_ops=extended(6),
+            recompute_ops=extended(7),
             activation_bytes=extend(a[4], b[4]),
             block_activation_bytes=round(per_block),
         )

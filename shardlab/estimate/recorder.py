@@ -29,7 +29,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from shardlab._base import Frozen
 from shardlab._errors import ShardlabError
 from shardlab.estimate._fake import forget_dtensor_dispatch, inferring_dtensor_shapes
-from shardlab.parallel._activation_checkpoint import in_backward
+from shardlab.parallel._activation_checkpoint import in_backward, recomputing
 from shardlab.parallel.device_mesh import _experts_of, flat_view
 from shardlab.sharding.mesh import AXES, FLAT_VIEWS
 
@@ -81,10 +81,11 @@ REGATHER = ("FSDP::pre_backward", "FSDP::backward_prefetch")
 GATHER, REDUCE = "FSDP::all_gather", "FSDP::post_backward_reduce"
 """torch's record_function names around FSDP's gathers (copying the shards in and the gathered weights out) and its
 reduction of gradients (copying them into the reduce-scatter's buffer)."""
-Role = Literal["", "gather", "regather", "reduce"]
+Role = Literal["", "gather", "regather", "reduce", "recompute"]
 """Whose op it is: the step's own (""), FSDP's in the forward's gathers, in the backward's gathers again (what
-reshard_after_forward=False skips), or in the gradients' reduction. A pipeline runs the last two kinds per step or
-per gather, not per micro batch (shardlab.estimate's `per_step`)."""
+reshard_after_forward=False skips), or in the gradients' reduction; or the step's recomputing checkpointed
+activations (a forward inside the backward). A pipeline runs FSDP's backward gathers and reductions per step or per
+gather, not per micro batch (shardlab.estimate's `per_step`)."""
 
 
 class Collective(Frozen):
@@ -202,7 +203,9 @@ class Recorder(CommDebugMode):
             return "regather"
         if any(scope.startswith(GATHER) for scope in self.scopes):
             return "gather"
-        return "reduce" if any(scope.startswith(REDUCE) for scope in self.scopes) else ""
+        if any(scope.startswith(REDUCE) for scope in self.scopes):
+            return "reduce"
+        return "recompute" if recomputing() else ""
 
     def _regathering(self) -> bool:
         """Whether FSDP is gathering weights again in the backward (what reshard_after_forward=False skips)."""

@@ -47,6 +47,7 @@ class StepTime(Frozen):
     """Predicted seconds per optimizer step on every rank, and what follows from them."""
 
     compute_s: float
+    """This rank's ops, recomputation included."""
     fsdp_comm_s: float
     tp_comm_s: float
     """Collectives on the critical path: every axis but the data-parallel ones and pp."""
@@ -58,6 +59,9 @@ class StepTime(Frozen):
     step_s: float
     tokens_per_s_per_device: float
     mfu: float
+    recompute_s: float = 0.0
+    """The part of compute_s that recomputes checkpointed activations in the backward (the probe's
+    `recompute_ops`)."""
 
 
 def axis_bandwidth(mesh: MeshSpec, axis: str, dev: Device) -> float:
@@ -120,10 +124,11 @@ def step_time(
     global_tokens: int,
     model_flops_per_token: float,
     bubble: float = 0.0,
+    recompute: float = 0.0,
 ) -> StepTime:
     """One optimizer step on `dev` of a rank computing `compute` seconds (`compute_seconds` of its ops per step) with
-    `collectives` (per step), `global_tokens` in all. A pipeline idles `bubble` of the step; the rest is this rank's
-    work.
+    `collectives` (per step), `global_tokens` in all, `recompute` seconds of it recomputing checkpointed activations.
+    A pipeline idles `bubble` of the step; the rest is this rank's work.
 
     MFU counts `model_flops_per_token` (the trainer's own convention, shardlab.training.metrics.flops_per_token).
     """
@@ -145,7 +150,7 @@ def step_time(
     mfu = per_device * model_flops_per_token / (dev.bf16_tflops * 1e12)
     return StepTime(
         compute_s=compute, fsdp_comm_s=fsdp, tp_comm_s=tp, pp_comm_s=pp, bubble_s=idle, optimizer_s=optimizer,
-        step_s=step, tokens_per_s_per_device=per_device, mfu=mfu,
+        step_s=step, tokens_per_s_per_device=per_device, mfu=mfu, recompute_s=recompute,
     )  # fmt: skip
 
 

@@ -42,7 +42,7 @@ from shardlab.estimate.device import Device
 from shardlab.estimate.floors import Floors
 from shardlab.estimate.layouts import AC_MODES, Layout, divisors, enumerate_layouts, recomputes_no_more, uses_fsdp
 from shardlab.estimate.probe_store import ProbeStore
-from shardlab.estimate.roofline import collective_seconds
+from shardlab.estimate.roofline import DP_AXES, StepTime, collective_seconds
 from shardlab.estimate.twin import Shape, estimate_shared, needs_last_rank
 from shardlab.models.flops import module_flops
 from shardlab.models.provider import ModelProvider, check_layout
@@ -65,7 +65,8 @@ class Candidate(Frozen):
     comm_s: tuple[tuple[str, float], ...]
     """Seconds per step of communication on each mesh axis (overlapped or not), largest first."""
     parts: tuple[tuple[str, float], ...]
-    """Where the step goes: compute, exposed FSDP, TP/CP/EP, pp sends, bubble, optimizer (seconds)."""
+    """Where the step goes, in seconds that add up to step_s (`_parts`): compute, recomputation, pp sends, bubble,
+    optimizer, each mesh axis's exposed communication."""
 
 
 class Search(Frozen):
@@ -111,17 +112,28 @@ def _candidate(layout: Layout, e: Estimate, cfg: Config, dev: Device) -> Candida
     comm: dict[str, float] = {}
     for c in e.collectives:
         comm[c.axis] = comm.get(c.axis, 0.0) + collective_seconds(c, cfg.mesh, dev)
-    parts = {
-        "compute": t.compute_s,
-        "exposed FSDP": max(t.compute_s, t.fsdp_comm_s) - t.compute_s,
-        "TP/CP/EP comm": t.tp_comm_s,
-        "PP sends": t.pp_comm_s,
-        "bubble": t.bubble_s,
-        "optimizer": t.optimizer_s,
-    }
+    comm_s = tuple(sorted(comm.items(), key=lambda kv: -kv[1]))
     return Candidate(
         layout=layout, peak=e.peak, step_s=t.step_s, tokens_per_s_per_device=t.tokens_per_s_per_device, mfu=t.mfu,
-        comm_s=tuple(sorted(comm.items(), key=lambda kv: -kv[1])), parts=tuple(parts.items()),
+        comm_s=comm_s, parts=_parts(t, comm_s),
+    )  # fmt: skip
+
+
+def _parts(t: StepTime, comm_s: tuple[tuple[str, float], ...]) -> tuple[tuple[str, float], ...]:
+    """The step's terms as the roofline adds them up (`roofline.step_time`): compute less its recomputation, the
+    recomputation, pp sends, bubble, optimizer, then each axis's exposed communication (last: another layout's axes
+    then line up with these). FSDP's collectives (every dp axis together) hide behind the compute; what they leave
+    exposed is split between the dp axes by their seconds. TP's, CP's and EP's are exposed whole; the collectives a
+    recomputation runs again stay their axis's."""
+    exposed_fsdp = max(t.compute_s, t.fsdp_comm_s) - t.compute_s
+    exposed = {
+        f"exposed {axis} comm": exposed_fsdp * seconds / t.fsdp_comm_s if axis in DP_AXES else seconds
+        for axis, seconds in comm_s
+        if axis != "pp" and seconds > 0
+    }
+    return (
+        ("compute", t.compute_s - t.recompute_s), ("recomputation", t.recompute_s), ("pp sends", t.pp_comm_s),
+        ("bubble", t.bubble_s), ("optimizer", t.optimizer_s), *exposed.items(),
     )  # fmt: skip
 
 

@@ -14,47 +14,89 @@ from shardlab.estimate.layouts import Layout
 from shardlab.estimate.search import Candidate, Search, readable_bytes
 
 
-def why(best: Candidate, runner_up: Candidate | None) -> str:
-    """One line on why the winner wins: against the runner-up, the part of the step that differs most."""
-    if runner_up is None:
-        return f"{best.layout.describe()} is the only layout that fits"
-    mine, theirs = dict(best.parts), dict(runner_up.parts)
-    part = max(mine, key=lambda k: theirs[k] - mine[k])
+def why(s: Search) -> str:
+    """Why the winner wins: against the runner-up, the terms of the step that differ most (`deciding`)."""
+    best = s.best[0]
+    if len(s.best) == 1:
+        alone = "no other layout looked at before the budget ran out fits" if s.unsearched else (
+            "every other layout is too big, or one it beats by construction (its mesh with more recomputation, micro "
+            "batches or FSDP gathers: not estimated)"
+        )  # fmt: skip
+        return f"{best.layout.describe()} has no runner-up: {alone}"
+    runner_up = s.best[1]
     faster = runner_up.step_s / best.step_s - 1
     if faster < 1e-3:
         return f"{best.layout.describe()} ties with {runner_up.layout.describe()} (within 0.1%)"
     return (
-        f"{best.layout.describe()} wins, {100 * faster:.1f}% faster than {runner_up.layout.describe()}: "
-        f"{part} {mine[part]:.3g} s against {theirs[part]:.3g} s per step"
+        f"{best.layout.describe()} wins, {100 * faster:.1f}% faster than {runner_up.layout.describe()} "
+        f"({runner_up.step_s - best.step_s:.3g} s per step): {deciding(best, runner_up)}"
     )
 
 
-def search_table(s: Search, dev: Device, memory: int) -> str:
-    """The ranking as text, for `python -m shardlab search`."""
-    header = ("#", "mesh", "AC", "micro", "schedule", "peak GiB", "comm s/step by axis", "tokens/s/dev", "MFU")
+def deciding(best: Candidate, runner_up: Candidate) -> str:
+    """The terms that decide between the two: the two largest in the winner's favour, and the largest against it
+    where one is (what it pays for the rest)."""
+    mine, theirs = dict(best.parts), dict(runner_up.parts)
+    gaps = sorted(((theirs.get(k, 0.0) - mine.get(k, 0.0), k) for k in mine | theirs), reverse=True)
+    named = [f"{gap:.3g} s less {term}" for gap, term in gaps[:2] if gap > 0]
+    if gaps[-1][0] < 0:
+        named.append(f"for {-gaps[-1][0]:.3g} s more {gaps[-1][1]}")
+    return ", ".join(named)
+
+
+def explain(s: Search, memory: int) -> str:
+    """`search --explain`: the winner's and the runner-up's step, term by term (`Candidate.parts`, adding up to the
+    ranking's step time), their peak memory and headroom, and what decides between them (`why`)."""
+    shown = s.best[:2]
+    parts = [dict(c.parts) for c in shown]
+    terms = dict.fromkeys(k for p in parts for k in p)  # the winner's order, then any the runner-up adds
+    seconds = [(t, [p.get(t, 0.0) for p in parts]) for t in terms] + [("step", [c.step_s for c in shown])]
+    both = len(shown) == 2
+    rows = [("seconds per step", *(f"#{i} {c.layout.describe()}" for i, c in enumerate(shown, 1)),
+             *(["#2 - #1"] if both else []))]  # fmt: skip
+    rows += [(t, *(f"{v:.4g}" for v in vs), *([f"{vs[1] - vs[0]:+.4g}"] if both else [])) for t, vs in seconds]
+    rows += [
+        ("peak memory", *(readable_bytes(c.peak) for c in shown)),
+        (f"headroom of {readable_bytes(memory)}", *(readable_bytes(memory - c.peak) for c in shown)),
+    ]
+    exposed = "exposed comm: what the estimator's overlap leaves on the critical path; FSDP's hides behind compute"
+    return "\n".join([f"Where the step goes ({exposed}):", *_aligned(rows), why(s)])
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows of cells as lines, each column as wide as its widest cell (a row may have fewer cells)."""
+    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(max(map(len, rows)))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def search_table(s: Search, dev: Device, memory: int, rows: int | None = None, explained: bool = False) -> str:
+    """The ranking as text, for `python -m shardlab search`: its first `rows` layouts (None: all), then why the winner
+    wins, in a line or (`explained`, `--explain`) term by term."""
+    header = ("#", "mesh", "AC", "micro", "schedule", "peak GiB", "comm s/step by axis", "step s", "tokens/s/dev",
+              "MFU")  # fmt: skip
     chose_fp8 = any(c.layout.fp8 is not None for c in s.best)  # `--fp8-choices`: a column for what it chose
     if chose_fp8:
         header = (*header[:4], "fp8", *header[4:])
-    rows = [header]
-    for i, c in enumerate(s.best, 1):
+    table = [header]
+    for i, c in enumerate(s.best[:rows], 1):
         lay = c.layout
         schedule = "-" if lay.pp_schedule is None else f"{lay.pp_schedule} x{lay.pp_stages_per_rank}"
         if not lay.reshard_after_forward:
             schedule = "no reshard" if lay.pp_schedule is None else f"{schedule}, no reshard"
         comm = " ".join(f"{axis} {sec:.3g}" for axis, sec in c.comm_s) or "-"
-        rows.append((
+        table.append((
             str(i), lay.mesh.describe().rsplit(" (", 1)[0], lay.activation_checkpoint, str(lay.micro_batches),
-            *([lay.fp8 or "-"] if chose_fp8 else []), schedule, f"{c.peak / 2**30:.2f}", comm, f"{c.tokens_per_s_per_device:,.0f}", f"{100 * c.mfu:.1f}%",
+            *([lay.fp8 or "-"] if chose_fp8 else []), schedule, f"{c.peak / 2**30:.2f}", comm, f"{c.step_s:.4g}",
+            f"{c.tokens_per_s_per_device:,.0f}", f"{100 * c.mfu:.1f}%",
         ))  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [
         f"Search on {dev.name}, {readable_bytes(memory)} per rank: {s.layouts} layouts, {s.over_memory} dropped by their state "
         f"and activations before any probe and {s.too_big} as a sibling needing less memory was too big, {s.pruned} slower than "
         f"the top {len(s.best)} by their floor alone, {s.estimated} estimated ({s.probes} probes"
         + (f", {s.stored} read from earlier searches" if s.stored else "")
         + f") in {s.seconds:.1f} s",
-        *("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows),
-        why(s.best[0], s.best[1] if len(s.best) > 1 else None),
+        *_aligned(table),
+        explain(s, memory) if explained else why(s),
     ]
     if s.unsearched:
         lines.append(stopped(s))

@@ -3,7 +3,8 @@ without torch's selective checkpointing inside.
 
 Unlike `checkpoint_wrapper`, it keeps fully qualified names unchanged, so the plan's names, FSDP units
 and checkpoints see the same model. `in_backward` tells a forward that runs inside autograd's backward (a
-recomputation of checkpointed activations) from one that does not.
+recomputation of checkpointed activations) from one that does not; `recomputing` tells what a recomputation runs
+(the estimator prices it apart) from the rest of the backward.
 
 Op-level selective checkpointing (`checkpoint(module, ops=True)`, torchtitan's `selective_ac_option="op"`) runs
 the module's forward under torch's `create_selective_checkpoint_contexts` with `save_policy`: the outputs of the
@@ -14,8 +15,10 @@ recomputation runs too, do other things in it than in the forward.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,6 +34,7 @@ __all__ = [
     "in_backward",
     "is_checkpointed",
     "is_op_checkpointed",
+    "recomputing",
     "save_policy",
 ]
 
@@ -107,7 +111,37 @@ def _op_contexts() -> tuple[Any, Any]:
     """(the forward's context, the recomputation's) for one checkpointed forward, sharing what the forward keeps."""
     forward, replay = create_selective_checkpoint_contexts(save_policy())
     policy = getattr(replay, "policy_fn", None)  # torch < 2.13 asks the policy in the recomputation too
-    return forward, _Replay(policy, replay.storage, replay.allow_cache_entry_mutation)
+    return forward, _recomputation(_Replay(policy, replay.storage, replay.allow_cache_entry_mutation))
+
+
+def _contexts() -> tuple[Any, Any]:
+    """(the forward's context, the recomputation's) for one forward checkpointed whole."""
+    return contextlib.nullcontext(), _recomputation(contextlib.nullcontext())
+
+
+class _Depth(threading.local):
+    recomputations = 0
+
+
+_depth = _Depth()
+
+
+@contextlib.contextmanager
+def _recomputation(inner: Any) -> Iterator[None]:
+    """`inner` (the recomputation's own context), with `recomputing` true inside: the thread that runs the backward
+    runs the recomputation."""
+    _depth.recomputations += 1
+    try:
+        with inner:
+            yield
+    finally:
+        _depth.recomputations -= 1
+
+
+def recomputing() -> bool:
+    """Whether this thread is recomputing checkpointed activations: running a checkpointed forward again in the
+    backward, ops that autograd Functions run (grad mode off) included."""
+    return _depth.recomputations > 0
 
 
 _op_checkpointed: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -117,7 +151,7 @@ def checkpoint(module: nn.Module, ops: bool = False) -> nn.Module:
     """Recompute `module`'s activations in backward instead of keeping them; with `ops`, keep the outputs of
     SAVED_OPS (every other matmul) and recompute only the others (op-level selective checkpointing)."""
     if not ops:
-        return _checkpoint(module)
+        return _checkpoint(module, context_fn=_contexts)
     _op_checkpointed.add(module)
     return _checkpoint(module, context_fn=_op_contexts)
 
