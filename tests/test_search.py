@@ -242,6 +242,7 @@ def test_pipeline_floors_price_the_ranks_the_estimate_prices():
         run = layout.config(c).resolve(4)
         e = estimate_shared(run, plan_model(run)[1], None, dev, provider, probes)
         assert 0 < floors.time(c, layout, dev) <= e.time.step_s, layout
+        assert 0 < floors.optimizer_seconds(layout, dev) <= e.time.optimizer_s, layout  # AdamW over the rank's share
         # split otherwise (here by parameters), the floor knows only that the busiest rank holds ceil(L / pp) blocks
         # and that some rank computes the average: the rank holding the last stage computes more
         assert floors.busy(c, layout, dev) > 1.05 * floors.busy(by_params, layout, dev), layout

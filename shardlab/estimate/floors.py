@@ -39,8 +39,8 @@ That holds only if each floor is at most what the estimate gives, term by term:
   dp_shard x cp at that group's bandwidth, as often as the estimate runs them (`Floors.fsdp_runs`: with a pipeline
   and resharding after forward, once per micro batch and once more, whatever the schedule).
   The step is at least the larger of compute and FSDP (the roofline overlaps them) plus TP's, CP's and EP's
-  collectives, stretched by the pipeline's bubble as `roofline.step_time` stretches it; pipeline sends and the
-  optimizer only add.
+  collectives, stretched by the pipeline's bubble as `roofline.step_time` stretches it, plus AdamW's step over at
+  least the model's parameters split every way the layout shards them; pipeline sends only add.
 - memory: parameters, gradients and two AdamW moments, split at most dp_shard x cp x tp x pp ways, and under a
   pipeline with FSDP the held blocks' unsharded weights and gradients (`fsdp_buffer_bytes`). Plus the activations
   (`activations`): what a block's forward leaves alive for each row of a micro batch with the layout's checkpointing
@@ -74,7 +74,13 @@ from shardlab.estimate.block_counts import Block, count_block
 from shardlab.estimate.device import Device
 from shardlab.estimate.layouts import Layout, uses_fsdp
 from shardlab.estimate.probe_store import ProbeStore
-from shardlab.estimate.roofline import DTYPE_BYTES, GPUS_PER_NODE, axis_bandwidth, shared_pipeline_factor
+from shardlab.estimate.roofline import (
+    ADAM_BYTES_PER_PARAM,
+    DTYPE_BYTES,
+    GPUS_PER_NODE,
+    axis_bandwidth,
+    shared_pipeline_factor,
+)
 from shardlab.models.llama.provider import LlamaProvider
 from shardlab.models.provider import ModelProvider
 from shardlab.sharding.pipeline import bubble_fraction, in_flight, split_stages, stage_ranks
@@ -143,14 +149,23 @@ class Floors(Frozen):
                    bandwidth=dev.hbm_tb_s * 1e12 * best_memory)  # fmt: skip
 
     def time(self, cfg: Config, layout: Layout, dev: Device) -> float:
-        """Seconds per step the estimate of `layout` gives at least: `busy` stretched by the pipeline's bubble."""
+        """Seconds per step the estimate of `layout` gives at least: `busy` stretched by the pipeline's bubble, then
+        the optimizer step (`optimizer_seconds`)."""
         busy, m = self.busy(cfg, layout, dev), layout.mesh
-        if m.pp == 1:
-            return busy
-        bubble = bubble_fraction(layout.pp_schedule, m.pp, layout.pp_stages_per_rank, layout.micro_batches)
-        if dev.busy_speed:
-            return busy * shared_pipeline_factor(dev.busy_speed, m.pp, m.world_size // m.pp, bubble)
-        return busy / (1 - bubble)
+        if m.pp > 1:
+            bubble = bubble_fraction(layout.pp_schedule, m.pp, layout.pp_stages_per_rank, layout.micro_batches)
+            if dev.busy_speed:
+                busy *= shared_pipeline_factor(dev.busy_speed, m.pp, m.world_size // m.pp, bubble)
+            else:
+                busy /= 1 - bubble
+        return busy + self.optimizer_seconds(layout, dev)
+
+    def optimizer_seconds(self, layout: Layout, dev: Device) -> float:
+        """Seconds AdamW's step takes at least, as the roofline prices it: over the rank's parameters, at least the
+        model's (taken as fp32) split dp_shard x cp x tp x pp ways."""
+        m = layout.mesh
+        params = self.param_bytes / 4 / (m.dp_shard * m.cp * m.tp * m.pp)
+        return params * ADAM_BYTES_PER_PARAM / (dev.hbm_tb_s * 1e12 * dev.hbm_efficiency)
 
     def busy(self, cfg: Config, layout: Layout, dev: Device) -> float:
         """Seconds per step the rank computes and communicates at least, without the pipeline's bubble."""
