@@ -6,6 +6,10 @@ parallelism (`shardlab.sharding.experts`) -> compile -> FSDP/HSDP (`fully_shard`
 or the module each of this rank's pipeline stages runs). The pipeline schedule itself runs in the step
 (shardlab.training.pipeline_schedule). Also the JAX-like helpers `shard` (device_put with a spec),
 `constrain` (with_sharding_constraint for activations) and `shard_map` (code on local blocks, over local_map).
+
+What parallel code hands a model's modules (context parallelism's `attend`, expert parallelism's `dispatch`) goes in
+as a keyword of each call, one their forward declares, through a forward pre-hook as TP's input styles do: nothing is
+set on the modules.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
         attend = all_gather_attention(mesh["cp"].get_group())
         for fqn in plan.context.modules:
             if kept is None or in_stages(fqn, kept):
-                model.get_submodule(fqn).attend = attend
+                _call_with(model.get_submodule(fqn), attend=attend)
     experts = ()
     if plan.experts is not None:  # this rank's stages' experts
         experts = tuple(f for f in plan.experts.modules if kept is None or in_stages(f, kept))
@@ -126,10 +130,21 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
     return model
 
 
+def _call_with(module: nn.Module, **keywords: Any) -> None:
+    """Give every call of `module` `keywords`, which its forward declares (`shardlab.sharding.rules.takes_keyword`):
+    a forward pre-hook, torch's way for code outside a module to shape its inputs (TP's input styles use it), so
+    nothing is set on the module itself."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        return args, {**kwargs, **keywords}
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def _expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, modules: tuple[str, ...]) -> None:
     """Expert weights become DTensors sharded over ep and/or tp as the plan says, each rank keeping its block of
-    the full weight it holds; their modules dispatch rows to them, or, transformers' stacked experts, gather their
-    group's tokens (shardlab.sharding.experts)."""
+    the full weight it holds; their modules get the dispatch to them with each call, or, transformers' stacked
+    experts, gather their group's tokens (shardlab.sharding.experts)."""
     e = plan.experts
     axes = (("ep",) if e.ep > 1 else ()) + (("tp",) if e.tensor_parallel else ())
     on = expert_mesh(mesh, axes) if e.ep > 1 else mesh["tp"]
@@ -145,7 +160,7 @@ def _expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, modules: tu
         if e.stacked:
             stacked_experts(module, ep, tp)
         else:
-            module.dispatch = dispatch
+            _call_with(module, dispatch=dispatch)
 
 
 def _fsdp_dims(model: nn.Module, plan: Plan) -> Callable[[nn.Parameter], Shard | None]:
