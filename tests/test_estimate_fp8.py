@@ -100,9 +100,9 @@ def test_a_search_keeps_a_pinned_fp8_recipe_and_its_floors_stay_below_its_estima
     c = Config(model=MODEL, plan=PlanConfig(fp8="tensorwise", param_dtype="bfloat16"),
                train=TrainConfig(global_batch=4, seq_len=64))  # fmt: skip
     fixed = {"pp": 1, "cp": 1, "tp": 1, "dp_replicate": 1}
-    provider, dev, probes = LlamaProvider(MODEL), device("h100"), {}
+    provider, dev, probes, blocks = LlamaProvider(MODEL), device("h100"), {}, {}
     run = lambda prune: search(c, 2, provider, lambda _: None, dev, 2**40, fixed=fixed, top=2, prune=prune,  # noqa: E731
-                               probes=probes)  # fmt: skip
+                               probes=probes, blocks=blocks)  # fmt: skip
     pruned, every = run(True), run(False)
     assert [(b.layout, b.step_s) for b in pruned.best] == [(b.layout, b.step_s) for b in every.best]
     best = pruned.best[0]
@@ -127,7 +127,7 @@ SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128, vo
 
 @functools.cache
 def small_provider():
-    """One provider for the searches below: the floors' block counts and the probes are kept per provider."""
+    """One provider for the searches below, which share its probes and block counts (PROBES, BLOCKS)."""
     from shardlab.models.llama.provider import LlamaProvider
 
     return LlamaProvider(SMALL)
@@ -135,6 +135,8 @@ def small_provider():
 
 PROBES: dict = {}
 """Probes shared by the searches below."""
+BLOCKS: dict = {}
+"""The floors' block counts shared by the searches below (the caller's cache: nothing is kept on the provider)."""
 
 
 @pytest.mark.parametrize(("fp8_tflops", "winner"), [(1e6, "tensorwise"), (1.0, "none")])
@@ -148,7 +150,7 @@ def test_a_search_given_fp8_choices_picks_the_faster_one(fp8_tflops, winner):
     fixed = {"pp": 1, "cp": 1, "tp": 1, "dp_replicate": 1}
     dev = msgspec.structs.replace(DEVICES["h100"], fp8_tflops=fp8_tflops, hbm_tb_s=1e6)
     run = lambda prune: search(c, 2, small_provider(), lambda _: None, dev, 2**40, fixed=fixed, top=3,  # noqa: E731
-                               prune=prune, probes=PROBES, fp8=("none", "tensorwise"))  # fmt: skip
+                               prune=prune, probes=PROBES, fp8=("none", "tensorwise"), blocks=BLOCKS)  # fmt: skip
     pruned, every = run(True), run(False)
     assert [(b.layout, b.step_s) for b in pruned.best] == [(b.layout, b.step_s) for b in every.best]
     assert pruned.layouts == 2 * 8  # dp_shard=2, one micro batch: 4 checkpointing modes x resharding or not

@@ -190,18 +190,20 @@ def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_
 
     c = cfg(WIDE, global_batch=16, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
     provider, dev, fixed = LlamaProvider(WIDE), device("h100"), {"pp": 1, "cp": 1, "tp": 1}
-    probes = {}
+    probes, blocks = {}, {}
     run = lambda prune, top: search(c, 16, provider, lambda _: None, dev, 9 * 2**29, fixed=fixed, top=top,  # noqa: E731
-                                    prune=prune, probes=probes)  # fmt: skip
+                                    prune=prune, probes=probes, blocks=blocks)  # fmt: skip
     pruned, every = run(True, 2), run(False, 100)
     assert pruned.pruned > 0 and pruned.estimated < every.estimated and every.pruned == 0 and every.too_big > 0
     assert pruned.unsearched == 0 and pruned.floor_left is None and pruned.pick_within == 1.0
-    early = search(c, 16, provider, lambda _: None, dev, 9 * 2**29, fixed=fixed, top=2, probes=probes, budget=0.0)
+    early = search(
+        c, 16, provider, lambda _: None, dev, 9 * 2**29, fixed=fixed, top=2, probes=probes, budget=0.0, blocks=blocks
+    )
     assert len(early.best) == 1 and early.unsearched > 0 and early.estimated < pruned.estimated  # one fit, then stop
     assert early.best[0].step_s <= early.pick_within * every.best[0].step_s  # how far the pick may be, truly
     assert early.floor_left <= every.best[0].step_s or early.best[0] == every.best[0]
     assert [(b.layout, b.step_s, b.peak) for b in pruned.best] == [(b.layout, b.step_s, b.peak) for b in every.best[:2]]
-    floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
+    floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False, blocks=blocks)
     for b in every.best:
         assert 0 < floors.time(c, b.layout, dev) <= b.step_s and floors.memory(c, b.layout) <= b.peak
         assert_parts_add_up(b)
@@ -421,9 +423,9 @@ def test_a_pipelines_last_rank_is_probed_only_for_layouts_that_may_enter_the_top
     model = msgspec.structs.replace(MODEL, dim=128, ffn_dim=256, vocab_size=4096)  # the blocks outweigh the output
     c = cfg(model, global_batch=4, param_dtype="bfloat16")
     provider, dev, fixed = LlamaProvider(model), device("h100"), {"pp": 2, "dp_shard": 2, "cp": 1, "tp": 1}
-    probes = {}
+    probes, blocks = {}, {}
     run = lambda prune: search(c, 4, provider, lambda _: None, dev, 2**40, fixed=fixed, top=1, prune=prune,  # noqa: E731
-                               probes=probes)  # fmt: skip
+                               probes=probes, blocks=blocks)  # fmt: skip
     pruned, every = run(True), run(False)
     assert every.bounded > 0 and [(b.layout, b.step_s, b.peak) for b in pruned.best] == [
         (b.layout, b.step_s, b.peak) for b in every.best

@@ -125,15 +125,18 @@ class Floors(Frozen):
         dev: Device,
         own_rules: bool,
         store: ProbeStore | None = None,
+        blocks: dict[tuple[int, bytes, bool], Block | None] | None = None,
     ) -> Floors:
         """own_rules: the recipe lays the model out by rules of its own (no TP floor: they may shard otherwise);
-        store: where the block counts are kept between searches, with the probes (None: counted here)."""
+        store: where the block counts are kept between searches, with the probes (None: counted here); blocks: the
+        caller's cache of this provider's block counts, filled here (as `search`'s probes: searches of one model
+        share it), so that nothing is kept on the provider, which may be a user's own class."""
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         best, best_memory = dev.matmul_efficiency, dev.hbm_efficiency
         if dev.kernels is not None:
             best = max(e for curve in (dev.kernels.matmul, dev.kernels.attention) for _, e in curve)
             best_memory = max(e for _, e in dev.kernels.memory)
-        counted = provider.__dict__.setdefault("_floor_blocks", {})  # once per provider (searches of many worlds)
+        counted = {} if blocks is None else blocks
         key = (cfg.train.seq_len, msgspec.json.encode(cfg.plan), own_rules)
         if key not in counted:
             count = partial(count_block, provider, cfg.train.seq_len, cfg.plan, own_rules)

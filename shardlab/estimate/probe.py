@@ -25,7 +25,6 @@ from typing import NamedTuple
 
 import msgspec
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
@@ -39,10 +38,9 @@ from shardlab.models import provider_for
 from shardlab.models.flops import module_flops
 from shardlab.models.llama.moe import balanced_routing
 from shardlab.models.provider import ModelProvider
-from shardlab.parallel.apply import apply
+from shardlab.parallel.apply import Parallelized, parallelize
 from shardlab.parallel.device_mesh import make_mesh
 from shardlab.parallel.fp8 import refresh_scales
-from shardlab.parallel.stages import stage_modules
 from shardlab.sharding.context import cp_positions
 from shardlab.sharding.plan import Plan, make_plan
 from shardlab.sharding.rules import Rules
@@ -89,18 +87,18 @@ def _probe_layers(
         sample = torch.zeros(1, cfg.train.seq_len, dtype=torch.long, device="meta")
         flops = module_flops(model, sample, provider.forward)
     plan = make_plan(model, cfg.mesh, rules or provider.rules(cfg.plan), cfg.plan, flops)
-    apply(model, plan, mesh)
+    built = parallelize(model, plan, mesh)
     dp = cfg.mesh.size("dp")
     micro = cfg.micro_batches
     rows = cfg.train.global_batch // dp // micro
     e = plan.experts
     recorder = Recorder(
-        axis_names(mesh), 1 / (e.ep * (plan.mesh.tp if e.tensor_parallel else 1)) if e and e.stacked else 1
+        axis_names(mesh, built.experts), 1 / (e.ep * (plan.mesh.tp if e.tensor_parallel else 1)) if e and e.stacked else 1
     )
     with fake_tensors():
         model.to_empty(device="cpu")
         if plan.fp8 is not None and plan.fp8.all_gather:
-            _scale_float8_gathers(model, plan)
+            _scale_float8_gathers(built, plan)
         positions = None
         if plan.context is not None:  # cp rank 0's chunks of every sequence
             positions = cp_positions(cfg.train.seq_len, cfg.mesh.cp, mesh["cp"].get_local_rank())
@@ -120,20 +118,20 @@ def _probe_layers(
                 )
             else:
                 _stages_forward_backward(
-                    model, plan, mesh, cfg, provider.dim, tokens, after_forward, recorder, positions
+                    built, plan, mesh, cfg, provider.dim, tokens, after_forward, recorder, positions
                 )
     return recorder
 
 
-def _scale_float8_gathers(model: nn.Module, plan: Plan) -> None:
+def _scale_float8_gathers(built: Parallelized, plan: Plan) -> None:
     """Give FSDP's float8 all-gathers the scales that each step's gathers read, as the optimizer step before computes
     them (`refresh_scales`); without them every gather would all-reduce its own amax, as only the first step does.
     FSDP's lazy init comes first: it re-wraps the shards, which fails on fake tensors holding a scale (torchao's
     `__tensor_flatten__` asks the scale's truth value)."""
-    for root in stage_modules(model):  # the model, or each of this rank's pipeline stages: FSDP roots
+    for root in built.stages:  # the model, or each of this rank's pipeline stages: FSDP roots
         if isinstance(root, FSDPModule):
             root._get_fsdp_state()._lazy_init()  # a root's initializes each unit under it
-    refresh_scales(model, plan.fp8)
+    refresh_scales(built.model, plan.fp8)
 
 
 def stage_boundary(cfg: Config, plan: Plan, rows: int, dim: int) -> tuple[tuple[int, int, int], torch.dtype]:
@@ -146,7 +144,7 @@ def stage_boundary(cfg: Config, plan: Plan, rows: int, dim: int) -> tuple[tuple[
 
 
 def _stages_forward_backward(
-    model: nn.Module,
+    built: Parallelized,
     plan: Plan,
     mesh: DeviceMesh,
     cfg: Config,
@@ -165,14 +163,14 @@ def _stages_forward_backward(
     outputs = []
     alive = 0
     with loss_parallel() if plan.loss_parallel else contextlib.nullcontext():
-        for module, stage in zip(stage_modules(model), stages, strict=True):
+        for module, stage in zip(built.stages, stages, strict=True):
             recorder.stage = stage.index
             x = tokens if stage.index == 0 else torch.zeros(hidden, dtype=dtype, requires_grad=True)
             y = module(x) if positions is None else module(x, positions=positions)
             if stage.index == last:
                 y = summed_loss(y, tokens)
             outputs.append((stage.index, y))
-            now = recorder.live_bytes(param_storages(model))
+            now = recorder.live_bytes(param_storages(built.model))
             recorder.stage_activations[stage.index], alive = now - alive, now
         after_forward()
         for index, y in reversed(outputs):  # the schedule runs the backwards in reverse stage order

@@ -30,7 +30,7 @@ from shardlab._base import Frozen
 from shardlab._errors import ShardlabError
 from shardlab.estimate._fake import forget_dtensor_dispatch, inferring_dtensor_shapes
 from shardlab.parallel._activation_checkpoint import in_backward, recomputing
-from shardlab.parallel.device_mesh import _experts_of, flat_view
+from shardlab.parallel.device_mesh import flat_view
 from shardlab.sharding.mesh import AXES, FLAT_VIEWS
 
 Kind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send"]
@@ -288,8 +288,9 @@ def _flops(packet: Any, args: tuple, kwargs: dict, out: Any) -> int:
     return int(formula(*args, **kwargs, out_val=out))  # the registry's formulas take tensors and read shapes
 
 
-def axis_names(mesh: DeviceMesh) -> dict[str | tuple[str, str], str]:
-    """Each group's axis name; (kind, group) keys name one kind of collective on a group that several axes share."""
+def axis_names(mesh: DeviceMesh, experts: DeviceMesh | None = None) -> dict[str | tuple[str, str], str]:
+    """Each group's axis name; (kind, group) keys name one kind of collective on a group that several axes share.
+    experts: the expert mesh the model was parallelized with (`Parallelized.experts`), whose groups are its own."""
     names: dict[str | tuple[str, str], str] = {}
     for view in FLAT_VIEWS:
         if math.prod(mesh[a].size() for a in FLAT_VIEWS[view] if mesh[a].size() > 1) > 1:
@@ -297,7 +298,6 @@ def axis_names(mesh: DeviceMesh) -> dict[str | tuple[str, str], str]:
     for axis in AXES:  # single axes win over views with the same group (a view of one axis of size > 1)
         if mesh[axis].size() > 1:
             names[mesh[axis].get_group().group_name] = axis
-    experts = _experts_of(mesh)
     for axis in experts.mesh_dim_names if experts is not None else ():  # the expert mesh's own groups
         if experts[axis].size() > 1:
             names.setdefault(experts[axis].get_group().group_name, axis)

@@ -152,6 +152,7 @@ def search(
     store: ProbeStore | None = None,
     budget: float | None = None,
     fp8: tuple[str, ...] = (),
+    blocks: dict | None = None,
 ) -> Search:
     """The `top` fastest layouts of `cfg`'s model and batch on `world` ranks of `dev` within `memory` bytes per rank.
 
@@ -159,7 +160,8 @@ def search(
     prune=False looks at every layout its floor would skip (the ranking is the same); probes: a cache of the twins'
     probes that searches of one model and rules share; store: where probes are kept between searches (`ProbeStore`);
     budget: seconds after which the search stops, once a layout fits (None: it looks at every layout it must);
-    fp8: the plan.fp8 values every layout is tried with (empty: the config's alone).
+    fp8: the plan.fp8 values every layout is tried with (empty: the config's alone); blocks: a cache of the model's
+    block counts for the floors that searches of one model share (`Floors.of`).
     A request nothing satisfies is a ValueError of one line saying what was tried and what came closest.
     """
     start = time.perf_counter()
@@ -204,7 +206,7 @@ def search(
         return estimate_memory(plan).total + fsdp_buffer_bytes(plan)
 
     floors = {  # per plan.fp8 choice: its matmul peak, its gathers' bytes, its casts' traffic
-        f: Floors.of(c, provider, model, dev, own_rules=rules_of(cfg) is not None, store=store)
+        f: Floors.of(c, provider, model, dev, own_rules=rules_of(cfg) is not None, store=store, blocks=blocks)
         for f, c in choices.items()
     }
     time_floor = [  # arithmetic: 0.3 s for 405B's 21,648

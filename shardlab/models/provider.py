@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +26,14 @@ from shardlab.sharding.rules import Rules
 
 if TYPE_CHECKING:
     from shardlab.config import Config
+
+Attend = Callable[..., torch.Tensor]
+"""attend(q, k, v, positions, *, scale=None, window=None) -> the attention output [b, heads, s, head_dim].
+
+What a model declares for context parallelism: each attention module its rules name (`Rules.attention`) takes the
+attention function as the keyword `attend` of its forward (shardlab's Llama names it; a transformers model's
+attention modules hand it on to shardlab's attention function). `apply` passes one that sees every cp rank's keys
+with each call; nothing is set on the modules."""
 
 HFNames = str | tuple[str | tuple[str, ...], ...]
 """The checkpoint tensor(s) holding a parameter: one name, or per slice of dim 0 (a stacked expert weight) one name

@@ -6,13 +6,18 @@ parallelism (`shardlab.sharding.experts`) -> compile -> FSDP/HSDP (`fully_shard`
 or the module each of this rank's pipeline stages runs). The pipeline schedule itself runs in the step
 (shardlab.training.pipeline_schedule). Also the JAX-like helpers `shard` (device_put with a spec),
 `constrain` (with_sharding_constraint for activations) and `shard_map` (code on local blocks, over local_map).
+
+What parallel code hands a model's modules (context parallelism's `attend`, expert parallelism's `dispatch`) goes in
+as a keyword of each call, one their forward declares, through a forward pre-hook as TP's input styles do: nothing is
+set on the modules. What `apply` builds beside the model (the modules the pipeline stages run, the expert mesh) is
+returned to the caller by `parallelize`, not kept anywhere.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -35,7 +40,7 @@ from shardlab._errors import ShardlabError
 from shardlab.parallel._activation_checkpoint import checkpoint as checkpoint_module
 from shardlab.parallel._compile import compile_block
 from shardlab.parallel.context import all_gather_attention
-from shardlab.parallel.device_mesh import expert_mesh, flat_view, mesh_spec_of
+from shardlab.parallel.device_mesh import expert_mesh, flat_view, make_expert_mesh, mesh_spec_of
 from shardlab.parallel.experts import expert_dispatch, stacked_experts
 from shardlab.parallel.fp8 import convert as convert_to_fp8
 from shardlab.parallel.fp8 import gathers_float8
@@ -49,11 +54,31 @@ from shardlab.sharding.spec import P, Spec, check_shape, expand, placements
 from shardlab.sharding.tensor_parallel import ModulePlan
 
 
+class Parallelized(NamedTuple):
+    """What `parallelize` made of a model: the model, and what runs it that is not part of it."""
+
+    model: nn.Module
+    """The model, parallelized in place."""
+    stages: tuple[nn.Module, ...]
+    """The modules torch's PipelineStage runs for this rank's pipeline stages, in model order (each an FSDP root
+    under FSDP): the model itself, or those `shardlab.parallel.stages.build_stages` made. (model,) without a
+    pipeline. The step must run these very modules (`make_step(..., stages=)`)."""
+    experts: DeviceMesh | None
+    """The expert mesh (`make_expert_mesh`) the expert weights and their FSDP live on with ep > 1, else None."""
+
+
 def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Module:
     """Parallelize `model` in place as `plan` says, on `mesh` (from `make_mesh`), and return it.
 
-    A plan without TP or FSDP (one process in fp32) needs no mesh: only checkpointing and compile apply.
+    A plan without TP or FSDP (one process in fp32) needs no mesh: only checkpointing and compile apply. A rank that
+    runs several pipeline stages, or a transformers model's stage, runs modules built beside the model:
+    `parallelize` returns them.
     """
+    return parallelize(model, plan, mesh).model
+
+
+def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> Parallelized:
+    """`apply`, returning the model with what was built to run it (`Parallelized`): the caller holds them."""
     if mesh is None:
         if plan.mesh.world_size > 1 or plan.fsdp is not None:
             raise ShardlabError(
@@ -85,11 +110,12 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
         attend = all_gather_attention(mesh["cp"].get_group())
         for fqn in plan.context.modules:
             if kept is None or in_stages(fqn, kept):
-                model.get_submodule(fqn).attend = attend
+                _call_with(model.get_submodule(fqn), attend=attend)
     experts = ()
+    expert_axes = make_expert_mesh(mesh, plan.mesh.ep) if plan.experts is not None and plan.experts.ep > 1 else None
     if plan.experts is not None:  # this rank's stages' experts
         experts = tuple(f for f in plan.experts.modules if kept is None or in_stages(f, kept))
-        _expert_parallel(model, plan, mesh, experts)
+        _expert_parallel(model, plan, mesh, expert_axes, experts)
     if plan.compile:
         for _, block in blocks:
             compile_block(block)
@@ -107,7 +133,7 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
         )
         if plan.experts is not None and plan.experts.ep > 1:  # before their blocks, which leave them out
             e = plan.experts
-            on = expert_mesh(mesh, e.fsdp_axes)
+            on = expert_mesh(expert_axes, mesh, e.fsdp_axes)
             for fqn in experts:
                 unit = fully_shard(model.get_submodule(fqn), **(kwargs | {"mesh": on}))
                 unit.set_gradient_divide_factor(float(e.gradient_divide_factor))
@@ -123,17 +149,30 @@ def apply(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None) -> nn.Mo
         # begins as its forward ends, so torch's default (None) keeps it gathered in between when the units reshard.
         for root in roots:
             fully_shard(root, **(kwargs | {"reshard_after_forward": None if f.reshard_after_forward else False}))
-    return model
+    return Parallelized(model, roots, expert_axes)
 
 
-def _expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, modules: tuple[str, ...]) -> None:
+def _call_with(module: nn.Module, **keywords: Any) -> None:
+    """Give every call of `module` `keywords`, which its forward declares (`shardlab.sharding.rules.takes_keyword`):
+    a forward pre-hook, torch's way for code outside a module to shape its inputs (TP's input styles use it), so
+    nothing is set on the module itself."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        return args, {**kwargs, **keywords}
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _expert_parallel(
+    model: nn.Module, plan: Plan, mesh: DeviceMesh, experts: DeviceMesh | None, modules: tuple[str, ...]
+) -> None:
     """Expert weights become DTensors sharded over ep and/or tp as the plan says, each rank keeping its block of
-    the full weight it holds; their modules dispatch rows to them, or, transformers' stacked experts, gather their
-    group's tokens (shardlab.sharding.experts)."""
+    the full weight it holds; their modules get the dispatch to them with each call, or, transformers' stacked
+    experts, gather their group's tokens (shardlab.sharding.experts). experts: `make_expert_mesh`'s (ep > 1)."""
     e = plan.experts
     axes = (("ep",) if e.ep > 1 else ()) + (("tp",) if e.tensor_parallel else ())
-    on = expert_mesh(mesh, axes) if e.ep > 1 else mesh["tp"]
-    ep = expert_mesh(mesh, ("ep",)) if e.ep > 1 else None
+    on = expert_mesh(experts, mesh, axes) if e.ep > 1 else mesh["tp"]
+    ep = expert_mesh(experts, mesh, ("ep",)) if e.ep > 1 else None
     tp = mesh["tp"] if e.tensor_parallel else None
     dispatch = expert_dispatch(ep.get_group() if ep is not None else None, tp)
     for fqn in modules:
@@ -145,7 +184,7 @@ def _expert_parallel(model: nn.Module, plan: Plan, mesh: DeviceMesh, modules: tu
         if e.stacked:
             stacked_experts(module, ep, tp)
         else:
-            module.dispatch = dispatch
+            _call_with(module, dispatch=dispatch)
 
 
 def _fsdp_dims(model: nn.Module, plan: Plan) -> Callable[[nn.Parameter], Shard | None]:
@@ -170,7 +209,7 @@ def _check_mesh(plan: Plan, mesh: DeviceMesh) -> None:
     names = tuple(mesh.mesh_dim_names or ())
     if names != AXES:
         raise ShardlabError(f"apply: the DeviceMesh has axes {names}, not {AXES}; build it with make_mesh(plan.mesh)")
-    plan.check_mesh(mesh_spec_of(mesh))
+    plan.check_mesh(mesh_spec_of(mesh, plan.mesh.ep))
 
 
 def _check_model(model: nn.Module, plan: Plan, stages: tuple[StagePlan, ...] | None = None) -> None:

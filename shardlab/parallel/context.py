@@ -7,13 +7,12 @@ positions each rank holds are the plan's (shardlab.sharding.context).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardlab.data.packing import document_ids, document_mask
+from shardlab.models.provider import Attend
 from shardlab.sharding.context import cp_positions
 
 try:
@@ -21,14 +20,12 @@ try:
 except ImportError:  # torch < 2.13 (GPU images that ship an older build) names it all_gather_tensor_autograd
     from torch.distributed._functional_collectives import all_gather_tensor_autograd as all_gather_single_autograd
 
-Attend = Callable[..., torch.Tensor]
-"""attend(q, k, v, positions, *, scale=None, window=None) -> the attention output [b, heads, s, head_dim]."""
-
 
 def all_gather_attention(group: dist.ProcessGroup) -> Attend:
-    """An `Attention.attend` for a cp group: gather every rank's K and V (in rank order, with their positions)
-    and let each local query see the keys at or before its own position. Packed rows' positions ([b, s] in their
-    documents, `shardlab.data.packing`) are gathered too, so a query sees only the keys of its own document."""
+    """The `attend` a cp group's attention modules are called with (`shardlab.models.provider.Attend`): gather
+    every rank's K and V (in rank order, with their positions) and let each local query see the keys at or before
+    its own position. Packed rows' positions ([b, s] in their documents, `shardlab.data.packing`) are gathered too,
+    so a query sees only the keys of its own document."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     gathered: dict[tuple[int, torch.device], torch.Tensor] = {}  # every rank's positions, in rank order
 

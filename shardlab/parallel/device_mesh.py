@@ -1,6 +1,11 @@
-"""MeshSpec -> torch's DeviceMesh: the mesh with every shardlab axis, its flattened views and the expert mesh, and
-back (`mesh_spec_of`). The one module that calls DeviceMesh's private methods (`_flatten`, `_unflatten`,
-`_concatenate`, the root mesh's `_flatten_mapping`), as shardlab.sharding._strided is for `_StridedShard`.
+"""MeshSpec -> torch's DeviceMesh: the mesh with every shardlab axis and its flattened views (`make_mesh`), the
+expert mesh over the same ranks (`make_expert_mesh`), and back (`mesh_spec_of`). The one module that calls
+DeviceMesh's private methods (`_flatten`, `_unflatten`, `_concatenate`, the root mesh's `_flatten_mapping`), as
+shardlab.sharding._strided is for `_StridedShard`.
+
+torch keeps flattened views on the root mesh (its own `_flatten_mapping`) but no unflattened mesh, and `_unflatten`
+makes new process groups at each call: the expert mesh is made once, by `apply`, and handed to whoever needs it
+(`shardlab.parallel.apply.Parallelized.experts`); nothing is written onto torch's DeviceMesh.
 """
 
 from __future__ import annotations
@@ -12,9 +17,10 @@ from shardlab.sharding.mesh import AXES, EXPERT_AXES, FLAT_VIEWS, ExpertMeshSpec
 from shardlab.sharding.spec import Mesh, P, spec_from_placements
 
 
-def mesh_spec_of(mesh) -> MeshSpec | ExpertMeshSpec:
+def mesh_spec_of(mesh, ep: int = 1) -> MeshSpec | ExpertMeshSpec:
     """The MeshSpec of a DeviceMesh from `make_mesh` or a slice of it (absent axes have size 1); the ExpertMeshSpec
-    of a mesh over expert axes (an expert weight's). Only the whole mesh carries `ep`: a slice has no ep of its own."""
+    of a mesh over expert axes (an expert weight's). ep: the expert parallelism the whole mesh is used with, which a
+    DeviceMesh does not record (the plan's `mesh.ep`); a slice has no ep of its own."""
     names = tuple(mesh.mesh_dim_names or ())
     sizes = {n: mesh.size(i) for i, n in enumerate(names)}
     if {"ep", "dp_shard_mod_ep"} & set(names):
@@ -27,9 +33,7 @@ def mesh_spec_of(mesh) -> MeshSpec | ExpertMeshSpec:
         raise ShardlabError(
             f"mesh dims {unknown} are not shardlab axes ({', '.join(AXES)}); use a mesh from make_mesh or a slice of it"
         )
-    experts = _experts_of(mesh)
-    ep = experts["ep"].size() if experts is not None and names == AXES else 1
-    return MeshSpec(**{a: sizes.get(a, 1) for a in AXES}, ep=ep)
+    return MeshSpec(**{a: sizes.get(a, 1) for a in AXES}, ep=ep if names == AXES else 1)
 
 
 def make_mesh(spec: MeshSpec, device_type: str = "cpu"):
@@ -49,35 +53,31 @@ def make_mesh(spec: MeshSpec, device_type: str = "cpu"):
     mesh = init_device_mesh(device_type, spec.axis_sizes, mesh_dim_names=AXES)
     for name, axes in FLAT_VIEWS.items():
         mesh[axes]._flatten(name)
-    if spec.ep > 1:
-        e = spec.experts
-        # torch keeps no unflattened meshes on the root: shardlab keeps the one it made (expert_mesh reads it)
-        mesh._shardlab_experts = flat_view(mesh, "batch")._unflatten(
-            0, (e.dp_replicate, e.dp_shard_mod_ep, e.ep), ("dp_replicate", "dp_shard_mod_ep", "ep")
-        )
     return mesh
 
 
-def expert_mesh(mesh, axes: tuple[str, ...]):
-    """The DeviceMesh over expert mesh axes `axes` (from EXPERT_AXES), with the root `make_mesh(spec)` built for
-    spec.ep > 1: ("ep",) or ("ep", "tp") holds the expert weights, ("dp_shard_mod_ep",) or
-    ("dp_replicate", "dp_shard_mod_ep") is FSDP's mesh for them."""
+def make_expert_mesh(mesh, ep: int):
+    """The expert mesh over the ranks of `mesh` (from `make_mesh`) for expert parallelism `ep` > 1: its `batch`
+    view (dp_replicate x dp_shard x cp) cut into (dp_replicate, dp_shard_mod_ep, ep), as `MeshSpec.experts` says.
+    It makes process groups: call it once per layout and pass the result on (`expert_mesh` slices it)."""
+    e = mesh_spec_of(mesh, ep).experts
+    return flat_view(mesh, "batch")._unflatten(
+        0, (e.dp_replicate, e.dp_shard_mod_ep, e.ep), ("dp_replicate", "dp_shard_mod_ep", "ep")
+    )
+
+
+def expert_mesh(experts, mesh, axes: tuple[str, ...]):
+    """The DeviceMesh over expert mesh axes `axes` (from EXPERT_AXES), from `experts` (`make_expert_mesh(mesh, ep)`)
+    and `mesh` for the axes the two share (tp, pp): ("ep",) or ("ep", "tp") holds the expert weights,
+    ("dp_shard_mod_ep",) or ("dp_replicate", "dp_shard_mod_ep") is FSDP's mesh for them. Makes no process group."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    experts = _experts_of(mesh)
-    if experts is None:
-        raise ShardlabError("expert_mesh: this mesh has no expert axes; build it with make_mesh(spec) with spec.ep > 1")
     parts = [experts[a] if a in experts.mesh_dim_names else mesh[a] for a in axes]
     if len(parts) == 1:
         return parts[0]
     if all(a in experts.mesh_dim_names for a in axes):
         return experts[axes]
     return DeviceMesh._concatenate(parts)  # ep x tp: slices of two meshes over the same root
-
-
-def _experts_of(mesh):
-    """The expert mesh `make_mesh` kept on `mesh`'s root (None without ep)."""
-    return getattr(mesh._get_root_mesh(), "_shardlab_experts", None)
 
 
 def flat_view(mesh, name: str):

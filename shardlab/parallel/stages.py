@@ -2,15 +2,16 @@
 state and checkpoints stay the model's.
 
 `keep_own_stages` replaces the other ranks' stages by `OtherStage` (on the meta device, before anything is
-allocated). What torch's PipelineStage then runs (`stage_modules`) depends on how the model is called
+allocated). What torch's PipelineStage then runs (`build_stages`) depends on how the model is called
 (`PipelinePlan.call`): a model whose forward is the sequence of its parts with tensors in and out (shardlab's Llama,
 most hand-written models) runs itself, or one `StageModule` per stage when the rank holds several; a transformers
 model runs its own forward (rotary tables, masks) inside a `TransformersStage`.
+
+The stage modules are FSDP roots, so the step must run the very ones `apply` built: they are returned to the caller
+(`shardlab.parallel.apply.Parallelized.stages`), not remembered here or on the model.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 from torch import nn
@@ -20,29 +21,17 @@ from shardlab.models.transformers.stage import TransformersStage
 from shardlab.sharding.pipeline import StagePlan
 from shardlab.sharding.plan import Plan
 
-_STAGES: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, ...]] = weakref.WeakKeyDictionary()
-"""The stage modules `apply` built for a model, kept here, not on the model: its names, state_dict and attributes
-stay its own."""
-
-
-def stage_modules(model: nn.Module) -> tuple[nn.Module, ...]:
-    """The modules torch's PipelineStage runs for this rank, in model order: the model itself (one stage per rank,
-    or no pipeline), else those `build_stages` made."""
-    return _STAGES.get(model, (model,))
-
 
 def build_stages(model: nn.Module, plan: Plan, own: tuple[StagePlan, ...]) -> tuple[nn.Module, ...]:
-    """The modules this rank's stages `own` run (each an FSDP root under FSDP), remembered for `stage_modules`."""
+    """The modules torch's PipelineStage runs for this rank's stages `own`, in model order (each an FSDP root under
+    FSDP): the model itself for one stage it runs by its own forward, else new modules over the model's parts."""
     last = len(plan.pipeline.stages) - 1
     if plan.pipeline.call == "transformers":
         (stage,) = own
-        stages: tuple[nn.Module, ...] = (TransformersStage(model, stage.index == 0, stage.index == last),)
-    elif len(own) > 1:
-        stages = tuple(StageModule(model, s, last=s.index == last) for s in own)
-    else:
-        return (model,)
-    _STAGES[model] = stages
-    return stages
+        return (TransformersStage(model, stage.index == 0, stage.index == last),)
+    if len(own) > 1:
+        return tuple(StageModule(model, s, last=s.index == last) for s in own)
+    return (model,)
 
 
 def keep_own_stages(model: nn.Module, plan: Plan, pp_rank: int) -> tuple[StagePlan, ...]:

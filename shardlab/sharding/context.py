@@ -22,7 +22,7 @@ from torch import nn
 from shardlab._base import Frozen
 from shardlab._errors import ShardlabError
 from shardlab.sharding.mesh import MeshSpec
-from shardlab.sharding.rules import Rules, matches
+from shardlab.sharding.rules import Rules, matches, takes_keyword
 
 
 class ContextPlan(Frozen):
@@ -31,8 +31,8 @@ class ContextPlan(Frozen):
     attention: Literal["all_gather_kv"]
     """all_gather_kv: gather K and V over cp and mask by position (shardlab.parallel.context; runs on every backend)."""
     modules: tuple[str, ...]
-    """The attention modules whose `attend` is replaced. Each cp rank holds sequence chunks r and 2 cp - 1 - r,
-    so causal attention costs every rank the same (shardlab.sharding.context)."""
+    """The attention modules that get the keyword `attend` with each call. Each cp rank holds sequence chunks r and
+    2 cp - 1 - r, so causal attention costs every rank the same (shardlab.sharding.context)."""
 
 
 def context_plan(modules: dict[str, nn.Module], mesh: MeshSpec, rules: Rules) -> ContextPlan | None:
@@ -42,14 +42,14 @@ def context_plan(modules: dict[str, nn.Module], mesh: MeshSpec, rules: Rules) ->
     attention = tuple(f for f in modules if any(matches(g, f) for g in rules.attention))
     if not attention:
         raise ShardlabError(
-            f"mesh.cp={mesh.cp} needs rules.attention to name the attention modules whose `attend` context "
-            "parallelism replaces (e.g. 'model.layers.*.self_attn')"
+            f"mesh.cp={mesh.cp} needs rules.attention to name the attention modules that take context "
+            "parallelism's `attend` (e.g. 'model.layers.*.self_attn')"
         )
-    missing = [f for f in attention if not hasattr(modules[f], "attend")]
+    missing = [f for f in attention if not takes_keyword(modules[f], "attend")]
     if missing:
         raise ShardlabError(
-            f"mesh.cp={mesh.cp}: {missing[0]} has no `attend(q, k, v, positions)` to replace; context "
-            "parallelism needs the model's attention to call it"
+            f"mesh.cp={mesh.cp}: {missing[0]}'s forward takes no keyword `attend(q, k, v, positions)`; context "
+            "parallelism needs the model's attention to take one and call it"
         )
     return ContextPlan(attention="all_gather_kv", modules=attention)
 

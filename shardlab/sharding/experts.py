@@ -13,6 +13,7 @@ from torch import nn
 from shardlab._base import Frozen
 from shardlab._errors import ShardlabError
 from shardlab.sharding.mesh import MeshSpec
+from shardlab.sharding.rules import takes_keyword
 from shardlab.sharding.spec import P, Spec
 
 
@@ -24,7 +25,7 @@ class ExpertPlan(Frozen):
     """The experts' hidden dim is sharded over tp (gate/up by rows, down by columns)."""
     modules: tuple[str, ...]
     """The modules holding the expert weights (the dims the rules name `ep`; e.g. each MoE layer's `experts`):
-    their `dispatch` sends rows by all-to-all over ep and sums partial outputs over tp. With ep > 1 each is an
+    each call gets the keyword `dispatch`, which sends rows by all-to-all over ep and sums partial outputs over tp. With ep > 1 each is an
     FSDP unit of its own over `fsdp_axes`; with ep = 1 FSDP shards it with its block."""
     fsdp_axes: tuple[str, ...]
     """FSDP's axes for expert weights: (dp_shard_mod_ep,), with dp_replicate first under HSDP; () when ep is 1."""
@@ -71,9 +72,9 @@ def expert_plan(modules: dict[str, nn.Module], expert_specs: dict[str, Spec], me
                 f"{owner}.{others[0]}: {owner} holds expert weights (rules name ep on them), so each of its parameters "
                 "needs its expert dim over ep too; shard it over ep or move it to another module"
             )
-        if not stacked and (not hasattr(module, "dispatch") or not hasattr(module, "hidden_dims")):
+        if not stacked and (not takes_keyword(module, "dispatch") or not hasattr(module, "hidden_dims")):
             raise ShardlabError(
-                f"{owner}: holds ep-sharded weights but has no `dispatch` and `hidden_dims` to run them "
+                f"{owner}: holds ep-sharded weights but has no `dispatch` keyword and `hidden_dims` to run them "
                 "(shardlab.models.llama.moe.Experts has both) and is not transformers' stacked experts (`num_experts`, "
                 "weights stacked on dim 0); replicate its parameters over ep"
             )

@@ -8,6 +8,7 @@ to mesh axes with Flax linen semantics. Every resolution says which rule matched
 from __future__ import annotations
 
 import functools
+import inspect
 
 from shardlab._base import Frozen
 from shardlab._errors import ShardlabError
@@ -80,7 +81,8 @@ class Rules(Frozen):
     blocks: tuple[str, ...] = ()
     """Globs of the repeated blocks (activation checkpointing and torch.compile wrap these)."""
     attention: tuple[str, ...] = ()
-    """Globs of the attention modules, whose `attend(q, k, v, positions)` context parallelism replaces."""
+    """Globs of the attention modules, whose forward takes the keyword `attend(q, k, v, positions)` that context
+    parallelism passes (`shardlab.models.provider.Attend`)."""
     stage_call: StageCall = "tensor"
     """How a pipeline stage calls the model: "tensor" (its forward is its parts in sequence, tensors in and out) or
     "transformers" (a transformers causal LM; shardlab.sharding.pipeline.StageCall)."""
@@ -188,3 +190,14 @@ def _logical_to_spec(axes: tuple[str | None, ...], table: LogicalTable) -> tuple
         if i not in done:
             fallbacks.append(f"{n}->None")
     return P(*entries), tuple(fallbacks)
+
+
+def takes_keyword(module: object, name: str) -> bool:
+    """Whether `module`'s forward declares the keyword `name`, or hands on any (`**kwargs`): how a model says which
+    inputs parallel code may pass it with each call (context parallelism's `attend`, expert parallelism's
+    `dispatch`), rather than slots set on its modules."""
+    forward = getattr(module, "forward", None)
+    if forward is None:
+        return False
+    params = inspect.signature(forward).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

@@ -51,10 +51,17 @@ def eval_loader(
     )  # fmt: skip
 
 
-def make_eval(cfg: Config, plan: Plan, mesh: DeviceMesh | None, provider: ModelProvider) -> Evaluate:
-    """evaluate(model, loader) -> {"eval_loss", "eval_ppl"} over the loader's first `eval.steps` batches."""
+def make_eval(
+    cfg: Config,
+    plan: Plan,
+    mesh: DeviceMesh | None,
+    provider: ModelProvider,
+    stages: tuple[nn.Module, ...] | None = None,
+) -> Evaluate:
+    """evaluate(model, loader) -> {"eval_loss", "eval_ppl"} over the loader's first `eval.steps` batches. stages: as
+    `make_step`'s."""
     cfg = cfg.resolve(plan.mesh.world_size)
-    micro_batches, positions, group, pipeline = step_layout(cfg, plan, mesh)
+    micro_batches, positions, group, pipeline = step_layout(cfg, plan, mesh, stages)
     stage_group = pipeline.group if pipeline is not None else None
 
     @torch.no_grad()

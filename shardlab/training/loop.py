@@ -30,7 +30,7 @@ from shardlab.hf import initial_weights, load_hf_weights
 from shardlab.models import provider_for
 from shardlab.models.flops import module_flops
 from shardlab.models.provider import ModelProvider, check_layout
-from shardlab.parallel.apply import apply
+from shardlab.parallel.apply import Parallelized, parallelize
 from shardlab.parallel.device_mesh import make_mesh
 from shardlab.parallel.stages import keep_own_stages
 from shardlab.parallel.world import resolve_device
@@ -99,8 +99,20 @@ def build_model(
     """Model + plan + mesh for the current process group (or a single process), parallelized and ready to train.
 
     device: None reads cfg.train.device (cuda:LOCAL_RANK when CUDA is used). provider: the model (default: the
-    one the config names).
+    one the config names). A rank that runs several pipeline stages, or a transformers model's stage, runs modules
+    built beside the model: `build` returns them.
     """
+    built, plan, mesh = build(cfg, rules, device, provider)
+    return built.model, plan, mesh
+
+
+def build(
+    cfg: Config,
+    rules: Rules | None = None,
+    device: torch.device | str | None = None,
+    provider: ModelProvider | None = None,
+) -> tuple[Parallelized, Plan, DeviceMesh | None]:
+    """`build_model`, with what was built to run the model (`Parallelized`: its pipeline stages, the expert mesh)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = cfg.validated().resolve(world)
     provider = provider or provider_for(cfg)
@@ -116,14 +128,15 @@ def build_model(
             backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         mesh = make_mesh(cfg.mesh, device.type)
+    built = None
     if cfg.train.init == "sharded":
-        apply(model, plan, mesh)  # on the meta device: no rank ever holds more than its shards
+        built = parallelize(model, plan, mesh)  # on the meta device: no rank ever holds more than its shards
     elif plan.pipeline is not None:
         keep_own_stages(model, plan, mesh["pp"].get_local_rank())  # on the meta device: only this rank's stages
     provider.materialize(model, device, cfg.train.seed)  # each weight a function of (seed, name): same in every layout
-    if cfg.train.init == "full":
-        apply(model, plan, mesh)
-    return model, plan, mesh
+    if built is None:
+        built = parallelize(model, plan, mesh)
+    return built, plan, mesh
 
 
 def train(
@@ -159,14 +172,15 @@ def _train(
 ) -> list[Metrics]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     provider = provider or provider_for(cfg)
-    model, plan, mesh = build_model(cfg, rules, device, provider)
+    built, plan, mesh = build(cfg, rules, device, provider)
+    model = built.model
     cfg = cfg.resolve(plan.mesh.world_size)
     device = model_device(model)
     if device.type == "cpu" and cfg.train.keep_freed_memory:
         keep_freed_memory()
     dp = cfg.mesh.size("dp")
     dp_rank = cfg.mesh.group_index(rank, ("dp",))
-    step = make_step(cfg, plan, mesh, provider)
+    step = make_step(cfg, plan, mesh, provider, built.stages)
     state: TrainState = init_state(model, cfg.optim)
     tokenizer = run_tokenizer(cfg)
     loader = make_loader(
@@ -175,7 +189,7 @@ def _train(
     )  # fmt: skip
     evaluate, held_out = None, None
     if cfg.eval.every:
-        evaluate = make_eval(cfg, plan, mesh, provider)
+        evaluate = make_eval(cfg, plan, mesh, provider, built.stages)
         held_out = eval_loader(
             cfg, vocab_size=provider.vocab_size, dp_rank=dp_rank, dp_size=dp, micro_batches=cfg.micro_batches,
             tokenizer=tokenizer,

@@ -1,8 +1,9 @@
 """PipelineRun: one optimizer step's forward and backward through torch.distributed.pipelining, for the step.
 
-The rank's stages are the modules `apply` left it (`stage_modules`: the model, whose other stages are
-nn.Identity, or one StageModule per stage when it runs several); torch's PipelineStage and schedule are built
-on the first call and reused while the model is the same object. The loss of a micro batch is its summed cross-entropy times the step's scale (dp / tokens in the global batch),
+The rank's stages are the modules `parallelize` built for it and returned (`Parallelized.stages`: the model, whose
+other stages are OtherStage, or one StageModule per stage when it runs several, or a TransformersStage), given to
+PipelineRun by its caller; torch's PipelineStage and schedule are built on the first call and reused while the model
+is the same object. The loss of a micro batch is its summed cross-entropy times the step's scale (dp / tokens in the global batch),
 as in the non-pipelined step, and the schedule does not rescale gradients: every layout gets the same ones.
 
 torch.distributed.pipelining is imported where a pipeline is built, not with this module: it imports torch._dynamo
@@ -22,7 +23,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardlab._errors import ShardlabError
-from shardlab.parallel.stages import stage_modules
 from shardlab.sharding.pipeline import PipelinePlan
 from shardlab.sharding.plan import Plan
 from shardlab.training.loss import local_value, scaled, summed_loss
@@ -40,9 +40,12 @@ SCHEDULE_NAMES = {
 
 
 class PipelineRun:
-    """Runs a batch through this rank's stages under the plan's schedule; returns the last stage's summed loss."""
+    """Runs a batch through this rank's stages under the plan's schedule; returns the last stage's summed loss.
 
-    def __init__(self, plan: Plan, mesh: DeviceMesh) -> None:
+    stages: the modules `parallelize` built for this rank's stages (`Parallelized.stages`); None: the model itself
+    runs this rank's one stage (a model whose forward is its parts in sequence)."""
+
+    def __init__(self, plan: Plan, mesh: DeviceMesh, stages: tuple[nn.Module, ...] | None = None) -> None:
         pipeline = plan.pipeline
         if pipeline is None:
             raise ShardlabError("PipelineRun: the plan has no pipeline stages (mesh.pp is 1)")
@@ -53,6 +56,7 @@ class PipelineRun:
         self.n_stages = len(pipeline.stages)
         self.is_first = any(s.index == 0 for s in self.stages)
         self.is_last = any(s.index == self.n_stages - 1 for s in self.stages)
+        self.stage_modules = stages
         self.vocab_parallel = plan.loss_parallel
         self.context_parallel = plan.context is not None
         self.scale: torch.Tensor | None = None
@@ -76,11 +80,12 @@ class PipelineRun:
 
             cls = get_schedule_class(SCHEDULE_NAMES[self.pipeline.schedule])
             m = self.pipeline.microbatches
-            modules = stage_modules(model)
+            modules = self.stage_modules if self.stage_modules is not None else (model,)
             if len(modules) != len(self.stages):
                 raise ShardlabError(
-                    f"PipelineRun: the model runs {len(modules)} stage(s) but the plan gives pp rank {self.pp_rank} "
-                    f"{len(self.stages)}; parallelize it with apply(model, plan, mesh) first"
+                    f"PipelineRun: {len(modules)} stage module(s) but the plan gives pp rank {self.pp_rank} "
+                    f"{len(self.stages)}; pass the stages parallelize(model, plan, mesh) returns (make_step(..., "
+                    "stages=))"
                 )
             stages = [
                 PipelineStage(module, s.index, self.n_stages, device, group=self.group)

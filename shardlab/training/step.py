@@ -126,9 +126,17 @@ def lr_schedule(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
     return lr_at
 
 
-def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider: ModelProvider | None = None) -> StepFn:
+def make_step(
+    cfg: Config,
+    plan: Plan,
+    mesh: DeviceMesh | None = None,
+    provider: ModelProvider | None = None,
+    stages: tuple[nn.Module, ...] | None = None,
+) -> StepFn:
     """The step for one layout; everything layout-specific is read off the plan and the mesh, everything
     model-specific (how tokens become logits, MoE routers) off the provider (default: the one the config names).
+    stages: with pipeline stages, the modules this rank runs (`parallelize(model, plan, mesh).stages`; None: the
+    model itself, which does for one stage per rank of a model whose forward is its parts in sequence).
 
     FSDP averages gradients over the ranks holding different tokens (`batch`: dp_replicate x dp_shard x cp),
     so each micro batch's summed loss is scaled by that count / (tokens in the global batch): the result is
@@ -138,7 +146,7 @@ def make_step(cfg: Config, plan: Plan, mesh: DeviceMesh | None = None, provider:
     cfg = cfg.resolve(plan.mesh.world_size)
     plan.check_mesh(cfg.mesh)
     holders = plan.mesh.size("batch")  # ranks holding different tokens: FSDP averages over them
-    layout = step_layout(cfg, plan, mesh)
+    layout = step_layout(cfg, plan, mesh, stages)
     micro_batches, positions, group, pipeline = layout
     stage_group = pipeline.group if pipeline is not None else None
     lr_at = lr_schedule(cfg.optim, cfg.train.steps)
@@ -233,12 +241,14 @@ class StepLayout(NamedTuple):
     """This rank's pipeline stages under the plan's schedule, or None without pp."""
 
 
-def step_layout(cfg: Config, plan: Plan, mesh: DeviceMesh | None) -> StepLayout:
+def step_layout(
+    cfg: Config, plan: Plan, mesh: DeviceMesh | None, stages: tuple[nn.Module, ...] | None = None
+) -> StepLayout:
     cp_at = None
     if plan.context is not None:
         cp_at = cp_positions(cfg.train.seq_len, plan.mesh.cp, mesh["cp"].get_local_rank())
     group = flat_view(mesh, "batch").get_group() if mesh is not None and plan.mesh.size("batch") > 1 else None
-    pipeline = PipelineRun(plan, mesh) if plan.pipeline is not None else None
+    pipeline = PipelineRun(plan, mesh, stages) if plan.pipeline is not None else None
     return StepLayout(cfg.micro_batches, cp_at, group, pipeline)
 
 

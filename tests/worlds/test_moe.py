@@ -123,7 +123,7 @@ def placements(rank, world_size, tmp=None):
     for name in PLACED:
         placements_match_plan(rank, world_size, LAYOUTS_4[name])
     model, _, mesh = build_model(LAYOUTS_4["fsdp2_tp2_ep2_ac_op-aux"])
-    assert mesh_spec_of(mesh).ep == 2 and mesh_spec_of(mesh["tp"]) == MeshSpec(dp_shard=1, tp=2)
+    assert mesh_spec_of(mesh, ep=2).ep == 2 and mesh_spec_of(mesh["tp"]) == MeshSpec(dp_shard=1, tp=2)
     assert shard(torch.zeros(4, 2), mesh["tp"], P("tp", None)).to_local().shape == (2, 2)
     expert = moe_layers(model)[0].experts.gate_proj
     assert mesh_spec_of(expert.device_mesh).ep == 2

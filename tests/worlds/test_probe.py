@@ -32,7 +32,7 @@ from shardlab.estimate.roofline import DP_AXES
 from shardlab.models import provider_for
 from shardlab.models.llama.moe import balanced_routing
 from shardlab.sharding.context import cp_positions
-from shardlab.training.loop import build_model, plan_model
+from shardlab.training.loop import build, plan_model
 from shardlab.training.pipeline_schedule import PipelineRun
 from shardlab.training.step import forward_backward, init_state, match_param_layouts
 
@@ -69,7 +69,8 @@ def rss() -> int:
 
 def real(rank, world_size, name: str) -> dict:
     cfg = config(name)
-    model, plan, mesh = build_model(cfg)
+    built, plan, mesh = build(cfg)
+    model = built.model
     rows = cfg.train.global_batch // cfg.resolve(world_size).mesh.size("dp")
     tokens = torch.randint(
         0, cfg.model.vocab_size, (rows, cfg.train.seq_len), generator=torch.Generator().manual_seed(0)
@@ -78,7 +79,7 @@ def real(rank, world_size, name: str) -> dict:
     if plan.context is not None:  # this cp rank's chunks of every sequence, as the step takes them
         positions = cp_positions(cfg.train.seq_len, cfg.mesh.cp, mesh["cp"].get_local_rank())
         tokens = tokens[:, positions]
-    recorder = Recorder(axis_names(mesh))
+    recorder = Recorder(axis_names(mesh, built.experts))
     seen: dict[str, int] = {}
 
     def after_forward() -> None:
@@ -158,7 +159,8 @@ def real_pipeline(name: str) -> dict:
     """One step of torch's schedule on this rank: collectives (after a first step that infers shapes and
     initialises FSDP), the bytes its stages send, and what it holds."""
     cfg = pipeline_config(name)
-    model, plan, mesh = build_model(cfg)
+    built, plan, mesh = build(cfg)
+    model = built.model
     rows = cfg.train.global_batch // cfg.resolve(4).mesh.size("dp")
     tokens = torch.randint(
         0, cfg.model.vocab_size, (rows, cfg.train.seq_len), generator=torch.Generator().manual_seed(0)
@@ -167,7 +169,7 @@ def real_pipeline(name: str) -> dict:
     if plan.context is not None:  # this cp rank's chunks of every sequence, as the step takes them
         positions = cp_positions(cfg.train.seq_len, cfg.mesh.cp, mesh["cp"].get_local_rank())
         tokens = tokens[:, positions]
-    run = PipelineRun(plan, mesh)
+    run = PipelineRun(plan, mesh, built.stages)
     run(model, tokens, tokens, 1.0, positions)
     sends = []
     real_batch_p2p = schedules._batch_p2p
@@ -176,7 +178,7 @@ def real_pipeline(name: str) -> dict:
         sends.extend(op.tensor.nbytes for op in ops if op.op is dist.isend)
         return real_batch_p2p(ops, desc)
 
-    recorder = Recorder(axis_names(mesh))
+    recorder = Recorder(axis_names(mesh, built.experts))
     unsharded = [0]  # what the step made and still holds when a stage's gradients are reduced at its end
     real_reduce = PipelineStage.perform_reduce_grad
 

@@ -21,7 +21,7 @@ from shardlab._errors import ShardlabError
 from shardlab.config import ModelConfig, MoEConfig, RopeScaling
 from shardlab.data.packing import packed_mask
 from shardlab.models.llama.moe import MoE
-from shardlab.models.provider import param_seed
+from shardlab.models.provider import Attend, param_seed
 
 
 def _llama3(*, dim: int, n_layers: int, n_heads: int, ffn_dim: int, factor: float, tied: bool = False) -> ModelConfig:
@@ -83,8 +83,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Attention over the whole (local) sequence, each query seeing the keys at or before it: [b, heads, s, hd].
     k and v may have fewer (grouped) heads. `positions` [s] are 0..s-1; [b, s] are packed rows' positions in their
-    documents, and a query sees only its own document (`shardlab.data.packing`). Context parallelism swaps this
-    function for one that gathers the other ranks' keys and masks by position."""
+    documents, and a query sees only its own document (`shardlab.data.packing`). Context parallelism passes
+    `Attention` another one, which gathers the other ranks' keys and masks by position."""
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:  # explicit repeat rather than enable_gqa: every SDPA backend accepts it
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
@@ -96,9 +96,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 class Attention(nn.Module):
     """Causal grouped-query attention with RoPE; head counts come from the (possibly sharded) projections.
 
-    `attend(q, k, v, positions)` computes the attention proper (default `causal_attention`); shardlab's apply
-    replaces it under context parallelism. `positions` are each token's place in the sequence (RoPE angles): [s],
-    or [b, s] for packed rows, each token's place in its document (`shardlab.data.packing`)."""
+    The forward's keyword `attend(q, k, v, positions)` computes the attention proper (default `causal_attention`):
+    under context parallelism apply passes one with every call (`shardlab.models.provider.Attend`), so the module
+    holds no slot for it. `positions` are each token's place in the sequence (RoPE angles): [s], or [b, s] for
+    packed rows, each token's place in its document (`shardlab.data.packing`)."""
 
     def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor | None = None) -> None:
         """inv_freq: `rope_inv_freq(cfg)`, computed once for a model's blocks (each gets its own copy)."""
@@ -111,10 +112,10 @@ class Attention(nn.Module):
         # Non-persistent so the state_dict holds exactly HF's parameters; init_weights rebuilds it after to_empty.
         inv_freq = rope_inv_freq(cfg) if inv_freq is None else inv_freq.clone()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-        self.attend = causal_attention
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, attend: Attend | None = None
+    ) -> torch.Tensor:
         s = x.shape[1]
         # The head count comes from the tensor, not cfg.n_heads: under tensor parallelism a rank has its local heads.
         q, k, v = (
@@ -129,7 +130,7 @@ class Attention(nn.Module):
             cos, sin = cos[:, None], sin[:, None]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        out = self.attend(q, k, v, positions)
+        out = (causal_attention if attend is None else attend)(q, k, v, positions)
         return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
 
 

@@ -81,8 +81,9 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 class Experts(nn.Module):
     """E SwiGLU experts: gate_proj and up_proj [E, ffn, dim], down_proj [E, dim, ffn].
 
-    Under expert parallelism the weights are DTensors sharded over ep (each rank holds E / ep experts) and
-    `dispatch` (set by apply, `shardlab.sharding.experts`) sends every row to the rank holding its expert and back."""
+    Under expert parallelism the weights are DTensors sharded over ep (each rank holds E / ep experts) and the
+    forward's keyword `dispatch`, which apply passes with every call (`shardlab.parallel.experts`), sends every row
+    to the rank holding its expert and back; the module holds no slot for it."""
 
     hidden_dims: ClassVar[dict[str, int]] = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
     """Each weight's hidden dim: the one tensor parallelism may split (the rules' `expert_mlp`)."""
@@ -92,14 +93,16 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.up_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
-        self.dispatch: Dispatch | None = None
 
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+    def forward(
+        self, rows: torch.Tensor, counts: torch.Tensor | list[int], dispatch: Dispatch | None = None
+    ) -> torch.Tensor:
         """rows [N, dim] sorted by expert, counts[e] of them for expert e -> [N, dim] in the same order. counts as a
-        list: known on the host and the same on every rank (balanced routing)."""
-        if self.dispatch is None:
+        list: known on the host and the same on every rank (balanced routing). dispatch: how rows reach the experts
+        (None: this rank holds them all)."""
+        if dispatch is None:
             return self.compute(rows, counts if isinstance(counts, list) else counts.tolist())
-        return self.dispatch(self.compute, rows, counts)
+        return dispatch(self.compute, rows, counts)
 
     def compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The experts this rank holds (all, or its ep shard: the local blocks of the DTensors) on rows grouped by

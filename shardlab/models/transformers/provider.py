@@ -34,7 +34,7 @@ from shardlab.models.transformers.rules import (
 )
 from shardlab.models.transformers.stage import TransformersStage, call_causal_lm
 from shardlab.sharding.experts import is_stacked_experts
-from shardlab.sharding.rules import Rules, matches
+from shardlab.sharding.rules import Rules
 
 if TYPE_CHECKING:
     from shardlab.config import Config
@@ -56,8 +56,10 @@ def _transformers() -> Any:
 
 
 ATTENTION = "shardlab"
-"""The attention transformers models are built with: transformers' SDPA (and its masks), unless context parallelism
-gave the attention module an `attend` (shardlab.sharding.context), which then attends over the whole sequence's keys."""
+"""The attention transformers models are built with: transformers' SDPA (and its masks), unless the attention
+module's call was given the keyword `attend` (`shardlab.models.provider.Attend`: context parallelism's, which attends
+over the whole sequence's keys). transformers' attention modules hand their call's keywords on to the attention
+function, so the function travels with each call and nothing is written onto transformers' modules."""
 
 
 def _attention(
@@ -72,7 +74,7 @@ def _attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: q, k, v [b, heads, s, head_dim] in, [b, s, heads, head_dim] out."""
-    attend = getattr(module, "attend", None)
+    attend = kwargs.pop("attend", None)
     if attend is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -145,8 +147,8 @@ class HFCausalLM(ModelProvider):
         return cls(config, source)
 
     def build(self) -> nn.Module:
-        """transformers' model with shardlab's attention (`ATTENTION`); its attention modules get `attend = None`,
-        the slot context parallelism fills."""
+        """transformers' model with shardlab's attention (`ATTENTION`), which takes context parallelism's `attend`
+        from the attention modules' keywords."""
         transformers = _transformers()
         _register_attention(transformers)
         try:
@@ -155,10 +157,6 @@ class HFCausalLM(ModelProvider):
             )
         except (AssertionError, ValueError, TypeError, KeyError, AttributeError) as e:  # a user's config.json
             raise ShardlabError(f"{self.source}: transformers cannot build {self.name} from it ({e})") from None
-        attention = Decoder(model).attention
-        for fqn, module in model.named_modules():
-            if any(matches(g, fqn) for g in attention):
-                module.attend = None
         return model
 
     def init_weights(self, model: nn.Module, seed: int) -> None:

@@ -31,8 +31,8 @@ class TransformersStage(nn.Module):
     the last stage, which alone has the head), fed the token ids on the first stage and the previous stage's hidden
     states (`inputs_embeds`) on the others. The other stages' modules are OtherStage, which pass their input on.
 
-    Its children are the model's, so it is the FSDP root of its parameters; the model itself is held weakly (the
-    stages are remembered per model in a weak dictionary)."""
+    Its children are the model's, so it is the FSDP root of its parameters; the model itself is held by a weak
+    reference, not as a submodule (its parameters would show twice): whoever runs the stage holds the model."""
 
     def __init__(self, model: nn.Module, first: bool, last: bool) -> None:
         super().__init__()
