@@ -25,7 +25,7 @@ from shardlab.models.llama.provider import LlamaProvider
 from shardlab.models.llama.rules import llama_rules
 from shardlab.models.provider import ModelProvider
 from shardlab.models.transformers.provider import HFCausalLM
-from shardlab.parallel.apply import apply, constrain, shard, shard_map
+from shardlab.parallel.apply import Parallelized, apply, constrain, parallelize, shard, shard_map
 from shardlab.parallel.device_mesh import make_mesh
 from shardlab.parallel.visualize import visualize, visualize_spec
 from shardlab.sharding.mesh import MeshSpec
@@ -56,6 +56,7 @@ __all__ = [
     "ModelProvider",
     "OptimConfig",
     "P",
+    "Parallelized",
     "Plan",
     "PlanConfig",
     "Rule",
@@ -75,6 +76,7 @@ __all__ = [
     "make_mesh",
     "make_plan",
     "make_step",
+    "parallelize",
     "placements",
     "provider_for",
     "save",
