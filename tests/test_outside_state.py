@@ -109,6 +109,22 @@ def test_apply_still_returns_the_model():
         assert apply(model, plan, make_mesh(cfg.mesh, "cpu")) is model
 
 
+def test_a_step_without_the_stages_apply_built_says_to_pass_them():
+    """The stage modules live with the caller, not in a registry: a pipeline step given none where the rank runs
+    modules built beside the model says so in one line, before any schedule runs the wrong module."""
+    from shardlab import ShardlabError
+    from shardlab.training.pipeline_schedule import PipelineRun
+
+    cfg = LAYOUTS["pp2_interleaved"]
+    model, plan = plan_model(cfg)
+    with fake_world(2, 0):
+        mesh = make_mesh(cfg.mesh, "cpu")
+        built = parallelize(model, plan, mesh)
+        with pytest.raises(ShardlabError, match=r"pass the stages parallelize\(model, plan, mesh\) returns"):
+            PipelineRun(plan, mesh)._schedule_for(model, torch.device("cpu"))
+        assert PipelineRun(plan, mesh, built.stages)._schedule_for(model, torch.device("cpu")) is not None
+
+
 def test_llamas_attention_and_experts_run_what_their_call_gives_them():
     """The keywords the modules declare are the ones they run: no slot, so nothing to forget to reset."""
     attention = Attention(TINY)

@@ -81,6 +81,12 @@ class PipelineRun:
             cls = get_schedule_class(SCHEDULE_NAMES[self.pipeline.schedule])
             m = self.pipeline.microbatches
             modules = self.stage_modules if self.stage_modules is not None else (model,)
+            if self.stage_modules is None and (self.pipeline.call == "transformers" or len(self.stages) > 1):
+                raise ShardlabError(
+                    f"PipelineRun: pp rank {self.pp_rank} runs stage modules built beside the model (several stages, "
+                    "or a transformers model's stage), not the model itself; pass the stages parallelize(model, plan, "
+                    "mesh) returns: make_step(..., stages=...)"
+                )
             if len(modules) != len(self.stages):
                 raise ShardlabError(
                     f"PipelineRun: {len(modules)} stage module(s) but the plan gives pp rank {self.pp_rank} "
