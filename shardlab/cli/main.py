@@ -307,13 +307,15 @@ def _check_data(cfg, vocab_size: int) -> None:
 def run() -> None:
     """`python -m shardlab`: main, then the exit; a failed rank of a world that `relaunch` started leaves its
     one line for the launching process instead of exiting with a traceback. A rank `relaunch` started dies with its
-    agent (which dies with the process the user started)."""
+    agent (which dies with the process the user started), and leaves without the interpreter's teardown whatever its
+    code (`leave`): its run is saved and its files closed by then, and the teardown's C++ destructors of the process
+    groups could still turn a finished run into a SIGABRT (seen under load after the last step)."""
     launcher = os.environ.get(LAUNCHER_ENV)
     if launcher is not None and "LOCAL_RANK" in os.environ:
         die_with_parent(int(launcher))
     code = main()
     from shardlab.cli.torchrun import leave
 
-    if code != 0 and os.environ.get(ERROR_FILE_ENV):
+    if os.environ.get(ERROR_FILE_ENV):
         leave(code)
     sys.exit(code)

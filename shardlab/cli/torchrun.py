@@ -81,8 +81,9 @@ def report(err: Exception, path: str, rank: int) -> int:
 
 
 def leave(code: int) -> None:
-    """Exit a failed rank now: with a peer gone, the process group's destructors can abort the process (gloo:
-    "terminate called without an active exception", then SIGABRT) or hang, and their output is noise."""
+    """Exit a launched rank now, output flushed, without the interpreter's teardown: there the process groups' C++
+    destructors can abort the process (gloo: "terminate called without an active exception", then SIGABRT) or hang,
+    with a peer gone and, rarely, even after a clean destroy_process_group at the end of a run."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
