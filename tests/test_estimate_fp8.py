@@ -90,6 +90,7 @@ def test_an_fp8_estimate_gathers_a_byte_per_fp8_weight_and_a100_refuses_it():
     assert fast.time.fsdp_comm_s < slow.time.fsdp_comm_s
 
 
+@pytest.mark.world  # whole searches, probes forked side by side: the full suite's tier
 def test_a_search_keeps_a_pinned_fp8_recipe_and_its_floors_stay_below_its_estimates():
     """plan.fp8 is a field of the recipe's plan: every candidate keeps it, and the pick written as a recipe runs it.
     The floors (at the FP8 peak, float8 gathers) never prune a layout the exhaustive search would have ranked."""
@@ -139,6 +140,7 @@ BLOCKS: dict = {}
 """The floors' block counts shared by the searches below (the caller's cache: nothing is kept on the provider)."""
 
 
+@pytest.mark.world  # whole searches, probes forked side by side: the full suite's tier
 @pytest.mark.parametrize(("fp8_tflops", "winner"), [(1e6, "tensorwise"), (1.0, "none")])
 def test_a_search_given_fp8_choices_picks_the_faster_one(fp8_tflops, winner):
     """`--fp8-choices none,tensorwise`: every layout twice, once per choice; on a device whose FP8 matmuls (and

@@ -26,19 +26,20 @@ TORCH_KEYS = ("_fsdp", "_is_fsdp", "__composable_api_state_key", "_distribute_mo
 """What torch's own fully_shard and parallelize_module record in a module's __dict__ (their bookkeeping)."""
 
 
-def own_state(model: torch.nn.Module) -> dict[int, tuple[str, dict[str, object]]]:
-    """Each module's __dict__ as it is now: id(module) -> (name, {key: value})."""
-    return {id(m): (name, dict(vars(m))) for name, m in model.named_modules()}
+def own_state(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, str, dict[str, object]]]:
+    """Each module's __dict__ as it is now: id(module) -> (the module, its name, {key: value}). The module is kept
+    alive with it: a module dropped from the model and freed could leave its id to a new one."""
+    return {id(m): (m, name, dict(vars(m))) for name, m in model.named_modules()}
 
 
-def changed_by(model: torch.nn.Module, before: dict[int, tuple[str, dict[str, object]]]) -> list[str]:
+def changed_by(model: torch.nn.Module, before: dict[int, tuple[torch.nn.Module, str, dict[str, object]]]) -> list[str]:
     """Attributes of the modules in `before` that were set or rebound since, but for torch's FSDP bookkeeping (the
     dicts torch keeps parameters, submodules and hooks in stay the same objects: their contents may change)."""
     out = []
     for m in model.modules():
         if id(m) not in before:
             continue
-        name, was = before[id(m)]
+        _, name, was = before[id(m)]
         for key, value in vars(m).items():
             if key.startswith(TORCH_KEYS):
                 continue

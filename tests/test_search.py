@@ -176,6 +176,7 @@ WIDE = ModelConfig(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_dim=14336
 """Probed on fake tensors, a wide model costs what a narrow one does; its matmuls dominate as a large model's do."""
 
 
+@pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
 def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_estimates():
     """FSDP over 16 ranks spans two nodes: a layout's floor grows with its micro batches' gathers, so once the top 2
         fit, the rest are not looked at. At 4.5 GiB per rank memory decides too, and layouts are dropped where a sibling
@@ -216,6 +217,7 @@ def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_
     assert floors.memory(c, piped) > 4 * floors.param_bytes // 16  # the held stage's unsharded weights too
 
 
+@pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
 def test_pipeline_floors_price_the_ranks_the_estimate_prices():
     """Split by blocks, a pipeline's floor counts the busiest pp rank and the one holding the last stage (its output
     layer too) as the plan splits them: under a V-shaped schedule the first rank holds both ends, with uneven stages
@@ -250,6 +252,7 @@ def test_pipeline_floors_price_the_ranks_the_estimate_prices():
         assert floors.busy(c, layout, dev) > 1.05 * floors.busy(by_params, layout, dev), layout
 
 
+@pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
 def test_the_fsdp_floor_counts_the_gathers_each_schedule_runs():
     """FSDP's floor is at most the data-parallel collectives of the layout's estimate and within a fifth of them.
     Without a pipeline each micro batch gathers the weights, and again in its backward where they are resharded
@@ -285,6 +288,7 @@ def test_the_fsdp_floor_counts_the_gathers_each_schedule_runs():
         assert 0.8 * dp <= floors.fsdp_seconds(c, layout, dev) <= dp, layout.describe()
 
 
+@pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
 def test_a_model_with_experts_gets_floors_below_its_estimates():
     """Experts route every token evenly in the floors' counts as in the probe, so a model with experts gets every
     floor: compute, FSDP (the weights it gathers whole: experts are sharded over ep too), TP, CP, EP's all-to-alls
@@ -322,6 +326,7 @@ def test_a_model_with_experts_gets_floors_below_its_estimates():
         assert 0 < floors.ep_seconds(c, layout, dev) <= seconds["ep"], layout.describe()
 
 
+@pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
 def test_a_transformers_model_gets_floors_below_its_estimates():
     """transformers' masks read a value, which meta tensors cannot give: its blocks are counted on fake tensors
     instead, so the search gets its compute, FSDP and activation floors (none before: every layout was estimated),
@@ -372,6 +377,7 @@ def test_a_sibling_checkpointing_more_or_with_fewer_rows_never_needs_more_memory
     assert peaks["none", 1] > peaks["none", 2] >= peaks["selective", 2] >= peaks["full", 2]
 
 
+@pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
 def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_what_each_layouts_probe_records():
     """The blocks' memory-bound ops, counted per row on one rank in fp32 and taken at bf16 and 1 / (tp x cp), move
     no more bytes than the probe of the layout's rank records for its ops without FLOPs: under TP with sequence
@@ -410,6 +416,7 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
         assert 0 < floors.tp_seconds(c, layout, dev) <= tp, (mesh, ac)
 
 
+@pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
 def test_a_pipelines_last_rank_is_probed_only_for_layouts_that_may_enter_the_top():
     """Without the probe of the pp rank holding a pipeline's last stage a layout's peak is exact and its step time a
     lower bound (that rank, with the output layer, is the slower one here): the search probes it only for the
@@ -455,6 +462,7 @@ def test_the_siblings_a_layout_is_dropped_for_are_layouts_of_the_search():
         assert set(one_row + others) <= enumerated, layout.describe()
 
 
+@pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
 def test_a_second_search_reads_its_probes_from_the_store(tmp_path, monkeypatch):
     """Probes kept on disk (`ProbeStore`) answer a later search of the same model: the same ranking, no probe of its
     own, and its floors' block counts are read too (not counted again for a new provider of the model). A damaged
