@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgspec
 
-from shardlab.estimate.search import Search
+from shardlab.estimate.search_result import Search
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLDS = {

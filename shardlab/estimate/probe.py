@@ -93,7 +93,8 @@ def _probe_layers(
     rows = cfg.train.global_batch // dp // micro
     e = plan.experts
     recorder = Recorder(
-        axis_names(mesh, built.experts), 1 / (e.ep * (plan.mesh.tp if e.tensor_parallel else 1)) if e and e.stacked else 1
+        axis_names(mesh, built.experts),
+        1 / (e.ep * (plan.mesh.tp if e.tensor_parallel else 1)) if e and e.stacked else 1,
     )
     with fake_tensors():
         model.to_empty(device="cpu")

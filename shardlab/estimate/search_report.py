@@ -11,7 +11,7 @@ import msgspec
 from shardlab.config import Config
 from shardlab.estimate.device import Device
 from shardlab.estimate.layouts import Layout
-from shardlab.estimate.search import Candidate, Search, readable_bytes
+from shardlab.estimate.search_result import Candidate, Search, readable_bytes
 
 
 def why(s: Search) -> str:
