@@ -142,3 +142,47 @@ def test_a_rank_of_several_stages_is_the_sum_of_stages_probed_elsewhere():
         put_together = _measurement(cfg, rank, None, provider, measured, plan_model(cfg)[1], None).at(regather=False)
         assert put_together == measure(cfg, pp_rank=rank, provider=provider).at(), rank
     assert sum(len(shape.probed) for shape in measured.values()) == 2  # the two ranks of the base
+
+
+REPLICATED = {  # the HSDP twin (dp_replicate 2), the pp rank probed
+    "hsdp 2 x 2 x tp 2 with SP, op": (SMALL, lay(MeshSpec(dp_replicate=2, dp_shard=2, tp=2), "op"), 0),
+    "hsdp 2 x 2 x cp 2, full, kept gathered": (
+        SMALL, lay(MeshSpec(dp_replicate=2, dp_shard=2, cp=2), "full", reshard=False), 0,
+    ),
+    "pp 2 x hsdp 2 x 2, interleaved x2, last rank": (
+        msgspec.structs.replace(DENSE, n_layers=4),
+        lay(MeshSpec(pp=2, dp_replicate=2, dp_shard=2), "selective", 4, "interleaved_1f1b", 2), 1,
+    ),
+    "moe, hsdp 2 x 2": (MOE, lay(MeshSpec(dp_replicate=2, dp_shard=2)), 0),
+    "transformers qwen2, hsdp 2 x 2 x tp 2, full": ("qwen2", lay(MeshSpec(dp_replicate=2, dp_shard=2, tp=2), "full"), 0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", REPLICATED)
+def test_an_hsdp_measurement_is_fsdps_with_its_replicas_all_reduces(name):
+    """HSDP's rank runs FSDP's ops, collectives and activations, plus an all-reduce over dp_replicate of each gradient
+    reduce-scatter's output: derived from the twin with one replica, it equals the HSDP twin's own probe exactly
+    (the search then probes one of the two)."""
+    from shardlab.estimate.probe import measure
+    from shardlab.estimate.twin import _one_replica
+
+    model, layout, rank = REPLICATED[name]
+    provider = None
+    if model == "qwen2":
+        pytest.importorskip("transformers")
+        from shardlab.models.transformers.provider import HFCausalLM
+
+        provider = HFCausalLM.from_dict({"model_type": "qwen2", "vocab_size": 512, "hidden_size": 64,
+                                         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                         "num_key_value_heads": 2}, "qwen2")  # fmt: skip
+        model = DENSE
+    base = Config(model=model, plan=PlanConfig(param_dtype="bfloat16", reduce_dtype="float32"),
+                  train=TrainConfig(global_batch=2 * layout.mesh.size("dp") * layout.micro_batches, seq_len=64))  # fmt: skip
+    cfg = layout.config(base).resolve(layout.mesh.world_size)
+    one = _one_replica(cfg)
+    assert one is not None and one.mesh.dp_replicate == 1
+    provider = provider or provider_for(cfg)
+    hsdp, fsdp = run_forked([partial(measure, c, pp_rank=rank, provider=provider) for c in (cfg, one)])
+    derived = fsdp.replicated(2)
+    assert derived is not None and derived.runs == hsdp.runs != fsdp.runs
+    assert derived.at() == hsdp.at() and derived.at(regather=False) == hsdp.at(regather=False)

@@ -101,6 +101,9 @@ def _probe_layers(
         if plan.fp8 is not None and plan.fp8.all_gather:
             _scale_float8_gathers(built, plan)
         positions = None
+        # the mesh's coordinates are read here, not under the recorder: they are the mesh's own ops, sized by the
+        # world, which no training step runs
+        pp_rank = mesh["pp"].get_local_rank() if plan.pipeline is not None else 0
         if plan.context is not None:  # cp rank 0's chunks of every sequence
             positions = cp_positions(cfg.train.seq_len, cfg.mesh.cp, mesh["cp"].get_local_rank())
         tokens = torch.zeros((rows, cfg.train.seq_len // cfg.mesh.cp), dtype=torch.long)
@@ -119,7 +122,7 @@ def _probe_layers(
                 )
             else:
                 _stages_forward_backward(
-                    built, plan, mesh, cfg, provider.dim, tokens, after_forward, recorder, positions
+                    built, plan, pp_rank, cfg, provider.dim, tokens, after_forward, recorder, positions
                 )
     return recorder
 
@@ -147,7 +150,7 @@ def stage_boundary(cfg: Config, plan: Plan, rows: int, dim: int) -> tuple[tuple[
 def _stages_forward_backward(
     built: Parallelized,
     plan: Plan,
-    mesh: DeviceMesh,
+    pp_rank: int,
     cfg: Config,
     dim: int,
     tokens: torch.Tensor,
@@ -158,7 +161,7 @@ def _stages_forward_backward(
     """One micro batch through each of this rank's pipeline stages, as torch's PipelineStage runs them: the first
     stage takes the tokens, the others a residual-stream tensor from the previous stage (sequence-sharded under
     SP); the last stage's loss is backpropagated, the others' outputs get a gradient from the next stage."""
-    stages = plan.pipeline.stages_of(mesh["pp"].get_local_rank())
+    stages = plan.pipeline.stages_of(pp_rank)
     last = len(plan.pipeline.stages) - 1
     hidden, dtype = stage_boundary(cfg, plan, tokens.shape[0], dim)
     outputs = []
@@ -204,6 +207,8 @@ def probe(
     return measure(cfg, rules, forward_only=forward_only, pp_rank=pp_rank, provider=provider).at(blocks)
 
 
+SHARD_AXES = ("dp_shard", "dp_shard_cp")
+"""The groups FSDP shards the model's weights over (not the experts': theirs is the expert mesh's)."""
 CollectiveKey = tuple[str, str, str, int, int | None]
 """(axis, kind, phase, group size, stage): how a Recorder counts collectives."""
 
@@ -264,6 +269,26 @@ class Run(NamedTuple):
         gathers, reductions, recomputed = (Counter((f, b, kind) for f, b, kind, r, _ in self.sequence if r == role)
                                            for role in ("gather", "reduce", "recompute"))  # fmt: skip
         return dict(counts), dict(nbytes), ops, flops, self.activation_bytes, gathers, reductions, recomputed
+
+    def replicated(self, replicas: int) -> Run | None:
+        """This run of FSDP alone (dp_replicate 1) as the rank of HSDP with `replicas` replicas of its shard group runs
+        it: FSDP then all-reduces each reduce-scatter's output (its buffer over the shard group's size) over
+        dp_replicate; every op, every other collective and the activations are the same (tests/test_estimate_shared.py
+        compares the result with the probe of the HSDP rank). None where it reduced nothing over a shard group."""
+        counts, nbytes = dict(self.collectives), dict(self.collective_bytes)
+        for key, n in self.collectives.items():
+            axis, kind, phase, size, stage = key
+            if kind != "reduce_scatter" or axis not in SHARD_AXES:
+                continue
+            buffer, rest = divmod(self.collective_bytes[key], size)
+            if rest:
+                return None
+            reduced = ("dp_replicate", "all_reduce", phase, replicas, stage)
+            counts[reduced] = counts.get(reduced, 0) + n
+            nbytes[reduced] = nbytes.get(reduced, 0) + buffer
+        if counts == self.collectives:
+            return None
+        return self._replace(collectives=counts, collective_bytes=nbytes)
 
     def at_rows(self, other: Run, t: tuple[int, int]) -> Run | None:
         """The run on the line through this one (at 0) and `other` (at 1) at t = t[0] / t[1], where both ran the same ops and
@@ -365,6 +390,14 @@ class Measurement:
             activation_bytes=extend(a[4], b[4]),
             block_activation_bytes=round(per_block),
         )
+
+    def replicated(self, replicas: int) -> Measurement | None:
+        """This measurement of FSDP alone as HSDP's with `replicas` replicas (`Run.replicated`); None where it cannot
+        be derived."""
+        runs = [r.replicated(replicas) for r in self.runs]
+        if any(r is None for r in runs):
+            return None
+        return Measurement(runs, self.n, self.k, self.v, self.stages)
 
     def at_rows(self, rows: int, mine: int, other: Measurement, theirs: int) -> Measurement | None:
         """This measurement (of `mine` rows per micro batch) at `rows` rows, on the line through `other` (the same

@@ -8,8 +8,9 @@ layout is probed as its twin (`twin`): dp_replicate 2 and dp_shard the smallest 
 the expert mesh's dp_shard_mod_ep, trivial or not as they were; pp 2 where the probed (busiest) pp rank is the
 first, which then runs the same kinds of stages (the first; the last too under a V-shaped schedule); the global
 batch cut so each micro batch keeps its rows. Many layouts share one twin, hence one probe; twins that differ only
-in their rows per micro batch share two (`Shape`: every other row count is on the line through them), and those
-that differ only in FSDP's resharding after forward share one (the one that reshards, without the backward's
+in their rows per micro batch share two (`Shape`: every other row count is on the line through them), a twin of
+HSDP (dp_replicate 2, FSDP over dp_shard > 1) is its twin of one replica plus the replicas' gradient all-reduces
+(`Measurement.replicated`: no probe of its own), and those that differ only in FSDP's resharding after forward share one (the one that reshards, without the backward's
 gathers for the one that does not). A pipelined twin's rank is the sum of its stages, each its own module: every
 looped and V-shaped twin, and the first rank of a twin of one stage per rank, is put together from the stages of
 one base twin (`BASE`). The pp rank holding a pipeline's last stage, whose compute (it also runs the norm, output
@@ -32,6 +33,7 @@ import msgspec
 from shardlab.config import Config, TrainConfig
 from shardlab.estimate import Estimate, estimate_from, head_rank, probed_rank
 from shardlab.estimate.device import Device
+from shardlab.estimate.layouts import uses_fsdp
 from shardlab.estimate.probe import Measurement, Probe, measure, staged
 from shardlab.estimate.probe_store import ProbeStore
 from shardlab.estimate.recorder import Collective
@@ -216,6 +218,13 @@ def _measurement(
     keyed = cfg.train if plan.experts is not None else _train(cfg, per_row)  # loads may round with the rows
     key = msgspec.json.encode((msgspec.structs.replace(cfg, plan=canonical, train=keyed), rank))
     found = measured.setdefault(key, Shape())
+    one = _one_replica(cfg)
+    if one is not None and rows not in found.derived:  # HSDP: FSDP's measurement and its replicas' all-reduces
+        derived = _measurement(one, rank, rules, provider, measured, plan, store).replicated(cfg.mesh.dp_replicate)
+        if derived is not None:
+            found.derived[rows] = derived
+    if one is not None and rows in found.derived:
+        return found.derived[rows]
     pieces = _pieces(cfg, rank, provider.n_layers, plan)
     if pieces is not None:
         if rows not in found.derived:
@@ -236,6 +245,18 @@ def _measurement(
         return store.measured(run, rank, rules, lambda: measure(run, rules, pp_rank=rank, provider=provider))
 
     return found.at(rows, probe)
+
+
+def _one_replica(cfg: Config) -> Config | None:
+    """The twin `cfg` of HSDP (dp_replicate > 1, FSDP sharding over dp_shard) with one replica, the same rows per
+    rank: its measurement gives `cfg`'s (`Measurement.replicated`). None for other twins, and where experts have a
+    mesh of their own (ep > 1)."""
+    m = cfg.mesh
+    if m.dp_replicate == 1 or m.dp_shard == 1 or m.ep > 1 or not uses_fsdp(cfg, m):
+        return None
+    mesh = msgspec.structs.replace(m, dp_replicate=1)
+    train = _train(cfg, cfg.train.global_batch // m.dp_replicate)
+    return msgspec.structs.replace(cfg, mesh=mesh, train=train).resolve(mesh.world_size)
 
 
 BASE = ("interleaved_1f1b", 2)
