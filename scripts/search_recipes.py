@@ -2,6 +2,9 @@
 
     python scripts/search_recipes.py [--recipes NAME ...] [--world NAME=N ...] [--cache DIR] [--budget S] [--out FILE]
 
+docs/search.md is its output for every recipe (`--out docs/search.md` writes the page: its introduction, then the
+table).
+
 Each recipe is searched on the world it is written for (WORLDS; --world NAME=N changes one) on H100s, the CLI's
 default device, and the script prints a markdown table: layouts enumerated, estimated, probes run and read from
 the probe store, the search's own seconds and the wall clock of the whole command, the winner with its tokens/s
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -55,17 +59,61 @@ def search(name: str, world: int, hf_dir: Path | None, cache: Path, budget: floa
     return {"name": name, "world": world, "wall": wall, "found": msgspec.json.decode(done.stdout, type=Search)}
 
 
-def row(r: dict) -> str:
+def recipe_layout(name: str, world: int, hf_dir: Path | None, cache: Path) -> dict:
+    """The recipe's own layout on `world` ranks, estimated by `python -m shardlab estimate` (its mesh, checkpointing,
+    tokens/s per device and peak GiB, read off the table), or the error line where it cannot run there."""
+    args = [sys.executable, "-m", "shardlab", "estimate", f"recipes/{name}.py", "--world", str(world)]
+    if name in NEEDS_HF_DIR:
+        args += ["--model.hf-path", str(hf_dir / "model")]
+    env = os.environ | {"SHARDLAB_CACHE": str(cache)}
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env)
+    mesh, ac = re.search(r"Estimate for mesh (.*?) \(", done.stdout), re.search(r"checkpointing (\w+)\)", done.stdout)
+    speed, peak = (
+        re.search(r"([\d,]+) tokens/s per device", done.stdout),
+        re.search(r"peak\s+([\d.]+) GiB", done.stdout),
+    )
+    if done.returncode != 0 or not (mesh and ac and speed and peak):
+        return {"error": (done.stderr.strip().splitlines() or ["(no output)"])[-1]}
+    return {"layout": f"{mesh[1]}, AC {ac[1]}", "speed": float(speed[1].replace(",", "")), "peak": float(peak[1])}
+
+
+def row(r: dict, own: dict) -> str:
     head = f"| {r['name']} | {r['world']} |"
+    mine = (
+        f"failed: {own['error']} | - | -"
+        if "error" in own
+        else f"{own['layout']} | {own['speed']:,.0f} | {own['peak']:.1f}"
+    )
     if "error" in r:
-        return f"{head} - | - | - | - | - | {r['wall']:.0f} | failed: {r['error']} | - | - | - |"
+        return f"{head} - | - | - | - | - | {r['wall']:.0f} | failed: {r['error']} | - | - | - | {mine} | - |"
     s: Search = r["found"]
     best = s.best[0]
+    gain = f"{best.tokens_per_s_per_device / own['speed']:.2f}" if "error" not in own else "-"
     return (
         f"{head} {s.layouts:,} | {s.estimated:,} | {s.probes:,} | {s.stored:,} | {s.seconds:.0f} | {r['wall']:.0f} | "
         f"{best.layout.describe()} | {best.tokens_per_s_per_device:,.0f} | {best.peak / 2**30:.1f} | "
-        f"{s.pick_within:.2f} |"
+        f"{s.pick_within:.2f} | {mine} | {gain} |"
     )
+
+
+DOC = """# The search over every recipe
+
+`python -m shardlab search RECIPE --world N` for each recipe in recipes/, on the world it is written for, on H100s
+(the CLI's default device, 80 GB), each from an empty probe store (a first search's time, on this project's 2-core
+CI machine), beside the recipe's own layout as `python -m shardlab estimate` gives it on the same world. The
+recipes for large models follow torchtitan's published layouts (their docstrings say which); the debug recipes are
+laid out for tests, not for speed. Written by
+
+    {command}
+
+Columns: layouts enumerated, estimated, probes run and read from the store, the search's own seconds and the whole
+command's, the winner with its estimated tokens/s per device and peak memory, and how far the pick may be from the
+fastest (`pick within`: 1.00 where the search was exhaustive or the pick beats every floor it left; above 1.00 where
+the budget stopped it), then the recipe's layout, its estimate, and the winner's tokens/s over the recipe's. Every
+number is an estimate (docs/estimate.md states the model and how it compares with measured runs); a search that
+fails is a row with its one-line error.
+
+"""
 
 
 def main() -> None:
@@ -81,8 +129,8 @@ def main() -> None:
         parser.error(f"no world for {', '.join(unknown)}: give --world NAME=N")
     lines = [
         "| recipe | world | layouts | estimated | probes | read | search s | wall s | winner | tokens/s/dev | peak GiB "
-        "| pick within |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| pick within | recipe's layout | tokens/s/dev | peak GiB | winner / recipe |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,11 +141,14 @@ def main() -> None:
                            capture_output=True)  # fmt: skip
         for name in args.recipes:
             cache = args.cache or Path(tmp) / "cache" / name
-            lines.append(row(search(name, worlds[name], hf_dir, cache, args.budget)))
+            found = search(name, worlds[name], hf_dir, cache, args.budget)
+            lines.append(row(found, recipe_layout(name, worlds[name], hf_dir, cache)))
             print(lines[-1], flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
+        command = "python scripts/search_recipes.py " + " ".join(sys.argv[1:])
+        doc = DOC.format(command=command) if args.out.suffix == ".md" else ""
+        args.out.write_text(doc + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
