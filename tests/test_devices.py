@@ -119,6 +119,21 @@ def test_estimate_prices_a_device_given_as_a_file(tmp_path, capsys):
     assert "\n" not in err and "network_gb_s: the inter-node network bandwidth" in err
 
 
+def test_estimate_on_cpu_prices_the_machine_as_the_layouts_ranks_share_it(monkeypatch, capsys):
+    """`--device cpu` is this machine measured with as many ranks as the layout has (they share its cores), not one."""
+    import shardlab.estimate.devices as devices
+
+    asked = []
+
+    def measured(world: int):
+        asked.append(world)
+        return devices.device("h100")
+
+    monkeypatch.setattr(devices, "cpu_device", measured)
+    assert main(["estimate", "recipes/llama_fsdp.py", "--world", "2", "--device", "cpu"]) == 0
+    assert asked == [2] and "step" in capsys.readouterr().out
+
+
 def test_the_device_files_the_docs_use_are_valid():
     files = sorted((ROOT / "docs" / "devices").glob("*.toml"))
     assert files

@@ -122,7 +122,7 @@ def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
         from shardlab.estimate import estimate, estimate_table
         from shardlab.estimate.devices import device
 
-        dev = device(flags.device)
+        dev = device(flags.device, cfg.mesh.world_size)  # cpu: this machine as the layout's ranks share it
         print(estimate_table(estimate(cfg, plan, recipe.rules(cfg), dev, provider), cfg, dev))
         return 0
     cfg = _resume_on_restart(cfg)
