@@ -87,6 +87,36 @@ def test_shared_cores_price_gpipe_slot_by_slot():
     assert shared_pipeline_factor(speed, 4, 1, 0.0) == 1.0
 
 
+def test_shared_cores_pace_a_pipeline_by_its_ranks_mean_compute():
+    """On ranks that time-share cores, a pp rank that finishes its share early leaves its cores to the others: the
+    compute that sets the pace is the mean of pp - 1 ranks like the busiest and the one holding the last stage, but
+    never below the slower one alone at its group's best speed. The estimate paces by it, and the floor stays below."""
+    from shardlab.estimate import estimate
+    from shardlab.estimate.floors import Floors
+    from shardlab.estimate.layouts import Layout
+    from shardlab.estimate.roofline import shared_compute
+    from shardlab.models.llama.provider import LlamaProvider
+    from shardlab.training.loop import plan_model
+
+    speed = (2.0, 1.8, 1.3, 1.0)
+    assert shared_compute(2.0, 3.0, 2, 2, speed) == pytest.approx(2.5)
+    assert shared_compute(2.0, 3.0, 4, 1, speed) == pytest.approx(2.25)
+    assert shared_compute(1.0, 10.0, 2, 2, speed) == pytest.approx(10.0 / 1.8)  # the head rank alone at its best
+    model = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=4096)  # a large head
+    base = Config(model=model, train=TrainConfig(global_batch=8, seq_len=64))
+    layout = Layout(mesh=MeshSpec(pp=2, dp_shard=2), activation_checkpoint="full", micro_batches=4, pp_schedule="1f1b")
+    cfg = layout.config(base).resolve(4)
+    shared = msgspec.structs.replace(device("h100"), kernels=FLAT, busy_speed=speed)
+    dedicated = msgspec.structs.replace(shared, busy_speed=())
+    plan = plan_model(cfg)[1]
+    on_shared, on_dedicated = (estimate(cfg, plan, dev=d, compare_checkpointing=False).time for d in (shared, dedicated))
+    assert on_shared.compute_s < on_dedicated.compute_s  # the last stage's output layer and loss: the slower rank
+    assert 0 < on_shared.recompute_s < on_shared.compute_s
+    provider = LlamaProvider(model)
+    floors = Floors.of(cfg, provider, provider.meta_model(), shared, own_rules=False)
+    assert 0 < floors.time(cfg, layout, shared) <= on_shared.step_s
+
+
 def test_a_measured_device_prices_each_collective_kind_at_its_own_speed():
     """gloo's all-gather at half its all-reduce's speed per counted byte: twice the time; unlisted kinds and named
     devices run at the link bandwidth."""

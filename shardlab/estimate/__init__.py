@@ -22,7 +22,15 @@ from shardlab.estimate._fake import fake_world
 from shardlab.estimate.device import Device
 from shardlab.estimate.probe import Probe, probe, stage_boundary
 from shardlab.estimate.recorder import Collective, OpKind
-from shardlab.estimate.roofline import DP_AXES, DTYPE_BYTES, StepTime, collective_seconds, compute_seconds, step_time
+from shardlab.estimate.roofline import (
+    DP_AXES,
+    DTYPE_BYTES,
+    StepTime,
+    collective_seconds,
+    compute_seconds,
+    shared_compute,
+    step_time,
+)
 from shardlab.models import provider_for
 from shardlab.models.provider import ModelProvider
 from shardlab.sharding.pipeline import in_flight, stage_shape
@@ -234,10 +242,18 @@ def estimate_from(
         ranks = [per_step(p, micro, plan, rank)]
         if last is not None:  # the rank holding the last stage: whichever computes longer sets the pace
             ranks.append(per_step(last, micro, plan, head_rank(plan)))
-        pace = max(ranks, key=lambda x: compute_seconds(x, dev))  # its recomputation is the step's
+        seconds = [(compute_seconds(x, dev), compute_seconds(msgspec.structs.replace(x, ops=x.recompute_ops), dev))
+                   for x in ranks]  # fmt: skip
+        compute, recompute = max(seconds)  # the slower rank's, its recomputation the step's
+        if dev.busy_speed and len(seconds) == 2:  # ranks time-share cores: the pp ranks' mean sets the pace
+            pp, group = cfg.mesh.pp, cfg.mesh.world_size // cfg.mesh.pp
+            compute = shared_compute(seconds[0][0], seconds[1][0], pp, group, dev.busy_speed)
+            recompute = (
+                compute * ((pp - 1) * seconds[0][1] + seconds[1][1]) / ((pp - 1) * seconds[0][0] + seconds[1][0])
+            )
         time = step_time(
-            compute_seconds(pace, dev), collectives, plan.mesh, dev,
-            recompute=compute_seconds(msgspec.structs.replace(pace, ops=pace.recompute_ops), dev),
+            compute, collectives, plan.mesh, dev,
+            recompute=recompute,
             params_per_rank=sum(math.prod(q.local_shape) for q in plan.worst_rank_params),
             global_tokens=cfg.train.global_batch * cfg.train.seq_len, model_flops_per_token=fpt, bubble=bubble,
         )  # fmt: skip

@@ -39,6 +39,8 @@ That holds only if each floor is at most what the estimate gives, term by term:
 - FSDP: the rank's block weights gathered in param_dtype and their gradients reduce-scattered in reduce_dtype, over
   dp_shard x cp at that group's bandwidth, as often as the estimate runs them (`Floors.fsdp_runs`: with a pipeline
   and resharding after forward, once per micro batch and once more, whatever the schedule).
+  On ranks that time-share cores, the compute of the busiest rank and of the one holding the last stage are
+  combined as the estimate combines them (`roofline.shared_compute`).
   The step is at least the larger of compute and FSDP (the roofline overlaps them) plus TP's, CP's and EP's
   collectives, stretched by the pipeline's bubble as `roofline.step_time` stretches it, plus AdamW's step over at
   least the model's parameters split every way the layout shards them; pipeline sends only add.
@@ -80,6 +82,7 @@ from shardlab.estimate.roofline import (
     DTYPE_BYTES,
     GPUS_PER_NODE,
     axis_bandwidth,
+    shared_compute,
     shared_pipeline_factor,
 )
 from shardlab.models.llama.provider import LlamaProvider
@@ -176,7 +179,10 @@ class Floors(Frozen):
         m = layout.mesh
         if self.block is None:
             return 0.0
-        compute = max(self._compute_seconds(cfg, layout, rank) for rank in self._ranks(cfg, layout))
+        seconds = [self._compute_seconds(cfg, layout, rank) for rank in self._ranks(cfg, layout)]
+        compute = max(seconds)
+        if dev.busy_speed and len(seconds) == 2:  # as the estimate paces ranks that time-share cores
+            compute = shared_compute(*seconds, m.pp, m.world_size // m.pp, dev.busy_speed)
         busy = max(compute, self.fsdp_seconds(cfg, layout, dev))
         if m.tp > 1 and self.tp_dim:
             busy += self.tp_seconds(cfg, layout, dev)

@@ -16,7 +16,8 @@ The model, stated so it can be argued with:
   bubble fraction of the step (shardlab.sharding.pipeline.bubble_fraction), the optimizer step comes after. Ranks that
   time-share one machine's cores (`--device cpu`) run faster while others idle, by their measured `busy_speed`: the
   step is priced as GPipe's lockstep timeline with the same bubble, slot by slot at the speed its busy ranks get
-  (`shared_pipeline_factor`).
+  (`shared_pipeline_factor`), and the compute that sets its pace is the pp ranks' mean rather than the slowest
+  rank's: a stage that finishes early leaves its cores to the others (`shared_compute`).
 - The AdamW step streams 7 fp32 words per local parameter (read p, g, m, v; write p, m, v) through HBM.
 - No stragglers, and without a kernel table no kernel-launch or Python overheads: a floor, which real runs
   approach from above.
@@ -152,6 +153,16 @@ def step_time(
         compute_s=compute, fsdp_comm_s=fsdp, tp_comm_s=tp, pp_comm_s=pp, bubble_s=idle, optimizer_s=optimizer,
         step_s=step, tokens_per_s_per_device=per_device, mfu=mfu, recompute_s=recompute,
     )  # fmt: skip
+
+
+def shared_compute(busiest: float, head: float, pp: int, group: int, speed: Sequence[float]) -> float:
+    """Compute seconds that set the pace of a pipeline whose `pp` ranks (of `group` processes each) time-share a
+    machine's cores (`Device.busy_speed`: speed[k - 1] with k processes busy): a rank that finishes its share early
+    leaves its cores to the others, so the pp ranks' mean, taken as pp - 1 ranks like the busiest (`busiest`
+    seconds, at least any other's) and the one holding the last stage (`head`); and never less than the slower
+    of the two alone, at the speed its group gets with every other rank idle."""
+    mean = ((pp - 1) * busiest + head) / pp
+    return max(mean, max(busiest, head) / speed[min(group, len(speed)) - 1])
 
 
 def shared_pipeline_factor(speed: Sequence[float], pp: int, group: int, bubble: float) -> float:
