@@ -109,7 +109,9 @@ def test_shared_cores_pace_a_pipeline_by_its_ranks_mean_compute():
     shared = msgspec.structs.replace(device("h100"), kernels=FLAT, busy_speed=speed)
     dedicated = msgspec.structs.replace(shared, busy_speed=())
     plan = plan_model(cfg)[1]
-    on_shared, on_dedicated = (estimate(cfg, plan, dev=d, compare_checkpointing=False).time for d in (shared, dedicated))
+    on_shared, on_dedicated = (
+        estimate(cfg, plan, dev=d, compare_checkpointing=False).time for d in (shared, dedicated)
+    )
     assert on_shared.compute_s < on_dedicated.compute_s  # the last stage's output layer and loss: the slower rank
     assert 0 < on_shared.recompute_s < on_shared.compute_s
     provider = LlamaProvider(model)

@@ -56,6 +56,10 @@ class Block(Frozen):
     kept: tuple[tuple[str, float], ...] = ()
     """Bytes its forward leaves alive per token, in param_dtype on one rank, per checkpointing mode counted ("none",
     and "op" and "full" where the model's blocks are the ones checkpointed); a mode not counted keeps 0 at least."""
+    recompute_memory_bytes: tuple[tuple[str, float], ...] = ()
+    """Bytes per token its ops without FLOPs move beyond memory_bytes when it is checkpointed, per mode counted
+    ("op", "full"; as `kept`): what the backward's recomputation reads and writes. A mode not counted adds
+    memory_forward_bytes under full checkpointing (the forward's ops, again), 0 otherwise."""
     head_flops: float = 0.0
     """Matmul FLOPs per token outside the blocks (the output layer), forward and backward."""
     op_recompute_flops: float = 0.0
@@ -81,7 +85,7 @@ def count_block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_
         calls |= {("recompute", n): partial(_count, provider.with_layers(n), seq_len, options, "op") for n in (1, 2)}
     for n, rows in PER_ROW:
         calls["memory", n, rows] = partial(_memory_bytes, provider.with_layers(n), seq_len, rows, options)
-        calls |= {(ac, n, rows): partial(_kept_bytes, provider.with_layers(n), seq_len, rows, options, ac)
+        calls |= {(ac, n, rows): partial(_memory_bytes, provider.with_layers(n), seq_len, rows, options, ac)
                   for ac in modes}  # fmt: skip
     counted = dict(zip(calls, run_forked([partial(_or_none, call) for call in calls.values()]), strict=True))
     op_recompute = 0.0
@@ -90,20 +94,23 @@ def count_block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_
         op_recompute = max((two_op[0] - one_op[0]) / seq_len - per_token[0], 0.0)
     llama = isinstance(provider, LlamaProvider)  # attention as the probe counts it (see the module docstring)
     attention, attention_forward = (7 / 12, 1 / 2) if llama else (0.0, 0.0)
-    memory, head, kept = (0.0, 0.0), 0.0, []
+    memory, head, kept, again = (0.0, 0.0), 0.0, [], []
     for mode in ("memory", *modes):  # no memory floor, or none for the modes not counted from the first missing on
         found = _per_row({(n, rows): counted[mode, n, rows] for n, rows in PER_ROW})
         if found is None:
             break
+        (moved, _, alive), (rest, _, _) = found
         if mode == "memory":
-            (*memory, alive), (head, _, _) = found
+            memory, head = found[0][:2], rest
             kept.append(("none", alive / seq_len))
         else:
-            kept.append((mode, found[0][0] / seq_len))
+            kept.append((mode, alive / seq_len))
+            again.append((mode, max(moved - memory[0], 0.0) / seq_len))
     return Block(train_flops=per_token[0], forward_flops=per_token[1], attention_flops=attention * per_token[2],
                  attention_forward_flops=attention_forward * per_token[3], params=round(per_token[4] * seq_len),
                  memory_bytes=memory[0] / seq_len, memory_forward_bytes=memory[1] / seq_len,
-                 kept=tuple(kept), head_flops=max(head_flops, 0.0), head_memory_bytes=head / seq_len,
+                 kept=tuple(kept), recompute_memory_bytes=tuple(again), head_flops=max(head_flops, 0.0),
+                 head_memory_bytes=head / seq_len,
                  op_recompute_flops=op_recompute)  # fmt: skip
 
 
@@ -184,11 +191,14 @@ def _per_row(
     return tuple(max(x, 0.0) for x in block), tuple(max(x, 0.0) for x in rest)
 
 
-def _memory_bytes(provider: ModelProvider, seq_len: int, rows: int, options: PlanConfig) -> tuple[int, int, int]:
+def _memory_bytes(
+    provider: ModelProvider, seq_len: int, rows: int, options: PlanConfig, ac: str | None = None
+) -> tuple[int, int, int]:
     """Bytes read and written by the ops without FLOPs of one training micro batch of `provider`'s model on `rows`
     sequences (`step.forward_backward`), and by its forward, on fake CPU tensors (the kernels the probe sees: CPU's
-    fused attention) with the parameters in param_dtype; and the bytes its forward leaves alive."""
-    model = _model(provider, options)
+    fused attention) with the parameters in param_dtype, its blocks checkpointed as `ac` says (None: not); and the
+    bytes its forward leaves alive."""
+    model = _model(provider, options, ac)
     recorder, forward = Recorder({}), {}
 
     def after_forward() -> None:
@@ -200,20 +210,6 @@ def _memory_bytes(provider: ModelProvider, seq_len: int, rows: int, options: Pla
         with recorder:
             forward_backward(model, tokens, tokens, 1.0, False, after_forward, forward=provider.forward)
     return _moved(recorder), forward["moved"], forward["alive"]
-
-
-def _kept_bytes(provider: ModelProvider, seq_len: int, rows: int, options: PlanConfig, ac: str) -> tuple[int]:
-    """Bytes the forward of `provider`'s model on `rows` sequences leaves alive on fake CPU tensors with the
-    parameters in param_dtype, its blocks checkpointed as `ac` says (`apply` on one process: checkpointing alone)."""
-    model = _model(provider, options, ac)
-    recorder = Recorder({})
-    with balanced_routing(), fake_tensors():
-        model.to_empty(device="cpu")
-        with recorder:
-            out = provider.forward(model, torch.zeros(rows, seq_len, dtype=torch.long))  # holds what backward needs
-            alive = recorder.live_bytes(param_storages(model))
-    del out
-    return (alive,)
 
 
 def _moved(recorder: Recorder) -> int:

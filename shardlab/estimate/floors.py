@@ -14,7 +14,8 @@ That holds only if each floor is at most what the estimate gives, term by term:
   eager PyTorch and priced by its
   bytes at the device's best bandwidth: counted per row of a micro batch (what grows with the rows; what does
   not is dropped) on fake CPU tensors as the probe runs them (`step.forward_backward`), on one rank with the
-  parameters in param_dtype (as FSDP's mixed precision computes), and taken at 1 / (tp x cp) on the rank. Each such
+  parameters in param_dtype (as FSDP's mixed precision computes), with the blocks checkpointed as the layout's (op
+  or full; a recomputed block under selective as under full), and taken at 1 / (tp x cp) on the rank. Each such
   op of one rank has its counterpart on every layout's rank, on its share of the tokens, heads or hidden units; a
   layout's own ops (casts, redistributions) only add, except FSDP's copies of the blocks' weights out of the
   gathered buffer and of their gradients into the reduce-scatter's, which count once per micro batch (per step
@@ -282,17 +283,23 @@ class Floors(Frozen):
             return 0.0
         rank = rank or self._ranks(cfg, layout)[0]
         tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
-        moved = rank.blocks * b.memory_bytes + rank.recomputed * b.memory_forward_bytes
+        again = dict(b.recompute_memory_bytes)  # what checkpointing's recomputation adds, per block
+        if layout.activation_checkpoint == "op":
+            extra = rank.blocks * again.get("op", 0.0)
+        else:  # blocks recomputed whole (full, selective)
+            extra = rank.recomputed * again.get("full", b.memory_forward_bytes)
+        moved = rank.blocks * b.memory_bytes + extra
         if rank.head:
             moved += b.head_memory_bytes
         copies = 0.0
-        if m.dp_shard * m.cp > 1 and uses_fsdp(cfg, m):
-            # FSDP copies each gathered block out of its flat buffer (its weights read and written in param_dtype)
-            # and each block's gradients into the reduce-scatter's (read in param_dtype, written in reduce_dtype):
-            # once per micro batch without a pipeline, once per step at least with one
+        if m.size("batch") > 1 and uses_fsdp(cfg, m):
+            # FSDP copies each block's gradients into the buffer it reduces (read in param_dtype, written in
+            # reduce_dtype), and where it shards them, each gathered block out of its flat buffer (its weights read
+            # and written in param_dtype): once per micro batch without a pipeline, once per step at least with one
             param, reduce = _gathered_bytes(cfg), DTYPE_BYTES[cfg.plan.reduce_dtype]
             times = 1 if m.pp > 1 else layout.micro_batches
-            copies = times * rank.blocks * b.params / m.tp * (3 * param + reduce)
+            gathered = 2 * param if m.dp_shard * m.cp > 1 else 0
+            copies = times * rank.blocks * b.params / m.tp * (gathered + param + reduce)
         return (tokens * moved / m.tp + copies) / self.bandwidth
 
     def tp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
