@@ -382,8 +382,8 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
     """The blocks' memory-bound ops, counted per row on one rank in fp32 and taken at bf16 and 1 / (tp x cp), move
     no more bytes than the probe of the layout's rank records for its ops without FLOPs: under TP with sequence
     parallelism in bf16 and without it in fp32 (the gathered activations' ops are whole there), CP, full, op and
-    selective checkpointing (what the backward's recomputation moves counted with the block: without TP's
-    redistributions the floor is within a quarter of the probe's traffic). Without it the floor of a large model misses a sixth of its step (its eager norms and adds). CP's
+    selective checkpointing (what the backward's recomputation moves counted with the block, and what TP adds on a
+    rank counted at tp 2: with sequence parallelism the floor is within 30% of the probe's traffic). Without it the floor of a large model misses a sixth of its step (its eager norms and adds). CP's
     floor (K and V gathered, their gradients reduce-scattered) is at most the probe's cp collectives, TP's (the
     blocks' reductions, once more in a recomputed block) at most its tp collectives. What the
     blocks' forwards keep, counted the same way, is at most the activations the probe finds alive, with every
@@ -410,8 +410,8 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
         p = probe(layout.config(c).resolve(16), provider=provider)
         moved = layout.micro_batches * sum(m * n for f, m, n, _ in p.ops if not f)
         assert 0 < floors.memory_seconds(c, layout) * floors.bandwidth <= moved, (mesh, ac)
-        if mesh.tp == 1:  # no redistributions: the recomputation's traffic counted too, the floor is close
-            assert floors.memory_seconds(c, layout) * floors.bandwidth > 0.75 * moved, (mesh, ac)
+        if plan.get("sequence_parallel", True):  # the recomputation's traffic and what TP adds counted: close
+            assert floors.memory_seconds(c, layout) * floors.bandwidth > 0.7 * moved, (mesh, ac)
         assert 0 < floors.activations(c, layout) <= p.activation_bytes, (mesh, ac)
         run_mesh = layout.config(c).resolve(16).mesh
         cp = layout.micro_batches * sum(collective_seconds(x, run_mesh, dev) for x in p.collectives if x.axis == "cp")

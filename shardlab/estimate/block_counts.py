@@ -18,13 +18,14 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardlab._base import Frozen
-from shardlab.config import PlanConfig
+from shardlab.config import Config, PlanConfig
 from shardlab.estimate._fake import fake_tensors
 from shardlab.estimate._forked import run_forked
+from shardlab.estimate.probe import measure
 from shardlab.estimate.recorder import Recorder, param_storages
 from shardlab.models.llama.moe import balanced_routing, moe_layers
 from shardlab.models.llama.provider import LlamaProvider
-from shardlab.models.provider import ModelProvider
+from shardlab.models.provider import ModelProvider, check_layout
 from shardlab.parallel.apply import apply
 from shardlab.sharding.mesh import MeshSpec
 from shardlab.sharding.plan import make_plan
@@ -67,13 +68,23 @@ class Block(Frozen):
     head_memory_bytes: float = 0.0
     """Bytes the ops without FLOPs outside the blocks (final norm, output, loss) move per token, forward and
     backward, in param_dtype on one rank."""
+    tp_memory_bytes: float = 0.0
+    """Bytes per token of a tp rank's tokens its ops without FLOPs move beyond memory_bytes / tp, counted at tp 2
+    with 2 and 3 rows per micro batch (0: not counted): what tensor parallelism adds on each rank with 2 rows or
+    more, at least as much at any larger tp (ops left whole outside the sharded regions grow as 1 - 1 / tp of the
+    block's; sequence parallelism's gathers and scatters rearrange the rank's whole tokens, which one row gathers
+    as a view)."""
 
 
-def count_block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_rules: bool) -> Block | None:
+def count_block(
+    provider: ModelProvider, seq_len: int, options: PlanConfig, own_rules: bool, cfg: Config | None = None
+) -> Block | None:
     """One block's numbers: models of 2 and 1 blocks, one sequence each, counted by torch's FlopCounterMode;
     its memory-bound ops and what its forward keeps alive, per row (`_per_row`). own_rules: the recipe's rules may
-    checkpoint other modules than the model's blocks (only what no checkpointing keeps is counted). The counts are
-    independent runs, side by side on the cores (`run_forked`)."""
+    checkpoint other modules than the model's blocks (only what no checkpointing keeps is counted). cfg: a config
+    of the model (its plan `options`), whose rank 0 of tp 1 and 2 is probed for what tensor parallelism adds to the
+    traffic (None, own rules, or a model tp 2 cannot split: not counted). The counts are independent runs, side by
+    side on the cores (`run_forked`)."""
     one, two = run_forked([partial(_or_none, _count, provider.with_layers(n), seq_len, options) for n in (1, 2)])
     if one is None or two is None:  # no compute floor
         return None
@@ -83,8 +94,11 @@ def count_block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_
     calls: dict[tuple, partial] = {}
     if not own_rules:  # what op-level checkpointing recomputes
         calls |= {("recompute", n): partial(_count, provider.with_layers(n), seq_len, options, "op") for n in (1, 2)}
+    tp = cfg is not None and not own_rules and all(size % 2 == 0 for size in provider.tp_divisors().values())
     for n, rows in PER_ROW:
         calls["memory", n, rows] = partial(_memory_bytes, provider.with_layers(n), seq_len, rows, options)
+        if tp:  # at 2 and 3 rows: one row takes other paths (SP's gather of one sequence is a view)
+            calls["tp", n, rows + 1] = partial(_tp_traffic, provider.with_layers(n), cfg, rows + 1, 2)
         calls |= {(ac, n, rows): partial(_memory_bytes, provider.with_layers(n), seq_len, rows, options, ac)
                   for ac in modes}  # fmt: skip
     counted = dict(zip(calls, run_forked([partial(_or_none, call) for call in calls.values()]), strict=True))
@@ -106,11 +120,16 @@ def count_block(provider: ModelProvider, seq_len: int, options: PlanConfig, own_
         else:
             kept.append((mode, alive / seq_len))
             again.append((mode, max(moved - memory[0], 0.0) / seq_len))
+    tp_bytes = 0.0
+    c = {key[1:]: value for key, value in counted.items() if key[0] == "tp"}
+    if tp and memory[0] and None not in c.values():  # one block per row of the rank's sequences (whole) at tp 2
+        two = (c[2, 3][0] - c[1, 3][0]) - (c[2, 2][0] - c[1, 2][0])  # (as the probe at tp 1 counts memory_bytes)
+        tp_bytes = max(two - memory[0] / 2, 0.0) / seq_len
     return Block(train_flops=per_token[0], forward_flops=per_token[1], attention_flops=attention * per_token[2],
                  attention_forward_flops=attention_forward * per_token[3], params=round(per_token[4] * seq_len),
                  memory_bytes=memory[0] / seq_len, memory_forward_bytes=memory[1] / seq_len,
                  kept=tuple(kept), recompute_memory_bytes=tuple(again), head_flops=max(head_flops, 0.0),
-                 head_memory_bytes=head / seq_len,
+                 head_memory_bytes=head / seq_len, tp_memory_bytes=tp_bytes,
                  op_recompute_flops=op_recompute)  # fmt: skip
 
 
@@ -210,6 +229,23 @@ def _memory_bytes(
         with recorder:
             forward_backward(model, tokens, tokens, 1.0, False, after_forward, forward=provider.forward)
     return _moved(recorder), forward["moved"], forward["alive"]
+
+
+def _tp_traffic(provider: ModelProvider, cfg: Config, rows: int, tp: int) -> tuple[int] | None:
+    """Bytes the ops without FLOPs of one micro batch of `rows` sequences move on rank 0 of `tp` ranks of tensor
+    parallelism alone, laid out by the provider's rules as the probe lays them out (FSDP's own copies aside); None
+    where the model refuses that layout."""
+    mesh = MeshSpec(dp_shard=1, tp=tp)
+    run = msgspec.structs.replace(cfg, mesh=mesh, train=msgspec.structs.replace(cfg.train, global_batch=rows,
+                                                                                micro_batch=None))  # fmt: skip
+    try:
+        run = run.resolve(tp)
+        check_layout(run, provider)
+    except ValueError:  # the model's own limits (a transformers model's heads vs tp)
+        return None
+    measured = measure(run, provider=provider)
+    (only,) = measured.runs  # a model this small is probed whole
+    return (sum(moved for flops, moved, kind, role, _ in only.sequence if kind == "memory" and not role),)
 
 
 def _moved(recorder: Recorder) -> int:

@@ -144,7 +144,7 @@ class Floors(Frozen):
         counted = {} if blocks is None else blocks
         key = (cfg.train.seq_len, msgspec.json.encode(cfg.plan), own_rules)
         if key not in counted:
-            count = partial(count_block, provider, cfg.train.seq_len, cfg.plan, own_rules)
+            count = partial(count_block, provider, cfg.train.seq_len, cfg.plan, own_rules, cfg)
             counted[key] = count() if store is None else store.block(cfg.train.seq_len, cfg.plan, own_rules, count)
         block = counted[key]
         llama = isinstance(provider, LlamaProvider) and block is not None and not own_rules
@@ -289,6 +289,8 @@ class Floors(Frozen):
         else:  # blocks recomputed whole (full, selective)
             extra = rank.recomputed * again.get("full", b.memory_forward_bytes)
         moved = rank.blocks * b.memory_bytes + extra
+        if m.tp > 1 and cfg.train.global_batch // m.size("dp") // layout.micro_batches > 1:
+            moved += rank.blocks * b.tp_memory_bytes * m.tp  # what tp adds on each rank (`Block.tp_memory_bytes`)
         if rank.head:
             moved += b.head_memory_bytes
         copies = 0.0
