@@ -406,6 +406,7 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
     for plan, mesh, ac, *micro in cases:
         c = cfg(deep, global_batch=16, seq_len=4096, **plan)
         floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
+        assert floors.block.tp_memory_bytes > 0 and floors.block.cp_memory_bytes > 0  # counted at tp 2 and cp 2
         layout = Layout(mesh=mesh, activation_checkpoint=ac, micro_batches=micro[0] if micro else 2)
         p = probe(layout.config(c).resolve(16), provider=provider)
         moved = layout.micro_batches * sum(m * n for f, m, n, _ in p.ops if not f)

@@ -74,6 +74,10 @@ class Block(Frozen):
     more, at least as much at any larger tp (ops left whole outside the sharded regions grow as 1 - 1 / tp of the
     block's; sequence parallelism's gathers and scatters rearrange the rank's whole tokens, which one row gathers
     as a view)."""
+    cp_memory_bytes: float = 0.0
+    """The same for context parallelism, per token of a cp rank's tokens, counted at cp 2 (0: not counted): what
+    it moves on each rank beyond its share (K and V gathered whole, among others), at least as much at any larger cp
+    per token of the rank (whole-sequence work over fewer tokens)."""
 
 
 def count_block(
@@ -94,11 +98,13 @@ def count_block(
     calls: dict[tuple, partial] = {}
     if not own_rules:  # what op-level checkpointing recomputes
         calls |= {("recompute", n): partial(_count, provider.with_layers(n), seq_len, options, "op") for n in (1, 2)}
-    tp = cfg is not None and not own_rules and all(size % 2 == 0 for size in provider.tp_divisors().values())
+    splits = [] if cfg is None or own_rules else ["cp"]  # the axes whose excess traffic is counted (at size 2)
+    if splits and all(size % 2 == 0 for size in provider.tp_divisors().values()):
+        splits.append("tp")
     for n, rows in PER_ROW:
         calls["memory", n, rows] = partial(_memory_bytes, provider.with_layers(n), seq_len, rows, options)
-        if tp:  # at 2 and 3 rows: one row takes other paths (SP's gather of one sequence is a view)
-            calls["tp", n, rows + 1] = partial(_tp_traffic, provider.with_layers(n), cfg, rows + 1, 2)
+        for axis in splits:  # at 2 and 3 rows: one row takes other paths (SP's gather of one sequence is a view)
+            calls[axis, n, rows + 1] = partial(_split_traffic, provider.with_layers(n), cfg, rows + 1, axis)
         calls |= {(ac, n, rows): partial(_memory_bytes, provider.with_layers(n), seq_len, rows, options, ac)
                   for ac in modes}  # fmt: skip
     counted = dict(zip(calls, run_forked([partial(_or_none, call) for call in calls.values()]), strict=True))
@@ -120,16 +126,18 @@ def count_block(
         else:
             kept.append((mode, alive / seq_len))
             again.append((mode, max(moved - memory[0], 0.0) / seq_len))
-    tp_bytes = 0.0
-    c = {key[1:]: value for key, value in counted.items() if key[0] == "tp"}
-    if tp and memory[0] and None not in c.values():  # one block per row of the rank's sequences (whole) at tp 2
-        two = (c[2, 3][0] - c[1, 3][0]) - (c[2, 2][0] - c[1, 2][0])  # (as the probe at tp 1 counts memory_bytes)
-        tp_bytes = max(two - memory[0] / 2, 0.0) / seq_len
+    excess = {}  # one block per row of a rank's sequences at size 2, beyond half of it on one rank (as the probe
+    for axis in splits:  # at size 1 counts memory_bytes), per token of the rank's
+        c = {key[1:]: value for key, value in counted.items() if key[0] == axis}
+        if memory[0] and None not in c.values():
+            two = (c[2, 3][0] - c[1, 3][0]) - (c[2, 2][0] - c[1, 2][0])
+            excess[axis] = max(two - memory[0] / 2, 0.0) / (seq_len // (2 if axis == "cp" else 1))
     return Block(train_flops=per_token[0], forward_flops=per_token[1], attention_flops=attention * per_token[2],
                  attention_forward_flops=attention_forward * per_token[3], params=round(per_token[4] * seq_len),
                  memory_bytes=memory[0] / seq_len, memory_forward_bytes=memory[1] / seq_len,
                  kept=tuple(kept), recompute_memory_bytes=tuple(again), head_flops=max(head_flops, 0.0),
-                 head_memory_bytes=head / seq_len, tp_memory_bytes=tp_bytes,
+                 head_memory_bytes=head / seq_len, tp_memory_bytes=excess.get("tp", 0.0),
+                 cp_memory_bytes=excess.get("cp", 0.0),
                  op_recompute_flops=op_recompute)  # fmt: skip
 
 
@@ -231,15 +239,15 @@ def _memory_bytes(
     return _moved(recorder), forward["moved"], forward["alive"]
 
 
-def _tp_traffic(provider: ModelProvider, cfg: Config, rows: int, tp: int) -> tuple[int] | None:
-    """Bytes the ops without FLOPs of one micro batch of `rows` sequences move on rank 0 of `tp` ranks of tensor
-    parallelism alone, laid out by the provider's rules as the probe lays them out (FSDP's own copies aside); None
-    where the model refuses that layout."""
-    mesh = MeshSpec(dp_shard=1, tp=tp)
+def _split_traffic(provider: ModelProvider, cfg: Config, rows: int, axis: str) -> tuple[int] | None:
+    """Bytes the ops without FLOPs of one micro batch of `rows` sequences move on rank 0 of 2 ranks of `axis` (tp or
+    cp) alone, laid out by the provider's rules as the probe lays them out (FSDP's own copies aside); None where the
+    model refuses that layout."""
+    mesh = MeshSpec(dp_shard=1, **{axis: 2})
     run = msgspec.structs.replace(cfg, mesh=mesh, train=msgspec.structs.replace(cfg.train, global_batch=rows,
                                                                                 micro_batch=None))  # fmt: skip
     try:
-        run = run.resolve(tp)
+        run = run.resolve(2)
         check_layout(run, provider)
     except ValueError:  # the model's own limits (a transformers model's heads vs tp)
         return None

@@ -289,8 +289,8 @@ class Floors(Frozen):
         else:  # blocks recomputed whole (full, selective)
             extra = rank.recomputed * again.get("full", b.memory_forward_bytes)
         moved = rank.blocks * b.memory_bytes + extra
-        if m.tp > 1 and cfg.train.global_batch // m.size("dp") // layout.micro_batches > 1:
-            moved += rank.blocks * b.tp_memory_bytes * m.tp  # what tp adds on each rank (`Block.tp_memory_bytes`)
+        if cfg.train.global_batch // m.size("dp") // layout.micro_batches > 1:  # what tp and cp add on each rank
+            moved += rank.blocks * (b.tp_memory_bytes * m.tp * (m.tp > 1) + b.cp_memory_bytes * (m.cp > 1))
         if rank.head:
             moved += b.head_memory_bytes
         copies = 0.0
