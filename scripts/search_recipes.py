@@ -32,7 +32,7 @@ from shardlab.estimate.search_result import Search
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLDS = {
-    "llama3_1b": 8, "llama3_8b": 8, "llama3_70b": 256, "llama3_405b": 512, "llama3_405b_pp": 512,
+    "llama3_1b": 4, "llama3_8b": 8, "llama3_70b": 256, "llama3_405b": 512, "llama3_405b_pp": 512,
     "qwen2_5_72b": 512, "qwen3_32b": 256, "mixtral_8x7b": 64, "llama_debug": 4, "llama_fsdp": 4, "llama_fsdp_tp": 4,
     "llama_hsdp_tp": 8, "llama_pp": 4, "llama_3d": 8, "llama_cp": 4, "moe_ep": 4, "moe_ep_tp": 4, "moe_fsdp": 4,
     "custom_gpt": 4, "hf_causal_lm": 4, "sft_hf": 4,
@@ -61,7 +61,13 @@ def search(name: str, world: int, hf_dir: Path | None, cache: Path, budget: floa
 
 def recipe_layout(name: str, world: int, hf_dir: Path | None, cache: Path) -> dict:
     """The recipe's own layout on `world` ranks, estimated by `python -m shardlab estimate` (its mesh, checkpointing,
-    tokens/s per device and peak GiB, read off the table), or the error line where it cannot run there."""
+    tokens/s per device and peak GiB, read off the table); where the recipe fixes a mesh of another size, that size;
+    the error line where it cannot run there."""
+    from shardlab.cli.recipe import load_recipe
+
+    mesh = load_recipe(ROOT / "recipes" / f"{name}.py").config.mesh
+    if -1 not in (mesh.pp, mesh.dp_replicate, mesh.dp_shard, mesh.cp, mesh.tp) and mesh.world_size != world:
+        return {"error": f"written for {mesh.world_size} rank(s)"}
     args = [sys.executable, "-m", "shardlab", "estimate", f"recipes/{name}.py", "--world", str(world)]
     if name in NEEDS_HF_DIR:
         args += ["--model.hf-path", str(hf_dir / "model")]
@@ -80,7 +86,7 @@ def recipe_layout(name: str, world: int, hf_dir: Path | None, cache: Path) -> di
 def row(r: dict, own: dict) -> str:
     head = f"| {r['name']} | {r['world']} |"
     mine = (
-        f"failed: {own['error']} | - | -"
+        f"{own['error']} | - | -"
         if "error" in own
         else f"{own['layout']} | {own['speed']:,.0f} | {own['peak']:.1f}"
     )
