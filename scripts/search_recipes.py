@@ -85,11 +85,7 @@ def recipe_layout(name: str, world: int, hf_dir: Path | None, cache: Path) -> di
 
 def row(r: dict, own: dict) -> str:
     head = f"| {r['name']} | {r['world']} |"
-    mine = (
-        f"{own['error']} | - | -"
-        if "error" in own
-        else f"{own['layout']} | {own['speed']:,.0f} | {own['peak']:.1f}"
-    )
+    mine = f"{own['error']} | - | -" if "error" in own else f"{own['layout']} | {own['speed']:,.0f} | {own['peak']:.1f}"
     if "error" in r:
         return f"{head} - | - | - | - | - | {r['wall']:.0f} | failed: {r['error']} | - | - | - | {mine} | - |"
     s: Search = r["found"]
