@@ -158,6 +158,7 @@ REPLICATED = {  # the HSDP twin (dp_replicate 2), the pp rank probed
 }  # fmt: skip
 
 
+@pytest.mark.world  # two probes of each case, forked side by side: the full suite's tier
 @pytest.mark.parametrize("name", REPLICATED)
 def test_an_hsdp_measurement_is_fsdps_with_its_replicas_all_reduces(name):
     """HSDP's rank runs FSDP's ops, collectives and activations, plus an all-reduce over dp_replicate of each gradient

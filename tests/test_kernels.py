@@ -87,6 +87,7 @@ def test_shared_cores_price_gpipe_slot_by_slot():
     assert shared_pipeline_factor(speed, 4, 1, 0.0) == 1.0
 
 
+@pytest.mark.world  # the block counts and probes, forked side by side: the full suite's tier
 def test_shared_cores_pace_a_pipeline_by_its_ranks_mean_compute():
     """On ranks that time-share cores, a pp rank that finishes its share early leaves its cores to the others: the
     compute that sets the pace is the mean of pp - 1 ranks like the busiest and the one holding the last stage, but
