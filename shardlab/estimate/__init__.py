@@ -20,7 +20,8 @@ from shardlab._errors import ShardlabError
 from shardlab.config import Config
 from shardlab.estimate._fake import fake_world
 from shardlab.estimate.device import Device
-from shardlab.estimate.probe import Probe, probe, stage_boundary
+from shardlab.estimate.measurement import Probe
+from shardlab.estimate.probe import probe, stage_boundary
 from shardlab.estimate.recorder import Collective, OpKind
 from shardlab.estimate.roofline import (
     DP_AXES,

@@ -29,7 +29,7 @@ import torch
 from shardlab.config import Config, PlanConfig
 from shardlab.estimate._cache_dir import cache_dir, write_whole
 from shardlab.estimate.block_counts import Block
-from shardlab.estimate.probe import Measurement
+from shardlab.estimate.measurement import Measurement
 from shardlab.models.provider import ModelProvider
 from shardlab.sharding.rules import Rules
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 from shardlab._base import Frozen
 from shardlab.estimate.device import Device
-from shardlab.estimate.probe import Probe
+from shardlab.estimate.measurement import Probe
 from shardlab.estimate.recorder import Collective
 from shardlab.sharding.mesh import AXES, FLAT_VIEWS, MeshSpec
 

@@ -34,7 +34,8 @@ from shardlab.config import Config, TrainConfig
 from shardlab.estimate import Estimate, estimate_from, head_rank, probed_rank
 from shardlab.estimate.device import Device
 from shardlab.estimate.layouts import uses_fsdp
-from shardlab.estimate.probe import Measurement, Probe, measure, staged
+from shardlab.estimate.measurement import Measurement, Probe, staged
+from shardlab.estimate.probe import measure
 from shardlab.estimate.probe_store import ProbeStore
 from shardlab.estimate.recorder import Collective
 from shardlab.models.provider import ModelProvider
