@@ -86,9 +86,9 @@ def count_block(
     """One block's numbers: models of 2 and 1 blocks, one sequence each, counted by torch's FlopCounterMode;
     its memory-bound ops and what its forward keeps alive, per row (`_per_row`). own_rules: the recipe's rules may
     checkpoint other modules than the model's blocks (only what no checkpointing keeps is counted). cfg: a config
-    of the model (its plan `options`), whose rank 0 of tp 1 and 2 is probed for what tensor parallelism adds to the
-    traffic (None, own rules, or a model tp 2 cannot split: not counted). The counts are independent runs, side by
-    side on the cores (`run_forked`)."""
+    of the model (its plan `options`), whose rank 0 of tp 2 and of cp 2 is probed for what each adds to the traffic
+    (None, or own rules: not counted; tp not where the model cannot split in 2). The counts are independent runs,
+    side by side on the cores (`run_forked`)."""
     one, two = run_forked([partial(_or_none, _count, provider.with_layers(n), seq_len, options) for n in (1, 2)])
     if one is None or two is None:  # no compute floor
         return None
