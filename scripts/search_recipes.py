@@ -65,9 +65,9 @@ def recipe_layout(name: str, world: int, hf_dir: Path | None, cache: Path) -> di
     the error line where it cannot run there."""
     from shardlab.cli.recipe import load_recipe
 
-    mesh = load_recipe(ROOT / "recipes" / f"{name}.py").config.mesh
-    if -1 not in (mesh.pp, mesh.dp_replicate, mesh.dp_shard, mesh.cp, mesh.tp) and mesh.world_size != world:
-        return {"error": f"written for {mesh.world_size} rank(s)"}
+    fixed = load_recipe(ROOT / "recipes" / f"{name}.py").config.mesh
+    if fixed.is_resolved and fixed.world_size != world:
+        return {"error": f"written for {fixed.world_size} rank(s)"}
     args = [sys.executable, "-m", "shardlab", "estimate", f"recipes/{name}.py", "--world", str(world)]
     if name in NEEDS_HF_DIR:
         args += ["--model.hf-path", str(hf_dir / "model")]
@@ -79,7 +79,7 @@ def recipe_layout(name: str, world: int, hf_dir: Path | None, cache: Path) -> di
         re.search(r"peak\s+([\d.]+) GiB", done.stdout),
     )
     if done.returncode != 0 or not (mesh and ac and speed and peak):
-        return {"error": (done.stderr.strip().splitlines() or ["(no output)"])[-1]}
+        return {"error": "failed: " + (done.stderr.strip().splitlines() or ["(no output)"])[-1]}
     return {"layout": f"{mesh[1]}, AC {ac[1]}", "speed": float(speed[1].replace(",", "")), "peak": float(peak[1])}
 
 

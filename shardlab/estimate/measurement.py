@@ -1,4 +1,7 @@
-"""What a probe measures (`Run`, `Measurement`) and how one probe serves many layouts: any number of blocks (`Measurement.at`), rows per micro batch (`Measurement.at_rows`), HSDP's replicas (`Measurement.replicated`), and a pp rank put together from stages probed elsewhere (`staged`). `shardlab.estimate.probe` runs the fake step that records them."""
+"""What a probe measures (`Run`, `Measurement`) and how one probe serves many layouts: any number of blocks
+(`Measurement.at`), rows per micro batch (`Measurement.at_rows`), HSDP's replicas (`Measurement.replicated`), and a
+pp rank put together from stages probed elsewhere (`staged`). `shardlab.estimate.probe` runs the fake step that
+records them."""
 
 from __future__ import annotations
 
