@@ -119,7 +119,11 @@ def test_layouts_whose_plan_exceeds_the_memory_are_dropped_before_any_probe():
     fsdp, ddp = MeshSpec(dp_shard=2), MeshSpec(dp_replicate=2, dp_shard=1)
     _, plan = plan_model(Layout(mesh=ddp, activation_checkpoint="none", micro_batches=1).config(c).resolve(2))
     memory = estimate_memory(plan).total + fsdp_buffer_bytes(plan) - 1
-    found = search(c, 2, LlamaProvider(c.model), lambda _: None, device("h100"), memory, fixed=fixed, top=9)
+    blocks: dict = {}
+    found = search(c, 2, LlamaProvider(c.model), lambda _: None, device("h100"), memory, fixed=fixed, top=9,
+                   blocks=blocks)  # fmt: skip
+    (((*_, splits), block),) = blocks.items()  # no layout splits the blocks: what tp and cp add is not counted
+    assert splits == () and block.memory_bytes > 0 and block.tp_memory_bytes == block.cp_memory_bytes == 0
     assert found.over_memory == sum(lay.mesh == ddp for lay in layouts(c, 2, fixed=fixed)[0]) > 0
     assert all(b.layout.mesh == fsdp and b.peak <= memory for b in found.best)
     assert found.estimated < sum(lay.mesh == fsdp for lay in layouts(c, 2, fixed=fixed)[0])  # beaten ones skipped
@@ -405,7 +409,7 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
     ]  # fmt: skip
     for plan, mesh, ac, *micro in cases:
         c = cfg(deep, global_batch=16, seq_len=4096, **plan)
-        floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
+        floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False, splits=("tp", "cp"))
         assert floors.block.tp_memory_bytes > 0 and floors.block.cp_memory_bytes > 0  # counted at tp 2 and cp 2
         layout = Layout(mesh=mesh, activation_checkpoint=ac, micro_batches=micro[0] if micro else 2)
         p = probe(layout.config(c).resolve(16), provider=provider)

@@ -29,6 +29,7 @@ from shardlab.models.provider import ModelProvider, check_layout
 from shardlab.parallel.apply import apply
 from shardlab.sharding.mesh import MeshSpec
 from shardlab.sharding.plan import make_plan
+from shardlab.training.loss import chunks_counted_by
 from shardlab.training.step import forward_backward
 
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm)
@@ -81,13 +82,19 @@ class Block(Frozen):
 
 
 def count_block(
-    provider: ModelProvider, seq_len: int, options: PlanConfig, own_rules: bool, cfg: Config | None = None
+    provider: ModelProvider,
+    seq_len: int,
+    options: PlanConfig,
+    own_rules: bool,
+    cfg: Config | None = None,
+    splits: tuple[str, ...] = (),
 ) -> Block | None:
     """One block's numbers: models of 2 and 1 blocks, one sequence each, counted by torch's FlopCounterMode;
     its memory-bound ops and what its forward keeps alive, per row (`_per_row`). own_rules: the recipe's rules may
-    checkpoint other modules than the model's blocks (only what no checkpointing keeps is counted). cfg: a config
-    of the model (its plan `options`), whose rank 0 of tp 2 and of cp 2 is probed for what each adds to the traffic
-    (None, or own rules: not counted; tp not where the model cannot split in 2). The counts are independent runs,
+    checkpoint other modules than the model's blocks (only what no checkpointing keeps is counted). splits: the
+    axes (tp, cp) some layout searched splits the blocks over, whose rank 0 at size 2 in `cfg` (a config of the
+    model under its plan `options`) is probed for what each adds to the traffic (none under own rules; tp not where
+    the model cannot split in 2): 4 runs each, left out where no layout needs them. The counts are independent runs,
     side by side on the cores (`run_forked`)."""
     one, two = run_forked([partial(_or_none, _count, provider.with_layers(n), seq_len, options) for n in (1, 2)])
     if one is None or two is None:  # no compute floor
@@ -98,9 +105,10 @@ def count_block(
     calls: dict[tuple, partial] = {}
     if not own_rules:  # what op-level checkpointing recomputes
         calls |= {("recompute", n): partial(_count, provider.with_layers(n), seq_len, options, "op") for n in (1, 2)}
-    splits = [] if cfg is None or own_rules else ["cp"]  # the axes whose excess traffic is counted (at size 2)
-    if splits and all(size % 2 == 0 for size in provider.tp_divisors().values()):
-        splits.append("tp")
+    even = all(size % 2 == 0 for size in provider.tp_divisors().values())
+    splits = () if own_rules else tuple(a for a in splits if a == "cp" or (a == "tp" and even))
+    if splits and cfg is None:
+        raise ValueError("count_block: the traffic tp and cp add needs the config they split (cfg)")
     for n, rows in PER_ROW:
         calls["memory", n, rows] = partial(_memory_bytes, provider.with_layers(n), seq_len, rows, options)
         for axis in splits:  # at 2 and 3 rows: one row takes other paths (SP's gather of one sequence is a view)
@@ -234,7 +242,7 @@ def _memory_bytes(
     with balanced_routing(), fake_tensors():
         model.to_empty(device="cpu")
         tokens = torch.zeros(rows, seq_len, dtype=torch.long)
-        with recorder:
+        with recorder, chunks_counted_by(recorder):
             forward_backward(model, tokens, tokens, 1.0, False, after_forward, forward=provider.forward)
     return _moved(recorder), forward["moved"], forward["alive"]
 

@@ -131,9 +131,12 @@ class Floors(Frozen):
         dev: Device,
         own_rules: bool,
         store: ProbeStore | None = None,
-        blocks: dict[tuple[int, bytes, bool], Block | None] | None = None,
+        blocks: dict[tuple[int, bytes, bool, tuple[str, ...]], Block | None] | None = None,
+        splits: tuple[str, ...] = (),
     ) -> Floors:
         """own_rules: the recipe lays the model out by rules of its own (no TP floor: they may shard otherwise);
+        splits: the axes (tp, cp) over which some layout to be floored splits the blocks, whose extra traffic on a
+        rank is counted (`Block.tp_memory_bytes`; an axis left out counts 0 there, still a floor);
         store: where the block counts are kept between searches, with the probes (None: counted here); blocks: the
         caller's cache of this provider's block counts, filled here (as `search`'s probes: searches of one model
         share it), so that nothing is kept on the provider, which may be a user's own class."""
@@ -143,10 +146,11 @@ class Floors(Frozen):
             best = max(e for curve in (dev.kernels.matmul, dev.kernels.attention) for _, e in curve)
             best_memory = max(e for _, e in dev.kernels.memory)
         counted = {} if blocks is None else blocks
-        key = (cfg.train.seq_len, msgspec.json.encode(cfg.plan), own_rules)
+        key = (cfg.train.seq_len, msgspec.json.encode(cfg.plan), own_rules, splits)
         if key not in counted:
-            count = partial(count_block, provider, cfg.train.seq_len, cfg.plan, own_rules, cfg)
-            counted[key] = count() if store is None else store.block(cfg.train.seq_len, cfg.plan, own_rules, count)
+            count = partial(count_block, provider, cfg.train.seq_len, cfg.plan, own_rules, cfg, splits)
+            counted[key] = count() if store is None else store.block(cfg.train.seq_len, cfg.plan, own_rules, splits,
+                                                                      count)  # fmt: skip
         block = counted[key]
         llama = isinstance(provider, LlamaProvider) and block is not None and not own_rules
         kv_dim = provider.cfg.n_kv_heads * provider.cfg.head_dim if llama else 0

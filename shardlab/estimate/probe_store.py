@@ -1,6 +1,7 @@
 """Probes kept on disk between searches: a search of the same model on another world, device, memory or top K, or
 the same search again, reads what an earlier one measured instead of probing again; and the counts of the model's
-block its floors are made of (`count_block`, keyed by the sequence length, plan options and own rules).
+block its floors are made of (`count_block`, keyed by the sequence length, plan options, own rules and the axes
+whose traffic they count).
 
 A measurement (`probe.Measurement`) depends on the probed config and pp rank, the rules, the model, and the code
 that ran it, so the key hashes them all: the config, the rank and the rules as data; the model's identity; the
@@ -66,11 +67,18 @@ class ProbeStore:
         return found
 
     def block(
-        self, seq_len: int, options: PlanConfig, own_rules: bool, count: Callable[[], Block | None]
+        self,
+        seq_len: int,
+        options: PlanConfig,
+        own_rules: bool,
+        splits: tuple[str, ...],
+        count: Callable[[], Block | None],
     ) -> Block | None:
-        """The model's block counts for the floors (`count_block`) at `seq_len` under `options`: read, else `count()`
-        and kept (None too: a model that cannot be counted). Not in `read` and `written`, which count probes."""
-        key = hashlib.sha256(self.model + b"block" + msgspec.json.encode((seq_len, options, own_rules))).hexdigest()
+        """The model's block counts for the floors (`count_block`) at `seq_len` under `options`, with the traffic
+        the `splits` axes add: read, else `count()` and kept (None too: a model that cannot be counted). Not in
+        `read` and `written`, which count probes."""
+        keyed = msgspec.json.encode((seq_len, options, own_rules, splits))
+        key = hashlib.sha256(self.model + b"block" + keyed).hexdigest()
         path = self.root / key[:2] / f"{key}.block"
         try:
             (found,) = pickle.loads(zlib.decompress(path.read_bytes()))

@@ -120,8 +120,10 @@ def search(
         plan = plan_of(shape.config(cfg).resolve(world))
         return estimate_memory(plan).total + fsdp_buffer_bytes(plan)
 
+    splits = tuple(axis for axis in ("tp", "cp") if any(layout.mesh.size(axis) > 1 for layout in layouts))
+    own_rules = rules_of(cfg) is not None
     floors = {  # per plan.fp8 choice: its matmul peak, its gathers' bytes, its casts' traffic
-        f: Floors.of(c, provider, model, dev, own_rules=rules_of(cfg) is not None, store=store, blocks=blocks)
+        f: Floors.of(c, provider, model, dev, own_rules, store=store, blocks=blocks, splits=splits)
         for f, c in choices.items()
     }
     time_floor = [  # arithmetic: 0.3 s for 405B's 21,648
