@@ -1,6 +1,7 @@
 """The probe in one process (fake world, fake tensors): exact FLOPs, linear extrapolation over blocks, and an
 estimate and roofline that hang together. Real ranks check it in tests/worlds/test_probe.py."""
 
+import contextlib
 import functools
 import math
 import os
@@ -186,6 +187,30 @@ def test_waiting_for_a_collective_moves_no_bytes():
     assert gathered.shape == (2048,)
     assert sum(recorder.collectives.values()) == 1
     assert dict(recorder.ops) == {(0, 0, "memory"): 1, (0, 2 * 2048 * 4, "memory"): 1}  # the wait, the add
+
+
+@pytest.mark.parametrize("reuse_logits", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_losss_middle_chunks_run_once_and_are_counted_as_every_chunk(reuse_logits, dtype, monkeypatch):
+    """Under `chunks_counted_by` (the probe's, on fake tensors) the chunked loss runs its first, one middle and its
+    last chunk, and the recorder counts every op of every chunk: the same ops, FLOPs and sequence as all of them run
+    (6 chunks of 7 rows, the last of 5, forward and backward), in a tenth of the dispatches at a 128k vocabulary."""
+    from shardlab.estimate._fake import fake_tensors
+    from shardlab.estimate.recorder import Recorder
+    from shardlab.training import loss as loss_module
+    from shardlab.training.loss import chunks_counted_by, summed_loss
+
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 7 * 50)
+    counted = []
+    for repeats in (False, True):
+        with fake_tensors():
+            hidden, weight = torch.zeros(2, 20, 16, dtype=dtype), torch.zeros(16, 50, dtype=dtype, requires_grad=True)
+            labels = torch.zeros(2, 20, dtype=torch.long)
+            recorder = Recorder({})
+            with recorder, chunks_counted_by(recorder) if repeats else contextlib.nullcontext():
+                summed_loss(hidden @ weight, labels, reuse_logits=reuse_logits).backward()
+        counted.append((dict(recorder.ops), recorder.flops, recorder.sequence))
+    assert counted[0] == counted[1] and sum(n for (_, moved, _), n in counted[0][0].items() if moved) > 6 * 10
 
 
 def test_calls_run_side_by_side_in_forked_children_as_they_would_in_order():

@@ -42,7 +42,7 @@ from shardlab.parallel.fp8 import refresh_scales
 from shardlab.sharding.context import cp_positions
 from shardlab.sharding.plan import Plan, make_plan
 from shardlab.sharding.rules import Rules
-from shardlab.training.loss import summed_loss
+from shardlab.training.loss import chunks_counted_by, summed_loss
 from shardlab.training.step import forward_backward
 
 
@@ -91,7 +91,13 @@ def _probe_layers(
                 raise _ForwardDone
 
         # fake tensors hold no data to route by: every expert gets the same load
-        with recorder, contextlib.suppress(_ForwardDone), warnings.catch_warnings(), balanced_routing():
+        with (
+            recorder,
+            chunks_counted_by(recorder),  # fake tensors: the loss's middle chunks run once
+            contextlib.suppress(_ForwardDone),
+            warnings.catch_warnings(),
+            balanced_routing(),
+        ):
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
             if plan.pipeline is None:
                 forward_backward(

@@ -128,6 +128,8 @@ class Recorder(CommDebugMode):
         self.flops = 0
         self.storages: dict[int, StorageWeakRef] = {}
         self.activation_bytes = 0
+        self._repeated: tuple[int, int] | None = None
+        """Where the ops that `repeat` counts again begin: (their first in `sequence`, the collectives then)."""
 
     def __enter__(self) -> Recorder:
         """CommDebugMode's, without its module tracker: its hooks assume each module's forward and backward nest,
@@ -197,6 +199,23 @@ class Recorder(CommDebugMode):
         self.ops[(flops, moved, op_kind)] += 1
         self.sequence.append((flops, moved, op_kind, self._role(), self.stage))
         return out
+
+    def begin(self) -> None:
+        """The ops from here on are one of identical iterations (`training.loss.chunks_counted_by`)."""
+        self._repeated = (len(self.sequence), self.collectives.total())
+
+    def repeat(self, times: int) -> None:
+        """The ops since `begin` ran `times` more times: counted, and in `sequence`, as if they had."""
+        if self._repeated is None:
+            raise ShardlabError("probe: a loop's iterations repeated before one began")
+        (start, collectives), self._repeated = self._repeated, None
+        if self.collectives.total() != collectives:
+            raise ShardlabError("probe: a loop counted once for all its iterations ran collectives")
+        once = self.sequence[start:]
+        for flops, moved, kind, _, _ in once:
+            self.ops[(flops, moved, kind)] += times
+            self.flops += flops * times
+        self.sequence.extend(once * times)
 
     def _role(self) -> Role:
         if self._regathering():

@@ -16,7 +16,9 @@ did.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,47 @@ from shardlab.data.loader import IGNORE_INDEX
 CHUNK_ELEMENTS = 1 << 25
 """Logits per chunk of rows that the loss holds in fp32 at once (128 MiB; at least one row): 261 rows of a 128,256
 vocabulary."""
+
+
+class ChunkCounter(Protocol):
+    """What counts the ops of a run whose values nobody reads (the estimator's, on fake tensors): the loss's middle
+    chunks, which run the same ops on the same shapes, run once there and are counted as many times as they are."""
+
+    def begin(self) -> None:
+        """The ops from here on are one middle chunk's."""
+
+    def repeat(self, times: int) -> None:
+        """The ops since `begin` run `times` more times."""
+
+
+_counter: ChunkCounter | None = None
+
+
+@contextlib.contextmanager
+def chunks_counted_by(counter: ChunkCounter) -> Iterator[None]:
+    """Within it, the chunked loss runs its first chunk, one middle chunk and its last (which may be shorter), and
+    tells `counter` how often the middle one repeats: the same ops as every chunk, at a tenth of the dispatches for a
+    128k vocabulary. Its values and gradients are then wrong: for fake tensors only."""
+    global _counter
+    before, _counter = _counter, counter
+    try:
+        yield
+    finally:
+        _counter = before
+
+
+def _chunk_starts(n: int, rows: int) -> Iterator[int]:
+    """The first row of each chunk of `rows` rows of `n`; under `chunks_counted_by`, of the first, one middle chunk
+    (counted for all) and the last."""
+    starts, counter = range(0, n, rows), _counter
+    if counter is None or len(starts) < 4:
+        yield from starts
+        return
+    yield starts[0]
+    counter.begin()
+    yield starts[1]
+    counter.repeat(len(starts) - 3)
+    yield starts[-1]
 
 
 def summed_loss(logits: torch.Tensor, labels: torch.Tensor, reuse_logits: bool = False) -> torch.Tensor:
@@ -76,7 +119,7 @@ def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, grad: torc
     n, vocab = logits.shape
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
     rows = max(1, CHUNK_ELEMENTS // max(1, vocab))
-    for start in range(0, n, rows):
+    for start in _chunk_starts(n, rows):
         x, y = logits[start : start + rows], labels[start : start + rows]
         keep = (y != IGNORE_INDEX)[:, None]
         target = torch.where(keep, y[:, None], 0)
