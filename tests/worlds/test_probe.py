@@ -1,8 +1,7 @@
 """The estimator's probe (fake tensors, fake world, this process) against real runs on 4 gloo ranks.
 
-Each rank runs one real micro batch under the same recorder the probe uses (torch's CommDebugMode with
-bytes and mesh axes added): every collective of rank 0 (count and bytes per axis, kind and phase) must equal
-the probe's, and CommDebugMode's own count must agree. Activations: the resident memory the real forward
+Each rank runs one real micro batch under the same recorder the probe uses: every collective of rank 0 (count and
+bytes per axis, kind and phase) must equal the probe's, and torch's CommDebugMode, counting the same step again, must agree. Activations: the resident memory the real forward
 adds (malloc returns every block of 64 KiB or more to the OS at once, so RSS follows live tensors; plus the
 output layer's weights, which FSDP keeps gathered for its backward) and the
 bytes of the storages the real forward left alive must each be within 10% of the probe's activation bytes.
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 from shardlab.config import Config, MeshSpec, MoEConfig
 from shardlab.estimate import DTYPE_BYTES, cached_probe, estimate, per_step, probed_rank
@@ -87,13 +87,14 @@ def real(rank, world_size, name: str) -> dict:
         seen["live"] = recorder.live_bytes(param_storages(model))
 
     with balanced_routing():  # the probe's routing: every expert the same load
-        forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, positions=positions)  # lazy init, grads
+        with CommDebugMode() as torchs:  # torch's own count of the collectives, of a step that runs the same
+            forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, positions=positions)  # lazy init, grads
         seen["before"] = rss()
         with recorder:
             forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, after_forward, positions)
     return {
         "collectives": {k[:4]: (n, recorder.collective_bytes[k]) for k, n in recorder.collectives.items()},
-        "comm_debug_mode_count": sum(recorder.comm_counts.values()),
+        "comm_debug_mode_count": torchs.get_total_counts(),
         "rss_added": seen["after"] - seen["before"],
         "live": seen["live"],
     }
