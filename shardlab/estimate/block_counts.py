@@ -46,7 +46,6 @@ class Block(Frozen):
 
     train_flops: float
     """Matmul FLOPs of its forward and backward (attention's batched matmuls not included)."""
-    forward_flops: float
     attention_flops: float
     """What the probe counts at least for its attention, forward and backward (0: not counted)."""
     attention_forward_flops: float
@@ -66,6 +65,10 @@ class Block(Frozen):
     """Matmul FLOPs per token outside the blocks (the output layer), forward and backward."""
     op_recompute_flops: float = 0.0
     """Matmul FLOPs per token op-level checkpointing recomputes in its backward (every other of its matmuls)."""
+    recompute_flops: float = 0.0
+    """Matmul FLOPs per token the backward of the block checkpointed whole recomputes: its forward's up to the last
+    tensor the backward needs (torch's checkpoint stops there: not the block's last projection). 0: not counted (the
+    recipe's own rules may checkpoint other modules)."""
     head_memory_bytes: float = 0.0
     """Bytes the ops without FLOPs outside the blocks (final norm, output, loss) move per token, forward and
     backward, in param_dtype on one rank."""
@@ -103,8 +106,8 @@ def count_block(
     head_flops = one[0] / seq_len - per_token[0]
     modes = () if own_rules else ("op", "full")
     calls: dict[tuple, partial] = {}
-    if not own_rules:  # what op-level checkpointing recomputes
-        calls |= {("recompute", n): partial(_count, provider.with_layers(n), seq_len, options, "op") for n in (1, 2)}
+    for ac in modes:  # what op-level and full checkpointing recompute
+        calls |= {("recompute", ac, n): partial(_count, provider.with_layers(n), seq_len, options, ac) for n in (1, 2)}
     even = all(size % 2 == 0 for size in provider.tp_divisors().values())
     splits = () if own_rules else tuple(a for a in splits if a == "cp" or (a == "tp" and even))
     if splits and cfg is None:
@@ -116,10 +119,11 @@ def count_block(
         calls |= {(ac, n, rows): partial(_memory_bytes, provider.with_layers(n), seq_len, rows, options, ac)
                   for ac in modes}  # fmt: skip
     counted = dict(zip(calls, run_forked([partial(_or_none, call) for call in calls.values()]), strict=True))
-    op_recompute = 0.0
-    one_op, two_op = counted.get(("recompute", 1)), counted.get(("recompute", 2))
-    if one_op is not None and two_op is not None:  # else no op recompute counted
-        op_recompute = max((two_op[0] - one_op[0]) / seq_len - per_token[0], 0.0)
+    recompute = {}
+    for ac in modes:  # else none counted
+        one_ac, two_ac = counted[("recompute", ac, 1)], counted[("recompute", ac, 2)]
+        if one_ac is not None and two_ac is not None:
+            recompute[ac] = max((two_ac[0] - one_ac[0]) / seq_len - per_token[0], 0.0)
     llama = isinstance(provider, LlamaProvider)  # attention as the probe counts it (see the module docstring)
     attention, attention_forward = (7 / 12, 1 / 2) if llama else (0.0, 0.0)
     memory, head, kept, again = (0.0, 0.0), 0.0, [], []
@@ -140,13 +144,13 @@ def count_block(
         if memory[0] and None not in c.values():
             two = (c[2, 3][0] - c[1, 3][0]) - (c[2, 2][0] - c[1, 2][0])
             excess[axis] = max(two - memory[0] / 2, 0.0) / (seq_len // (2 if axis == "cp" else 1))
-    return Block(train_flops=per_token[0], forward_flops=per_token[1], attention_flops=attention * per_token[2],
-                 attention_forward_flops=attention_forward * per_token[3], params=round(per_token[4] * seq_len),
+    return Block(train_flops=per_token[0], attention_flops=attention * per_token[1],
+                 attention_forward_flops=attention_forward * per_token[2], params=round(per_token[3] * seq_len),
                  memory_bytes=memory[0] / seq_len, memory_forward_bytes=memory[1] / seq_len,
                  kept=tuple(kept), recompute_memory_bytes=tuple(again), head_flops=max(head_flops, 0.0),
                  head_memory_bytes=head / seq_len, tp_memory_bytes=excess.get("tp", 0.0),
                  cp_memory_bytes=excess.get("cp", 0.0),
-                 op_recompute_flops=op_recompute)  # fmt: skip
+                 op_recompute_flops=recompute.get("op", 0.0), recompute_flops=recompute.get("full", 0.0))  # fmt: skip
 
 
 def _or_none(call: Callable[..., T], *args: Any) -> T | None:
@@ -178,8 +182,8 @@ def _dense_params(model: torch.nn.Module) -> int:
 
 def _count(
     provider: ModelProvider, seq_len: int, options: PlanConfig, ac: str | None = None
-) -> tuple[int, int, int, int, int]:
-    """Matmul FLOPs forward + backward and forward, batched (attention's) ones the same, and the parameters FSDP
+) -> tuple[int, int, int, int]:
+    """Matmul FLOPs forward + backward, batched (attention's) ones forward + backward and forward, and the parameters FSDP
     gathers whole (`_dense_params`) of `provider`'s model on one sequence (ac: its blocks checkpointed so): on meta
     tensors, or where the model cannot run there (transformers' masks read a value), on fake CPU tensors, whose
     matmuls are the same (CPU's fused attention is not a batched matmul: none counted there)."""
@@ -191,7 +195,7 @@ def _count(
 
 def _flops(
     provider: ModelProvider, seq_len: int, options: PlanConfig, ac: str | None, fake: bool
-) -> tuple[int, int, int, int, int]:
+) -> tuple[int, int, int, int]:
     model = _model(provider, options, ac)
     forward, train = FlopCounterMode(display=False), FlopCounterMode(display=False)
     with balanced_routing(), fake_tensors() if fake else contextlib.nullcontext():
@@ -203,9 +207,8 @@ def _flops(
         with train:
             provider.forward(model, sample).float().sum().backward()
     counts = [c.get_flop_counts()["Global"] for c in (train, forward)]
-    matmuls = [sum(c.get(op, 0) for op in MATMULS) for c in counts]
     batched = [c.get(torch.ops.aten.bmm, 0) for c in counts]
-    return matmuls[0], matmuls[1], batched[0], batched[1], _dense_params(model)
+    return sum(counts[0].get(op, 0) for op in MATMULS), batched[0], batched[1], _dense_params(model)
 
 
 PER_ROW = ((1, 1), (1, 2), (2, 1), (2, 2))

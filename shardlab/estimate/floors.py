@@ -3,8 +3,9 @@
 The search (`shardlab.estimate.search`) estimates layouts lowest floor first and stops where the next floor is above
 the K-th fastest layout that fits: no layout left can then enter the top K, so the ranking is the exhaustive one.
 That holds only if each floor is at most what the estimate gives, term by term:
-- compute: the blocks' matmul FLOPs (forward and backward; the forward again under full checkpointing, in every
-  ac_every-th block under selective, every other matmul of a block under op-level checkpointing), each rank's share
+- compute: the blocks' matmul FLOPs (forward and backward; the forward again under full checkpointing up to the
+  last tensor the backward needs, where torch's checkpoint stops, in every ac_every-th block under selective, every
+  other matmul of a block under op-level checkpointing), each rank's share
   being 1 / (tp x cp) of them, at the device's best matmul rate (its FP8 peak under plan.fp8, and FSDP's gathers at
   a byte per weight under tensorwise FP8), and the output layer's where the rank runs it. With a pipeline the
   estimate prices the busiest pp rank and the one holding the last stage: where the stages split by blocks (the
@@ -199,12 +200,20 @@ class Floors(Frozen):
         return busy
 
     def _compute_seconds(self, cfg: Config, layout: Layout, rank: _Rank) -> float:
-        """Seconds one pp rank computes per step at least: its blocks' matmuls (and recomputation) at the best rate,
-        the output layer's where it runs it, and its ops without FLOPs (`memory_seconds`)."""
+        """Seconds one pp rank computes per step at least: its FLOPs (`flops`) at the best rate and its ops without
+        FLOPs (`memory_seconds`)."""
+        return self.flops(cfg, layout, rank) / self.rate + self.memory_seconds(cfg, layout, rank)
+
+    def flops(self, cfg: Config, layout: Layout, rank: _Rank | None = None) -> float:
+        """FLOPs a pp rank computes per step at least (default: the busiest, as `_ranks` gives it): its blocks'
+        matmuls and attention, what its checkpointing recomputes, and the output layer's where it runs it."""
         m, b = layout.mesh, self.block
+        if b is None:
+            return 0.0
+        rank = rank or self._ranks(cfg, layout)[0]
         masked = 2 if m.cp > 1 and self.kv_dim else 1  # CP's attention masks by position: the whole square
         flops = rank.blocks * (b.train_flops + masked * b.attention_flops) + rank.recomputed * (
-            b.forward_flops + masked * b.attention_forward_flops
+            b.recompute_flops + masked * b.attention_forward_flops
         )
         if layout.activation_checkpoint == "op":
             flops += rank.blocks * b.op_recompute_flops
@@ -213,7 +222,7 @@ class Floors(Frozen):
         elif rank.head:
             flops += b.head_flops
         tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
-        return tokens * flops / m.tp / self.rate + self.memory_seconds(cfg, layout, rank)
+        return tokens * flops / m.tp
 
     def _ranks(self, cfg: Config, layout: Layout) -> list[_Rank]:
         """The pp ranks whose compute the estimate prices: without a pipeline the one rank; with one whose stages split
