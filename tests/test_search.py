@@ -222,6 +222,28 @@ def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_
 
 
 @pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
+def test_every_layout_of_a_search_is_estimated_at_or_above_its_floor():
+    """What makes the pruned ranking exact, over every layout of 4 ranks of a model of 4 blocks whatever its axes
+    (pp, HSDP, tp, cp), checkpointing, micro batches, schedules and resharding: no estimate, the last stage's rank
+    probed, is below its floor, in time or memory (the floors' own terms are checked closer, layout by layout, in the
+    tests below)."""
+    from shardlab.estimate.devices import device
+    from shardlab.estimate.floors import Floors
+    from shardlab.estimate.search import search
+    from shardlab.models.llama.provider import LlamaProvider
+
+    model = msgspec.structs.replace(WIDE, n_layers=4)
+    c = cfg(model, global_batch=8, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
+    provider, dev, blocks = LlamaProvider(model), device("h100"), {}
+    every = search(c, 4, provider, lambda _: None, dev, 2**40, top=10**6, prune=False, blocks=blocks)
+    assert every.bounded == 0 and {b.layout.mesh.pp for b in every.best} == {1, 2, 4}
+    floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False, blocks=blocks, splits=("tp", "cp"))
+    assert blocks.keys() == {(c.train.seq_len, msgspec.json.encode(c.plan), False, ("tp", "cp"))}
+    for b in every.best:
+        assert floors.time(c, b.layout, dev) <= b.step_s and floors.memory(c, b.layout) <= b.peak, b.layout.describe()
+
+
+@pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
 def test_pipeline_floors_price_the_ranks_the_estimate_prices():
     """Split by blocks, a pipeline's floor counts the busiest pp rank and the one holding the last stage (its output
     layer too) as the plan splits them: under a V-shaped schedule the first rank holds both ends, with uneven stages

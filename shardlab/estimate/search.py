@@ -10,7 +10,7 @@ exceed the memory is dropped before any probe. The rest are estimated (`shardlab
 shared through one cache (one per twin shape: every row count on the line through two, keeping FSDP's weights
 gathered from the probe that reshards them). The pp rank holding a pipeline's last stage, whose probe only its
 compute needs, is probed only for a layout that fits and may enter the top K (without it the step time is a lower
-bound, the memory exact). A layout is dropped without a
+bound, as its floor is: the higher of the two; the memory exact). A layout is dropped without a
 probe of its own where a sibling that needs no more memory did not fit: the same layout resharding FSDP's weights
 after forward, checkpointing every block, or running one sequence per micro batch. Within one mesh and schedule,
 fewer micro batches and less recomputation never make a step slower in the estimator's model (the same work in
@@ -228,11 +228,13 @@ def search(
             continue
         candidate = estimated(layout)
         if candidate.peak <= memory:
-            if layout in bounds and (len(kth) < top or candidate.step_s <= -kth[0]):
+            if layout in bounds and (len(kth) < top or max(candidate.step_s, time_floor[i]) <= -kth[0]):
                 candidate = estimated(layout, exact=True)  # it may enter the top: its last stage's rank probed too
-            fits.append((candidate.step_s, i, candidate))
+            # a bound's floor, which counts the last stage's rank, may be the higher of the two
+            at_least = max(candidate.step_s, time_floor[i]) if layout in bounds else candidate.step_s
+            fits.append((at_least, i, candidate))
             done.setdefault(frame, []).append(layout)
-            heapq.heappush(kth, -candidate.step_s)
+            heapq.heappush(kth, -at_least)
             if len(kth) > top:
                 heapq.heappop(kth)
         else:
