@@ -505,6 +505,7 @@ def test_a_malformed_command_line_is_one_line(args, message, capsys, monkeypatch
     assert message in err and err.count("\n") == 1 and "│" not in err, err
 
 
+@pytest.mark.world  # a whole search, its probes forked side by side: the full suite's tier
 def test_search_ranks_the_layouts_that_fit_and_writes_the_winner(tmp_path, capsys, monkeypatch):
     """Dense FSDP or TP on 2 ranks (the other axes pinned): the table, the same ranking as JSON, and a recipe that
     runs the winner with the same model and batch."""
@@ -539,7 +540,11 @@ def test_search_ranks_the_layouts_that_fit_and_writes_the_winner(tmp_path, capsy
 
 @pytest.mark.parametrize(
     "model,world",
-    [(TINY, 2), (["--model.hf-path", "HF_DIR", "--train.seq-len", "64"], 2), (TINY, 1)],
+    [
+        (TINY, 2),
+        pytest.param(["--model.hf-path", "HF_DIR", "--train.seq-len", "64"], 2, marks=pytest.mark.world),
+        (TINY, 1),
+    ],
     ids=["recipe", "transformers_dir", "no_runner_up"],
 )
 def test_search_explains_the_winner_term_by_term(model, world, hf_dir, capsys, monkeypatch):
