@@ -430,6 +430,9 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
         (dict(param_dtype="bfloat16", reduce_dtype="float32"), MeshSpec(dp_shard=4, tp=4), "op"),
         (dict(sequence_parallel=False), MeshSpec(dp_shard=8, tp=2), "none"),
         (dict(param_dtype="bfloat16", reduce_dtype="float32"), MeshSpec(dp_shard=16), "op", 1),
+        (dict(param_dtype="bfloat16", reduce_dtype="float32"), MeshSpec(dp_shard=2, tp=8), "full", 8),  # one row
+        (dict(sequence_parallel=False), MeshSpec(dp_shard=4, cp=2, tp=2), "selective", 4),
+        (dict(param_dtype="bfloat16", reduce_dtype="float32"), MeshSpec(dp_shard=2, cp=4, tp=2), "op", 8),
     ]  # fmt: skip
     for plan, mesh, ac, *micro in cases:
         c = cfg(deep, global_batch=16, seq_len=4096, **plan)
@@ -439,7 +442,8 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
         p = probe(layout.config(c).resolve(16), provider=provider)
         moved = layout.micro_batches * sum(m * n for f, m, n, _ in p.ops if not f)
         assert 0 < floors.memory_seconds(c, layout) * floors.bandwidth <= moved, (mesh, ac)
-        if plan.get("sequence_parallel", True):  # the recomputation's traffic and what TP adds counted: close
+        rows = 16 // layout.mesh.size("dp") // layout.micro_batches
+        if plan.get("sequence_parallel", True) and rows > 1:  # the recomputation's and what TP adds counted: close
             assert floors.memory_seconds(c, layout) * floors.bandwidth > 0.7 * moved, (mesh, ac)
         assert 0 < floors.activations(c, layout) <= p.activation_bytes, (mesh, ac)
         computed = layout.micro_batches * sum(f * n for f, m, n, _ in p.ops)  # recomputed too, but where it stops

@@ -78,10 +78,14 @@ class Block(Frozen):
     more, at least as much at any larger tp (ops left whole outside the sharded regions grow as 1 - 1 / tp of the
     block's; sequence parallelism's gathers and scatters rearrange the rank's whole tokens, which one row gathers
     as a view)."""
+    tp_one_row_memory_bytes: float = 0.0
+    """The same at one row per micro batch (its gathers take other paths), counted at tp 2 with one row."""
     cp_memory_bytes: float = 0.0
     """The same for context parallelism, per token of a cp rank's tokens, counted at cp 2 (0: not counted): what
     it moves on each rank beyond its share (K and V gathered whole, among others), at least as much at any larger cp
     per token of the rank (whole-sequence work over fewer tokens)."""
+    cp_one_row_memory_bytes: float = 0.0
+    """The same at one row per micro batch, counted at cp 2 with one row."""
 
 
 def count_block(
@@ -118,6 +122,8 @@ def count_block(
             calls[axis, n, rows + 1] = partial(_split_traffic, provider.with_layers(n), cfg, rows + 1, axis)
         calls |= {(ac, n, rows): partial(_memory_bytes, provider.with_layers(n), seq_len, rows, options, ac)
                   for ac in modes}  # fmt: skip
+    for axis in splits:  # and at one row
+        calls |= {(axis, n, 1): partial(_split_traffic, provider.with_layers(n), cfg, 1, axis) for n in (1, 2)}
     counted = dict(zip(calls, run_forked([partial(_or_none, call) for call in calls.values()]), strict=True))
     recompute = {}
     for ac in modes:  # else none counted
@@ -142,14 +148,17 @@ def count_block(
     for axis in splits:  # at size 1 counts memory_bytes), per token of the rank's
         c = {key[1:]: value for key, value in counted.items() if key[0] == axis}
         if memory[0] and None not in c.values():
+            tokens = seq_len // (2 if axis == "cp" else 1)
             two = (c[2, 3][0] - c[1, 3][0]) - (c[2, 2][0] - c[1, 2][0])
-            excess[axis] = max(two - memory[0] / 2, 0.0) / (seq_len // (2 if axis == "cp" else 1))
+            excess[axis] = max(two - memory[0] / 2, 0.0) / tokens
+            excess[axis, 1] = max(c[2, 1][0] - c[1, 1][0] - memory[0] / 2, 0.0) / tokens
     return Block(train_flops=per_token[0], attention_flops=attention * per_token[1],
                  attention_forward_flops=attention_forward * per_token[2], params=round(per_token[3] * seq_len),
                  memory_bytes=memory[0] / seq_len, memory_forward_bytes=memory[1] / seq_len,
                  kept=tuple(kept), recompute_memory_bytes=tuple(again), head_flops=max(head_flops, 0.0),
                  head_memory_bytes=head / seq_len, tp_memory_bytes=excess.get("tp", 0.0),
-                 cp_memory_bytes=excess.get("cp", 0.0),
+                 cp_memory_bytes=excess.get("cp", 0.0), tp_one_row_memory_bytes=excess.get(("tp", 1), 0.0),
+                 cp_one_row_memory_bytes=excess.get(("cp", 1), 0.0),
                  op_recompute_flops=recompute.get("op", 0.0), recompute_flops=recompute.get("full", 0.0))  # fmt: skip
 
 

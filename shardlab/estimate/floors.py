@@ -305,6 +305,8 @@ class Floors(Frozen):
         moved = rank.blocks * b.memory_bytes + extra
         if cfg.train.global_batch // m.size("dp") // layout.micro_batches > 1:  # what tp and cp add on each rank
             moved += rank.blocks * (b.tp_memory_bytes * m.tp * (m.tp > 1) + b.cp_memory_bytes * (m.cp > 1))
+        else:  # at one row, what tp 2 adds shrinks as 1 / tp at most (what cp adds per token of the rank: as at 2 rows)
+            moved += rank.blocks * (b.tp_one_row_memory_bytes * 2 * (m.tp > 1) + b.cp_one_row_memory_bytes * (m.cp > 1))
         if rank.head:
             moved += b.head_memory_bytes
         copies = 0.0
