@@ -101,8 +101,8 @@ def count_block(
     checkpoint other modules than the model's blocks (only what no checkpointing keeps is counted). splits: the
     axes (tp, cp) some layout searched splits the blocks over, whose rank 0 at size 2 in `cfg` (a config of the
     model under its plan `options`) is probed for what each adds to the traffic (none under own rules; tp not where
-    the model cannot split in 2): 4 runs each, left out where no layout needs them. The counts are independent runs,
-    side by side on the cores (`run_forked`)."""
+    the model cannot split in 2): 6 runs each (1 and 2 blocks at 1, 2 and 3 rows), left out where no layout needs
+    them. The counts are independent runs, side by side on the cores (`run_forked`)."""
     one, two = run_forked([partial(_or_none, _count, provider.with_layers(n), seq_len, options) for n in (1, 2)])
     if one is None or two is None:  # no compute floor
         return None
