@@ -104,9 +104,9 @@ class Collective(Frozen):
 
 class Recorder(TorchDispatchMode):
     """A dispatch mode that counts collectives (kind, mesh axis, phase, bytes), every op's FLOPs and bytes, and the
-    storages a forward leaves alive. It runs each op itself: torch's CommDebugMode, which counts collectives too,
-    costs a sixteenth of a probe in bookkeeping nothing here reads (tests/worlds/test_probe.py checks the two
-    agree)."""
+    storages a forward leaves alive. It runs each op itself: as the base of this mode, torch's CommDebugMode, which
+    counts collectives too, cost an eighth of a search in bookkeeping nothing here reads (tests/worlds/test_probe.py
+    checks that the two count the same collectives)."""
 
     def __init__(self, axis_of_group: dict[str | tuple[str, str], str], grouped_rows: float = 1.0) -> None:
         super().__init__()
