@@ -21,12 +21,12 @@ That holds only if each floor is at most what the estimate gives, term by term:
   layout's own ops (casts, redistributions) only add. Two of them are counted: what tp and cp add on a rank, counted
   once at size 2 with 2 and 3 rows for every layout of 2 rows or more (`Block.tp_memory_bytes`,
   `Block.cp_memory_bytes`) and with one row for those of one (tp's taken to shrink as 1 / tp there), and FSDP's
-  copies of the blocks' weights out of the gathered buffer and of their gradients into the reduced one, once per
-  micro batch (per step with a pipeline). For shardlab's Llama, attention too: the probe counts SDPA's causal kernel as half the square
-  and its backward as 2.5 forwards, where the meta model's math kernel computes the whole square and 2 (a masked
-  one, as under cp, as the whole square), so the forward at half of the math kernel's FLOPs and forward and
-  backward at 7/12 (twice that under CP, whose attention masks by position: the probe counts the whole square);
-  other models' attention kernels may be ones the probe does not count.
+  copies of the blocks' weights out of the gathered buffer and of their gradients into the reduced one, once per micro
+  batch (per step with a pipeline). For shardlab's Llama, attention too: the probe counts SDPA's causal kernel as half
+  the square and its backward as 2.5 forwards, where the meta model's math kernel computes the whole square and 2 (a
+  masked one, as under cp, as the whole square), so the forward at half of the math kernel's FLOPs and forward and
+  backward at 7/12 (twice that under CP, whose attention masks by position: the probe counts the whole square); other
+  models' attention kernels may be ones the probe does not count.
 - TP, for shardlab's Llama laid out by its own rules: each block's attention and MLP end in a projection sharded
   over its input dim, whose partial outputs tp reduces in the forward, and begin with ones sharded over their
   output dim, whose input gradients it reduces in the backward: at least 4 collectives of the rank's tokens x dim

@@ -117,8 +117,9 @@ class Run(NamedTuple):
         return self._replace(collectives=counts, collective_bytes=nbytes)
 
     def at_rows(self, other: Run, t: tuple[int, int]) -> Run | None:
-        """The run on the line through this one (at 0) and `other` (at 1) at t = t[0] / t[1], where both ran the same ops and
-        collectives in the same order; None where they did not, or where a quantity is not a whole number there."""
+        """The run on the line through this one (at 0) and `other` (at 1) at t = t[0] / t[1], where both ran the
+        same ops and collectives in the same order; None where they did not, or where a quantity is not a whole
+        number there."""
         if (
             len(self.sequence) != len(other.sequence)
             or self.collectives != other.collectives

@@ -228,10 +228,11 @@ def search(
             continue
         candidate = estimated(layout)
         if candidate.peak <= memory:
-            if layout in bounds and (len(kth) < top or max(candidate.step_s, time_floor[i]) <= -kth[0]):
-                candidate = estimated(layout, exact=True)  # it may enter the top: its last stage's rank probed too
             # a bound's floor, which counts the last stage's rank, may be the higher of the two
             at_least = max(candidate.step_s, time_floor[i]) if layout in bounds else candidate.step_s
+            if layout in bounds and (len(kth) < top or at_least <= -kth[0]):
+                candidate = estimated(layout, exact=True)  # it may enter the top: its last stage's rank probed too
+                at_least = candidate.step_s
             fits.append((at_least, i, candidate))
             done.setdefault(frame, []).append(layout)
             heapq.heappush(kth, -at_least)

@@ -11,10 +11,11 @@ batch cut so each micro batch keeps its rows. Many layouts share one twin, hence
 in their rows per micro batch share two (`Shape`: every other row count is on the line through them), a twin of
 HSDP (dp_replicate 2, FSDP over dp_shard > 1) is its twin of one replica plus the replicas' gradient all-reduces
 (`Measurement.replicated`: no probe of its own), and those that differ only in FSDP's resharding after forward
-share one (the one that reshards, without the backward's gathers for the one that does not). A pipelined twin's rank is the sum of its stages, each its own module: every
-looped and V-shaped twin, and the first rank of a twin of one stage per rank, is put together from the stages of
-one base twin (`BASE`). The pp rank holding a pipeline's last stage, whose compute (it also runs the norm, output
-and loss) may be the slower, is probed as the twin's rank holding its last stage. The twin's probe is
+share one (the one that reshards, without the backward's gathers for the one that does not). A pipelined twin's
+rank is the sum of its stages, each its own module: every looped and V-shaped twin, and the first rank of a twin
+of one stage per rank, is put together from the stages of one base twin (`BASE`). The pp rank holding a pipeline's
+last stage, whose compute (it also runs the norm, output and loss) may be the slower, is probed as the twin's rank
+holding its last stage. The twin's probe is
 extrapolated to the layout's blocks as the exact one is, its collectives get the layout's group sizes and stages,
 and everything else (memory, micro batches, the schedule's order, sends, bubble) comes from the layout's own plan
 (`estimate_from`), as on the exact path (`shardlab.estimate.estimate`, which `python -m shardlab estimate` runs).

@@ -2,9 +2,10 @@
 
 Each rank runs one real micro batch under the same recorder the probe uses: every collective of rank 0 (count and
 bytes per axis, kind and phase) must equal the probe's, and torch's CommDebugMode, counting the warm-up step before
-it, must agree. Activations: the resident memory the real forward adds (malloc returns every block of 64 KiB or more to the OS at once, so RSS follows live tensors; plus the
-output layer's weights, which FSDP keeps gathered for its backward) and the
-bytes of the storages the real forward left alive must each be within 10% of the probe's activation bytes.
+it, must agree. Activations: the resident memory the real forward adds (malloc returns every block of 64 KiB or more
+to the OS at once, so RSS follows live tensors; plus the output layer's weights, which FSDP keeps gathered for its
+backward) and the bytes of the storages the real forward left alive must each be within 10% of the probe's activation
+bytes.
 Pipelined layouts (pp 2 x FSDP 2 with 1F1B and interleaved 1F1B, pp 2 x TP 2 + SP with GPipe, pp 2 x CP 2 with
 1F1B): the estimate's
 collectives per step and sends between stages equal what rank 0 runs in a real step of torch's schedule, and
