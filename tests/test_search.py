@@ -244,6 +244,47 @@ def test_every_layout_of_a_search_is_estimated_at_or_above_its_floor():
 
 
 @pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
+def test_a_pipelines_blocks_in_flight_keep_what_a_block_of_the_same_local_shapes_keeps():
+    """The search drops a pipelined layout whose micro batches in flight exceed the memory, each block of each
+    keeping what a block of a pipelined layout of the same local shapes (`_kept_key`) was estimated to keep: over
+    every schedule, micro batch count and resharding of 2 x 2 ranks, no layout's peak is below that, and it is
+    tighter than the floor alone. A model probed whole gives no such number (its blocks' mean includes the rest)."""
+    from shardlab.estimate import estimate_memory, fsdp_buffer_bytes
+    from shardlab.estimate.devices import device
+    from shardlab.estimate.floors import Floors
+    from shardlab.estimate.search import _kept_key, in_flight_activations
+    from shardlab.estimate.twin import estimate_shared
+    from shardlab.models.llama.provider import LlamaProvider
+    from shardlab.training.loop import plan_model
+
+    model = msgspec.structs.replace(WIDE, n_layers=13)  # probed at 2 and 3 blocks a stage, 4 stages: measured apart
+    c = cfg(model, global_batch=8, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
+    provider, dev, probes = LlamaProvider(model), device("h100"), {}
+    floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
+    found, _ = layouts(c, 4, fixed={"pp": 2, "dp_shard": 2, "tp": 1, "cp": 1})
+    by_key: dict[tuple, list] = {}
+    for layout in found:
+        if layout.activation_checkpoint in ("none", "full") and layout.micro_batches == 4:  # one row each
+            run = layout.config(c).resolve(4)
+            plan = plan_model(run)[1]
+            e = estimate_shared(run, plan, None, dev, provider, probes, last_rank=False)
+            fixed = estimate_memory(plan).total + fsdp_buffer_bytes(plan)
+            first = floors.micro_batch_activations(c, layout)
+            by_key.setdefault(_kept_key(layout, c), []).append((layout, plan, e, fixed, first))
+    assert len(by_key) == 2
+    tighter = 0
+    for same in by_key.values():
+        apart = [x for x in same if x[2].block_activations]  # not 4 stages a rank: 8 stages of 13 blocks, probed whole
+        assert len(apart) > 5 and {x[0].pp_stages_per_rank for x in same if x not in apart} == {4}
+        for _, _, known, _, _ in apart:
+            for layout, plan, e, fixed, first in same:
+                need = fixed + in_flight_activations(plan, first, known.block_activations)
+                assert need <= e.peak, layout.describe()
+                tighter += need > fixed + floors.activations(c, layout)
+    assert tighter > len(by_key) * 5
+
+
+@pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
 def test_pipeline_floors_price_the_ranks_the_estimate_prices():
     """Split by blocks, a pipeline's floor counts the busiest pp rank and the one holding the last stage (its output
     layer too) as the plan splits them: under a V-shaped schedule the first rank holds both ends, with uneven stages

@@ -1,9 +1,9 @@
 """estimate(cfg) -> Estimate: per-rank memory, communication, FLOPs and step time of a layout, without devices.
 
-Parameters, gradients and AdamW state are read off the Plan (every sharded axis gives its first
-coordinates the largest torch.chunk piece, so rank 0 holds the largest shard of every parameter). The rest
-is measured by `probe`: one micro batch of the real layout on fake tensors in a fake world of the config's
-size. Step time, tokens/s and MFU come from `roofline` for a named device.
+Parameters, gradients and AdamW state are read off the Plan (every sharded axis gives its first coordinates the
+largest torch.chunk piece, so rank 0 holds the largest shard of every parameter). The rest is measured by `probe`:
+one micro batch of the real layout on fake tensors in a fake world of the config's size. Step time, tokens/s and MFU
+come from `roofline` for a named device.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ class Estimate(Frozen):
     n_params: int
     memory: MemoryEstimate
     activations: int
-    """Bytes the forward of one micro batch leaves alive, with the config's activation checkpointing."""
+    """Bytes the forwards leave alive at the peak (the config's checkpointing): a micro batch's, and under a pipeline
+    what each block keeps of each other micro batch in flight (`block_activations`; 0: a model probed whole)."""
     activations_other: int
     """The same with the other choice: `full` when the config checkpoints nothing, else `none`."""
     other_checkpointing: str
@@ -129,6 +130,7 @@ class Estimate(Frozen):
     executed_flops: int
     """FLOPs this rank runs per step, recomputation included."""
     time: StepTime | None
+    block_activations: int = 0
 
     @property
     def peak(self) -> int:
@@ -158,9 +160,8 @@ def estimate(
     last stage (`head_rank`: the output layer and the loss), whichever takes longer.
     """
     check_fp8(cfg, dev)
-    other = "full" if cfg.plan.activation_checkpoint == "none" else "none"
-    if not compare_checkpointing:
-        other = cfg.plan.activation_checkpoint
+    ac = cfg.plan.activation_checkpoint
+    other = ac if not compare_checkpointing else "full" if ac == "none" else "none"
     other_cfg = msgspec.structs.replace(cfg, plan=msgspec.structs.replace(cfg.plan, activation_checkpoint=other))
     rank, blocks = probed_rank(plan)
     provider = provider or provider_for(cfg)
@@ -271,15 +272,16 @@ def estimate_from(
         flops_per_token=fpt,
         executed_flops=micro * p.flops,
         time=time,
+        block_activations=0 if p.whole else p.block_activation_bytes,
     )
 
 
 def per_step(p: Probe, micro: int, plan: Plan, rank: int) -> Probe:
     """`p` (one micro batch of pp rank `rank`) over a step of `micro` micro batches: each op (and each of the
-    recomputation's, `recompute_ops`) once per micro batch, except FSDP's under a pipeline, where torch's schedule gathers the weights in the forward once per step (the
-    backward's gathers after a resharding forward stay once per micro batch: m + 1 in all) and reduces gradients
-    once, at the last backward; and the adds that accumulate the gradients of the micro batches
-    (`_accumulation`), which a probe of one micro batch does not run."""
+    recomputation's, `recompute_ops`) once per micro batch, except FSDP's under a pipeline, where torch's schedule
+    gathers the weights in the forward once per step (the backward's gathers after a resharding forward stay once per
+    micro batch: m + 1 in all) and reduces gradients once, at the last backward; and the adds that accumulate the
+    gradients of the micro batches (`_accumulation`), which a probe of one micro batch does not run."""
     counts: Counter[tuple[int, int, OpKind]] = Counter()
     for f, b, n, kind in p.ops:
         counts[f, b, kind] += n * micro

@@ -365,9 +365,15 @@ class Floors(Frozen):
 
     def activations(self, cfg: Config, layout: Layout) -> int:
         """Bytes the blocks' forwards leave alive at the peak of the busiest rank at least: the micro batches in
-        flight there, each through at least ceil(L / pp) blocks."""
+        flight there, each through at least ceil(L / pp) blocks (`micro_batch_activations`)."""
+        m, micro = layout.mesh, layout.micro_batches
+        held = in_flight(layout.pp_schedule, m.pp, layout.pp_stages_per_rank, micro) if m.pp > 1 else 1.0
+        return int(held * self.micro_batch_activations(cfg, layout))
+
+    def micro_batch_activations(self, cfg: Config, layout: Layout) -> float:
+        """Bytes the blocks' forwards of one micro batch leave alive on the busiest rank at least."""
         if self.block is None or not self.block.kept:
-            return 0
+            return 0.0
         m, kept = layout.mesh, dict(self.block.kept)
         blocks, ac = self._held_blocks(m.pp), layout.activation_checkpoint
         if ac == "selective":  # at most one in ac_every of any run of blocks is checkpointed
@@ -376,10 +382,7 @@ class Floors(Frozen):
         else:
             per_token = blocks * kept.get(ac, 0.0)
         rows = cfg.train.global_batch // m.size("dp") // layout.micro_batches
-        held = 1.0  # micro batches in flight
-        if m.pp > 1:
-            held = in_flight(layout.pp_schedule, m.pp, layout.pp_stages_per_rank, layout.micro_batches)
-        return int(held * rows * cfg.train.seq_len * per_token / (m.tp * m.cp))
+        return rows * cfg.train.seq_len * per_token / (m.tp * m.cp)
 
 
 def _matmul_peak(cfg: Config, dev: Device) -> float:

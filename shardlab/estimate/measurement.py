@@ -25,6 +25,8 @@ class Probe(Frozen):
     """Bytes the forward leaves alive for the backward (saved tensors, checkpoint inputs, logits, loss)."""
     block_activation_bytes: int
     """What one more block adds to activation_bytes (a model of at most 3 periods: the mean over its blocks)."""
+    whole: bool = False
+    """Probed whole (at most 3 periods): block_activation_bytes is then a mean, with what is outside the blocks."""
     gather_ops: tuple[tuple[int, int, int, OpKind], ...] = ()
     """The part of `ops` FSDP ran to gather weights in the forward (copying shards in, gathered weights out)."""
     reduce_ops: tuple[tuple[int, int, int, OpKind], ...] = ()
@@ -216,6 +218,7 @@ class Measurement:
             recompute_ops=extended(7),
             activation_bytes=extend(a[4], b[4]),
             block_activation_bytes=round(per_block),
+            whole=len(records) == 1,
         )
 
     def replicated(self, replicas: int) -> Measurement | None:

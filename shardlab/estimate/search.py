@@ -1,22 +1,23 @@
 """search(cfg, world) -> Search: the fastest layouts that fit, ranked by the estimator's step time.
 
-The layouts are `shardlab.estimate.layouts.enumerate_layouts`'s. Each has a floor (`shardlab.estimate.floors`: step time and
-memory from its shape alone) and they are looked at lowest floor first, until the next floor is above the K-th
-fastest layout that fits: every later one is at least that slow, so the top K are the exhaustive search's
+The layouts are `shardlab.estimate.layouts.enumerate_layouts`'s. Each has a floor (`shardlab.estimate.floors`: step
+time and memory from its shape alone) and they are looked at lowest floor first, until the next floor is above the
+K-th fastest layout that fits: every later one is at least that slow, so the top K are the exhaustive search's
 (`prune=False` looks at them all; tests/test_search.py compares the two). What is cheap and exact comes next: each
 layout's parameters, gradients, AdamW state and FSDP buffers are read off its plan (one plan per mesh and pipeline
 shape, on one meta model), and a layout whose state and the activations it keeps at least (`Floors.activations`)
-exceed the memory is dropped before any probe. The rest are estimated (`shardlab.estimate.twin`) with probes
-shared through one cache (one per twin shape: every row count on the line through two, keeping FSDP's weights
-gathered from the probe that reshards them). The pp rank holding a pipeline's last stage, whose probe only its
-compute needs, is probed only for a layout that fits and may enter the top K (without it the step time is a lower
-bound, as its floor is: the higher of the two; the memory exact). A layout is dropped without a
-probe of its own where a sibling that needs no more memory did not fit: the same layout resharding FSDP's weights
-after forward, checkpointing every block, or running one sequence per micro batch. Within one mesh and schedule,
-fewer micro batches and less recomputation never make a step slower in the estimator's model (the same work in
-larger kernels, fewer FSDP gathers; recomputation only adds work), nor does keeping the weights gathered between
-forward and backward (reshard_after_forward=False: fewer gathers), so once a layout fits, the ones it beats that way
-are not estimated: they cannot win, and they are not shown.
+exceed the memory is dropped before any probe; so is a pipelined one whose micro batches in flight exceed it, each
+block of each keeping what one of a pipelined layout of the same local shapes was estimated to keep (`_kept_key`).
+The rest are estimated (`shardlab.estimate.twin`) with probes shared through one cache (one per twin shape: every row
+count on the line through two, keeping FSDP's weights gathered from the probe that reshards them). The pp rank
+holding a pipeline's last stage, whose probe only its compute needs, is probed only for a layout that fits and may
+enter the top K (without it the step time is a lower bound, as its floor is: the higher of the two; the memory
+exact). A layout is dropped without a probe of its own where a sibling that needs no more memory did not fit: the
+same layout resharding FSDP's weights after forward, checkpointing every block, or running one sequence per micro
+batch. Within one mesh and schedule, fewer micro batches and less recomputation never make a step slower in the
+estimator's model (the same work in larger kernels, fewer FSDP gathers; recomputation only adds work), nor does
+keeping the weights gathered between forward and backward (reshard_after_forward=False: fewer gathers), so once a
+layout fits, the ones it beats that way are not estimated: they cannot win, and they are not shown.
 
 A budget of seconds stops the search early, once a layout fits: the layouts not looked at are then each at least
 as slow as the lowest floor among them (`Search.floor_left`), which bounds how far the pick can be from the
@@ -36,7 +37,7 @@ import torch
 
 from shardlab._errors import ShardlabError
 from shardlab.config import Config
-from shardlab.estimate import check_fp8, estimate_memory, fsdp_buffer_bytes
+from shardlab.estimate import check_fp8, estimate_memory, fsdp_buffer_bytes, probed_rank
 from shardlab.estimate.device import Device
 from shardlab.estimate.floors import Floors
 from shardlab.estimate.layouts import AC_MODES, Layout, divisors, enumerate_layouts, recomputes_no_more, uses_fsdp
@@ -45,7 +46,7 @@ from shardlab.estimate.search_result import Candidate, Search, as_candidate, rea
 from shardlab.estimate.twin import Shape, estimate_shared, needs_last_rank
 from shardlab.models.flops import module_flops
 from shardlab.models.provider import ModelProvider, check_layout
-from shardlab.sharding.pipeline import LOOPED, ONE_STAGE, V_SHAPED, ZERO_BUBBLE, bubble_fraction, stage_shape
+from shardlab.sharding.pipeline import LOOPED, ONE_STAGE, V_SHAPED, ZERO_BUBBLE, bubble_fraction, in_flight, stage_shape
 from shardlab.sharding.plan import Plan, make_plan
 from shardlab.sharding.rules import Rules
 
@@ -136,6 +137,7 @@ def search(
     actions: dict[tuple, dict[int, str]] = {}  # pipeline schedule orders
     states: dict[Layout, int | None] = {}  # per state shape (`_state_shape`): bytes the plan fixes; None: refused
     estimates: dict[Layout, Candidate] = {}
+    kept: dict[tuple, int] = {}  # per `_kept_key`: what a block keeps alive per micro batch, as estimated
     bounds: set[Layout] = set()  # estimated without their last stage's rank: a lower bound on their step time
     done: dict[tuple, list[Layout]] = {}  # per mesh and schedule: the layouts that fit
     unfit = 0  # layouts looked at that did not fit
@@ -166,6 +168,8 @@ def search(
             e = estimate_shared(run, plan, rules_of(run), dev, provider, measured, actions, last_rank=exact,
                                 store=store)  # fmt: skip
             estimates[layout] = as_candidate(layout, e, run, dev)
+            if layout.mesh.pp > 1 and e.block_activations:  # a block's, measured apart
+                kept[_kept_key(layout, cfg)] = e.block_activations
             if not exact and needs_last_rank(run, plan):
                 bounds.add(layout)
             else:
@@ -218,6 +222,11 @@ def search(
             if fixed_by_plan is None:
                 continue
             need = fixed_by_plan + floors[layout.fp8].activations(choices[layout.fp8], layout)
+            per_block = kept.get(_kept_key(layout, cfg)) if layout.mesh.pp > 1 else None
+            if per_block is not None:
+                first = floors[layout.fp8].micro_batch_activations(choices[layout.fp8], layout)
+                plan = plan_of(layout.config(cfg).resolve(world))
+                need = max(need, fixed_by_plan + in_flight_activations(plan, first, per_block))
         if need > memory:
             over += 1
             if closest_state is None or need < closest_state[0]:
@@ -262,6 +271,25 @@ def _state_shape(layout: Layout) -> Layout:
         pp_stages_per_rank=layout.pp_stages_per_rank, reshard_after_forward=layout.reshard_after_forward,
         fp8=layout.fp8,
     )  # fmt: skip
+
+
+def _kept_key(layout: Layout, cfg: Config) -> tuple:
+    """What a block of a pipelined layout keeps alive per micro batch depends on (its probe's local shapes): tp, cp,
+    ep and the rows of a micro batch, the checkpointing, FP8, and whether FSDP (its mixed precision) and replicas
+    are there; not the schedule, the stages or the size of the data-parallel axes."""
+    m = layout.mesh
+    rows = cfg.train.global_batch // m.size("dp") // layout.micro_batches
+    dp = (m.dp_shard > 1, m.dp_replicate > 1, m.experts.dp_shard_mod_ep > 1)
+    return m.tp, m.cp, m.ep, *dp, layout.activation_checkpoint, layout.fp8, rows
+
+
+def in_flight_activations(plan: Plan, first: float, per_block: int) -> int:
+    """What the estimate of a pipelined layout (laid out by `plan`) keeps alive at least: a micro batch's `first`
+    (its floor), and for each other micro batch its schedule keeps in flight, `per_block` (what a block of a layout
+    of the same `_kept_key` keeps, as estimated) for each block of the busiest rank (as `estimate_from` counts)."""
+    pipe = plan.pipeline
+    held = in_flight(pipe.schedule, plan.mesh.pp, pipe.stages_per_rank, pipe.microbatches)
+    return int(first) + int((held - 1) * probed_rank(plan)[1] * per_block)
 
 
 def _with_fp8(cfg: Config, fp8: str) -> Config:
