@@ -207,16 +207,16 @@ def _flops(
     provider: ModelProvider, seq_len: int, options: PlanConfig, ac: str | None, fake: bool
 ) -> tuple[int, int, int, int]:
     model = _model(provider, options, ac)
-    forward, train = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False)
     with balanced_routing(), fake_tensors() if fake else contextlib.nullcontext():
         if fake:
             model.to_empty(device="cpu")
         sample = torch.zeros(1, seq_len, dtype=torch.long, device="cpu" if fake else "meta")
-        with forward:
-            provider.forward(model, sample)
-        with train:
-            provider.forward(model, sample).float().sum().backward()
-    counts = [c.get_flop_counts()["Global"] for c in (train, forward)]
+        with counter:  # one pass: the forward's counts, then the forward's and the backward's
+            out = provider.forward(model, sample)
+            forward = counter.get_flop_counts()["Global"]
+            out.float().sum().backward()
+    counts = [counter.get_flop_counts()["Global"], forward]
     batched = [c.get(torch.ops.aten.bmm, 0) for c in counts]
     return sum(counts[0].get(op, 0) for op in MATMULS), batched[0], batched[1], _dense_params(model)
 
