@@ -541,7 +541,7 @@ def test_search_ranks_the_layouts_that_fit_and_writes_the_winner(tmp_path, capsy
 @pytest.mark.parametrize(
     "model,world",
     [
-        (TINY, 2),
+        pytest.param(TINY, 2, marks=pytest.mark.world),  # whole searches of two ranks: the full suite's tier
         pytest.param(["--model.hf-path", "HF_DIR", "--train.seq-len", "64"], 2, marks=pytest.mark.world),
         (TINY, 1),
     ],
