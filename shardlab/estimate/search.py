@@ -210,8 +210,8 @@ def search(
         if budget is not None and fits and time.perf_counter() - start > budget:
             unsearched, floor_left = len(order) - n, time_floor[i]  # the lowest floor left: `order` ascends
             break
-        frame = _frame(layout)
-        need = floors[layout.fp8].memory(choices[layout.fp8], layout)
+        frame, floor, chosen = _frame(layout), floors[layout.fp8], choices[layout.fp8]
+        need = floor.memory(chosen, layout)
         if need <= memory:
             if any(_beats(d, layout) for d in done.get(frame, ())):
                 continue
@@ -221,11 +221,10 @@ def search(
             fixed_by_plan = fixed_bytes(layout)
             if fixed_by_plan is None:
                 continue
-            need = fixed_by_plan + floors[layout.fp8].activations(choices[layout.fp8], layout)
+            need = fixed_by_plan + floor.activations(chosen, layout)
             per_block = kept.get(_kept_key(layout, cfg)) if layout.mesh.pp > 1 else None
             if per_block is not None:
-                first = floors[layout.fp8].micro_batch_activations(choices[layout.fp8], layout)
-                plan = plan_of(layout.config(cfg).resolve(world))
+                first, plan = floor.micro_batch_activations(chosen, layout), plan_of(layout.config(cfg).resolve(world))
                 need = max(need, fixed_by_plan + in_flight_activations(plan, first, per_block))
         if need > memory:
             over += 1
@@ -308,9 +307,10 @@ def _frame(layout: Layout) -> tuple:
 
 def _needs_no_more(small: Layout, other: Layout) -> bool:
     """`small` (of `other`'s frame) never needs more memory than `other`: it checkpoints at least as much (its
-    forward keeps no more alive; op keeps more than selective under TP with SP, and less on one process), reshards FSDP's weights after forward if `other` does (it does not hold every
-    unit's gathered weights), and without a pipeline runs no more rows per micro batch (a pipeline's in-flight micro
-    batches depend on their count: only the same)."""
+    forward keeps no more alive; op keeps more than selective under TP with SP, and less on one process), reshards
+    FSDP's weights after forward if `other` does (it does not hold every unit's gathered weights), and without a
+    pipeline runs no more rows per micro batch (a pipeline's in-flight micro batches depend on their count: only the
+    same)."""
     more_ac = recomputes_no_more(other.activation_checkpoint, small.activation_checkpoint)  # op vs selective: unordered
     resharded = small.reshard_after_forward or not other.reshard_after_forward
     if small.mesh.pp > 1:
