@@ -194,9 +194,9 @@ def _count(
 ) -> tuple[int, int, int, int]:
     """Matmul FLOPs forward + backward, batched (attention's) ones forward + backward and forward, and the
     parameters FSDP gathers whole (`_dense_params`) of `provider`'s model on one sequence (ac: its blocks
-    checkpointed so): on meta
-    tensors, or where the model cannot run there (transformers' masks read a value), on fake CPU tensors, whose
-    matmuls are the same (CPU's fused attention is not a batched matmul: none counted there)."""
+    checkpointed so): on meta tensors, or where the model cannot run there (transformers' masks read a value), on
+    fake CPU tensors, whose matmuls are the same (CPU's fused attention is not a batched matmul: none counted
+    there)."""
     try:
         return _flops(provider, seq_len, options, ac, fake=False)
     except CANNOT_RUN:

@@ -5,14 +5,13 @@ the K-th fastest layout that fits: no layout left can then enter the top K, so t
 That holds only if each floor is at most what the estimate gives, term by term:
 - compute: the blocks' matmul FLOPs (forward and backward; the forward again under full checkpointing up to the
   last tensor the backward needs, where torch's checkpoint stops, in every ac_every-th block under selective, every
-  other matmul of a block under op-level checkpointing), each rank's share
-  being 1 / (tp x cp) of them, at the device's best matmul rate (its FP8 peak under plan.fp8, and FSDP's gathers at
-  a byte per weight under tensorwise FP8), and the output layer's where the rank runs it. With a pipeline the
-  estimate prices the busiest pp rank and the one holding the last stage: where the stages split by blocks (the
-  default), both as the plan splits them (a V-shaped schedule puts the output layer on the first rank, beside the
-  first stage), else a rank of at least ceil(L / pp) blocks and one computing at least the average. Plus the traffic
-  of the ops without FLOPs (norms, activations, residual adds, rotary, copies, the loss), each its own kernel in
-  eager PyTorch and priced by its
+  other matmul of a block under op-level checkpointing), each rank's share being 1 / (tp x cp) of them, at the
+  device's best matmul rate (its FP8 peak under plan.fp8, and FSDP's gathers at a byte per weight under tensorwise
+  FP8), and the output layer's where the rank runs it. With a pipeline the estimate prices the busiest pp rank and
+  the one holding the last stage: where the stages split by blocks (the default), both as the plan splits them (a
+  V-shaped schedule puts the output layer on the first rank, beside the first stage), else a rank of at least
+  ceil(L / pp) blocks and one computing at least the average. Plus the traffic of the ops without FLOPs (norms,
+  activations, residual adds, rotary, copies, the loss), each its own kernel in eager PyTorch and priced by its
   bytes at the device's best bandwidth: counted per row of a micro batch (what grows with the rows; what does
   not is dropped) on fake CPU tensors as the probe runs them (`step.forward_backward`), on one rank with the
   parameters in param_dtype (as FSDP's mixed precision computes), with the blocks checkpointed as the layout's (op

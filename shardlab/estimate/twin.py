@@ -15,10 +15,10 @@ share one (the one that reshards, without the backward's gathers for the one tha
 rank is the sum of its stages, each its own module: every looped and V-shaped twin, and the first rank of a twin
 of one stage per rank, is put together from the stages of one base twin (`BASE`). The pp rank holding a pipeline's
 last stage, whose compute (it also runs the norm, output and loss) may be the slower, is probed as the twin's rank
-holding its last stage. The twin's probe is
-extrapolated to the layout's blocks as the exact one is, its collectives get the layout's group sizes and stages,
-and everything else (memory, micro batches, the schedule's order, sends, bubble) comes from the layout's own plan
-(`estimate_from`), as on the exact path (`shardlab.estimate.estimate`, which `python -m shardlab estimate` runs).
+holding its last stage. The twin's probe is extrapolated to the layout's blocks as the exact one is, its collectives
+get the layout's group sizes and stages, and everything else (memory, micro batches, the schedule's order, sends,
+bubble) comes from the layout's own plan (`estimate_from`), as on the exact path (`shardlab.estimate.estimate`,
+which `python -m shardlab estimate` runs).
 
 What the twin does not see: FSDP pads the dim it shards to a multiple of the shards and copies each shard into the
 gathered buffer, so its gathered bytes and copy traffic differ by a few bytes per parameter with the shard count
