@@ -7,7 +7,8 @@ K-th fastest layout that fits: every later one is at least that slow, so the top
 layout's parameters, gradients, AdamW state and FSDP buffers are read off its plan (one plan per mesh and pipeline
 shape, on one meta model), and a layout whose state and the activations it keeps at least (`Floors.activations`)
 exceed the memory is dropped before any probe; so is a pipelined one whose micro batches in flight exceed it, each
-block of each keeping what one of a pipelined layout of the same local shapes was estimated to keep (`_kept_key`).
+block of each keeping what one of a layout of the same local shapes, pipelined or not, was estimated to keep
+(`_kept_key`).
 The rest are estimated (`shardlab.estimate.twin`) with probes shared through one cache (one per twin shape: every row
 count on the line through two, keeping FSDP's weights gathered from the probe that reshards them). The pp rank
 holding a pipeline's last stage, whose probe only its compute needs, is probed only for a layout that fits and may
@@ -168,7 +169,7 @@ def search(
             e = estimate_shared(run, plan, rules_of(run), dev, provider, measured, actions, last_rank=exact,
                                 store=store)  # fmt: skip
             estimates[layout] = as_candidate(layout, e, run, dev)
-            if layout.mesh.pp > 1 and e.block_activations:  # a block's, measured apart
+            if e.block_activations:  # a block's, measured apart
                 kept[_kept_key(layout, cfg)] = e.block_activations
             if not exact and needs_last_rank(run, plan):
                 bounds.add(layout)
@@ -273,9 +274,9 @@ def _state_shape(layout: Layout) -> Layout:
 
 
 def _kept_key(layout: Layout, cfg: Config) -> tuple:
-    """What a block of a pipelined layout keeps alive per micro batch depends on (its probe's local shapes): tp, cp,
-    ep and the rows of a micro batch, the checkpointing, FP8, and whether FSDP (its mixed precision) and replicas
-    are there; not the schedule, the stages or the size of the data-parallel axes."""
+    """What a block keeps alive per micro batch depends on (its probe's local shapes): tp, cp, ep and the rows of a
+    micro batch, the checkpointing, FP8, and whether FSDP (its mixed precision) and replicas are there; not the
+    pipeline, its schedule and stages, nor the size of the data-parallel axes (each block is its own FSDP unit)."""
     m = layout.mesh
     rows = cfg.train.global_batch // m.size("dp") // layout.micro_batches
     dp = (m.dp_shard > 1, m.dp_replicate > 1, m.experts.dp_shard_mod_ep > 1)
