@@ -117,7 +117,7 @@ class Estimate(Frozen):
     memory: MemoryEstimate
     activations: int
     """Bytes the forwards leave alive at the peak (the config's checkpointing): a micro batch's, and under a pipeline
-    what each block keeps of each other micro batch in flight (`block_activations`; 0: a model probed whole)."""
+    what each block keeps of each other micro batch in flight."""
     activations_other: int
     """The same with the other choice: `full` when the config checkpoints nothing, else `none`."""
     other_checkpointing: str
@@ -130,7 +130,8 @@ class Estimate(Frozen):
     executed_flops: int
     """FLOPs this rank runs per step, recomputation included."""
     time: StepTime | None
-    block_activations: int = 0
+    block: Probe | None = None
+    """One more block of a micro batch on the probed rank (`Measurement.middle_block`; the search's estimates)."""
 
     @property
     def peak(self) -> int:
@@ -272,7 +273,6 @@ def estimate_from(
         flops_per_token=fpt,
         executed_flops=micro * p.flops,
         time=time,
-        block_activations=0 if p.whole else p.block_activation_bytes,
     )
 
 

@@ -162,10 +162,11 @@ class Floors(Frozen):
                    n_layers=provider.n_layers, rate=_matmul_peak(cfg, dev) * best,
                    bandwidth=dev.hbm_tb_s * 1e12 * best_memory)  # fmt: skip
 
-    def time(self, cfg: Config, layout: Layout, dev: Device) -> float:
+    def time(self, cfg: Config, layout: Layout, dev: Device, compute: float = 0.0, comm: float = 0.0) -> float:
         """Seconds per step the estimate of `layout` gives at least: `busy` stretched by the pipeline's bubble, then
-        the optimizer step (`optimizer_seconds`)."""
-        busy, m = self.busy(cfg, layout, dev), layout.mesh
+        the optimizer step (`optimizer_seconds`). compute, comm: what the busiest rank's blocks compute and its tp, cp
+        and ep collectives take per step at least, known otherwise (the search's, from an estimated block)."""
+        busy, m = self.busy(cfg, layout, dev, compute, comm), layout.mesh
         if m.pp > 1:
             bubble = bubble_fraction(layout.pp_schedule, m.pp, layout.pp_stages_per_rank, layout.micro_batches)
             if dev.busy_speed:
@@ -181,23 +182,28 @@ class Floors(Frozen):
         params = self.param_bytes / 4 / (m.dp_shard * m.cp * m.tp * m.pp)
         return params * ADAM_BYTES_PER_PARAM / (dev.hbm_tb_s * 1e12 * dev.hbm_efficiency)
 
-    def busy(self, cfg: Config, layout: Layout, dev: Device) -> float:
-        """Seconds per step the rank computes and communicates at least, without the pipeline's bubble."""
+    def busy(self, cfg: Config, layout: Layout, dev: Device, compute: float = 0.0, comm: float = 0.0) -> float:
+        """Seconds per step the rank computes and communicates at least, without the pipeline's bubble: the larger of
+        its compute and FSDP's collectives (the roofline overlaps them), then its tp, cp and ep collectives (compute,
+        comm: at least these, as `time`)."""
         m = layout.mesh
         if self.block is None:
-            return 0.0
-        seconds = [self._compute_seconds(cfg, layout, rank) for rank in self._ranks(cfg, layout)]
+            return compute + comm
+        ranks = self._ranks(cfg, layout)
+        seconds = [self._compute_seconds(cfg, layout, rank) for rank in ranks]
+        blocks = self._compute_seconds(cfg, layout, ranks[0]._replace(head=False))  # the busiest rank's blocks
+        seconds[0] += max(compute - blocks, 0.0)
         compute = max(seconds)
         if dev.busy_speed and len(seconds) == 2:  # as the estimate paces ranks that time-share cores
             compute = shared_compute(*seconds, m.pp, m.world_size // m.pp, dev.busy_speed)
-        busy = max(compute, self.fsdp_seconds(cfg, layout, dev))
+        collectives = 0.0
         if m.tp > 1 and self.tp_dim:
-            busy += self.tp_seconds(cfg, layout, dev)
+            collectives += self.tp_seconds(cfg, layout, dev)
         if m.cp > 1 and self.kv_dim:
-            busy += self.cp_seconds(cfg, layout, dev)
+            collectives += self.cp_seconds(cfg, layout, dev)
         if m.ep > 1 and self.expert_rows:
-            busy += self.ep_seconds(cfg, layout, dev)
-        return busy
+            collectives += self.ep_seconds(cfg, layout, dev)
+        return max(compute, self.fsdp_seconds(cfg, layout, dev)) + max(collectives, comm)
 
     def _compute_seconds(self, cfg: Config, layout: Layout, rank: _Rank) -> float:
         """Seconds one pp rank computes per step at least: its FLOPs (`flops`) at the best rate and its ops without

@@ -5,6 +5,7 @@ records them."""
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import NamedTuple
 
@@ -25,8 +26,6 @@ class Probe(Frozen):
     """Bytes the forward leaves alive for the backward (saved tensors, checkpoint inputs, logits, loss)."""
     block_activation_bytes: int
     """What one more block adds to activation_bytes (a model of at most 3 periods: the mean over its blocks)."""
-    whole: bool = False
-    """Probed whole (at most 3 periods): block_activation_bytes is then a mean, with what is outside the blocks."""
     gather_ops: tuple[tuple[int, int, int, OpKind], ...] = ()
     """The part of `ops` FSDP ran to gather weights in the forward (copying shards in, gathered weights out)."""
     reduce_ops: tuple[tuple[int, int, int, OpKind], ...] = ()
@@ -218,8 +217,38 @@ class Measurement:
             recompute_ops=extended(7),
             activation_bytes=extend(a[4], b[4]),
             block_activation_bytes=round(per_block),
-            whole=len(records) == 1,
         )
+
+    @functools.cached_property
+    def middle_block(self) -> Probe | None:
+        """What one more block adds to the probed rank's micro batch: the difference of the two probes (k more blocks
+        in each of its v stages) per block, its counts and bytes the mean of a period (fractions where k > 1 or its
+        stages differ); of its ops, the step's own and their recomputation, not FSDP's gathers and reductions; its
+        FSDP collectives as the probe that reshards runs them. Each block of the rank does at least this, so a
+        layout of the same local shapes computes and keeps at least this much per block (`search`). None for a
+        model probed whole, whose two probes are one."""
+        if len(self.runs) == 1:
+            return None
+        a, b = self.runs
+        span = self.k * self.v
+        own = [
+            Counter((f, m, kind) for f, m, kind, role, _ in run.sequence if role in ("", "recompute")) for run in (a, b)
+        ]
+        ops = tuple(sorted((f, m, (own[1][key] - own[0][key]) / span, kind) for key in own[0].keys() | own[1].keys()
+                           for f, m, kind in [key] if own[1][key] != own[0][key]))  # fmt: skip
+        merged: dict[tuple, list[float]] = {}  # per (axis, kind, phase, group size), over the stages
+        for run, sign in ((a, -1), (b, 1)):
+            for key, n in run.collectives.items():
+                total = merged.setdefault(key[:4], [0.0, 0.0])
+                total[0] += sign * n / span
+                total[1] += sign * run.collective_bytes[key] / span
+        collectives = tuple(
+            Collective(axis=axis, kind=kind, phase=phase, group_size=size, count=n, bytes=nbytes, stage=None)
+            for (axis, kind, phase, size), (n, nbytes) in sorted(merged.items(), key=str) if n or nbytes
+        )  # fmt: skip
+        alive = (b.activation_bytes - a.activation_bytes) / span
+        return Probe(collectives=collectives, flops=sum(f * n for f, _, n, _ in ops), ops=ops, activation_bytes=alive,
+                     block_activation_bytes=alive)  # fmt: skip
 
     def replicated(self, replicas: int) -> Measurement | None:
         """This measurement of FSDP alone as HSDP's with `replicas` replicas (`Run.replicated`); None where it cannot

@@ -6,9 +6,10 @@ K-th fastest layout that fits: every later one is at least that slow, so the top
 (`prune=False` looks at them all; tests/test_search.py compares the two). What is cheap and exact comes next: each
 layout's parameters, gradients, AdamW state and FSDP buffers are read off its plan (one plan per mesh and pipeline
 shape, on one meta model), and a layout whose state and the activations it keeps at least (`Floors.activations`)
-exceed the memory is dropped before any probe; so is a pipelined one whose micro batches in flight exceed it, each
-block of each keeping what one of a layout of the same local shapes, pipelined or not, was estimated to keep
-(`_kept_key`).
+exceed the memory is dropped before any probe. Once a layout of the same local shapes (`_block_key`), pipelined or
+not, has been estimated, each block of a pipelined one is taken to keep, compute and communicate (tp, cp, ep) what
+one of its blocks does in each micro batch (`Estimate.block`): one whose micro batches in flight then exceed the
+memory is dropped, and one whose step time then exceeds the K-th fastest is not estimated.
 The rest are estimated (`shardlab.estimate.twin`) with probes shared through one cache (one per twin shape: every row
 count on the line through two, keeping FSDP's weights gathered from the probe that reshards them). The pp rank
 holding a pipeline's last stage, whose probe only its compute needs, is probed only for a layout that fits and may
@@ -42,7 +43,9 @@ from shardlab.estimate import check_fp8, estimate_memory, fsdp_buffer_bytes, pro
 from shardlab.estimate.device import Device
 from shardlab.estimate.floors import Floors
 from shardlab.estimate.layouts import AC_MODES, Layout, divisors, enumerate_layouts, recomputes_no_more, uses_fsdp
+from shardlab.estimate.measurement import Probe
 from shardlab.estimate.probe_store import ProbeStore
+from shardlab.estimate.roofline import DP_AXES, collective_seconds, compute_seconds
 from shardlab.estimate.search_result import Candidate, Search, as_candidate, readable_bytes
 from shardlab.estimate.twin import Shape, estimate_shared, needs_last_rank
 from shardlab.models.flops import module_flops
@@ -138,14 +141,14 @@ def search(
     actions: dict[tuple, dict[int, str]] = {}  # pipeline schedule orders
     states: dict[Layout, int | None] = {}  # per state shape (`_state_shape`): bytes the plan fixes; None: refused
     estimates: dict[Layout, Candidate] = {}
-    kept: dict[tuple, int] = {}  # per `_kept_key`: what a block keeps alive per micro batch, as estimated
+    seen: dict[tuple, Probe] = {}  # per `_block_key`: one more block of a micro batch, as estimated
     bounds: set[Layout] = set()  # estimated without their last stage's rank: a lower bound on their step time
     done: dict[tuple, list[Layout]] = {}  # per mesh and schedule: the layouts that fit
     unfit = 0  # layouts looked at that did not fit
     too_large: dict[tuple, list[Layout]] = {}  # per mesh and schedule: every estimated layout that did not fit
     fits: list[tuple[float, int, Candidate]] = []
     kth: list[float] = []  # the `top` fastest step times so far, negated (a heap: the K-th fastest first)
-    over = too_big = pruned = unsearched = 0
+    over = too_big = pruned = unsearched = slower = 0
     floor_left = None
     closest: Candidate | None = None
     closest_state: tuple[int, Layout] | None = None
@@ -169,8 +172,8 @@ def search(
             e = estimate_shared(run, plan, rules_of(run), dev, provider, measured, actions, last_rank=exact,
                                 store=store)  # fmt: skip
             estimates[layout] = as_candidate(layout, e, run, dev)
-            if e.block_activations:  # a block's, measured apart
-                kept[_kept_key(layout, cfg)] = e.block_activations
+            if e.block is not None:  # measured apart from the rest of the model
+                seen[_block_key(layout, cfg)] = e.block
             if not exact and needs_last_rank(run, plan):
                 bounds.add(layout)
             else:
@@ -212,7 +215,7 @@ def search(
             unsearched, floor_left = len(order) - n, time_floor[i]  # the lowest floor left: `order` ascends
             break
         frame, floor, chosen = _frame(layout), floors[layout.fp8], choices[layout.fp8]
-        need = floor.memory(chosen, layout)
+        need, block = floor.memory(chosen, layout), None
         if need <= memory:
             if any(_beats(d, layout) for d in done.get(frame, ())):
                 continue
@@ -223,14 +226,18 @@ def search(
             if fixed_by_plan is None:
                 continue
             need = fixed_by_plan + floor.activations(chosen, layout)
-            per_block = kept.get(_kept_key(layout, cfg)) if layout.mesh.pp > 1 else None
-            if per_block is not None:
+            block = seen.get(_block_key(layout, cfg)) if layout.mesh.pp > 1 else None
+            if block is not None:
                 first, plan = floor.micro_batch_activations(chosen, layout), plan_of(layout.config(cfg).resolve(world))
-                need = max(need, fixed_by_plan + in_flight_activations(plan, first, per_block))
+                need = max(need, fixed_by_plan + in_flight_activations(plan, first, block.activation_bytes))
         if need > memory:
             over += 1
             if closest_state is None or need < closest_state[0]:
                 closest_state = (need, layout)
+            continue
+        may_prune = prune and len(kth) == top and not dev.busy_speed  # (ranks time-sharing cores: paced otherwise)
+        if may_prune and block is not None and blocks_time(plan, block, floor, chosen, layout, dev) > -kth[0]:
+            slower += 1  # what its blocks take makes it slower than the K-th fastest
             continue
         if cannot_fit(layout):
             too_big += 1
@@ -259,8 +266,9 @@ def search(
     stored = (store.read if store is not None else 0) - read
     return Search(
         best=tuple(c for _, _, c in fits[:top]), layouts=len(layouts), over_memory=over, too_big=too_big,
-        estimated=len(estimates), bounded=len(bounds), pruned=pruned, unsearched=unsearched, floor_left=floor_left,
-        probes=_probed(measured) - known - stored, stored=stored, seconds=time.perf_counter() - start,
+        estimated=len(estimates), bounded=len(bounds), pruned=pruned + slower, unsearched=unsearched,
+        floor_left=floor_left, probes=_probed(measured) - known - stored, stored=stored,
+        seconds=time.perf_counter() - start,
     )  # fmt: skip
 
 
@@ -273,23 +281,33 @@ def _state_shape(layout: Layout) -> Layout:
     )  # fmt: skip
 
 
-def _kept_key(layout: Layout, cfg: Config) -> tuple:
-    """What a block keeps alive per micro batch depends on (its probe's local shapes): tp, cp, ep and the rows of a
-    micro batch, the checkpointing, FP8, and whether FSDP (its mixed precision) and replicas are there; not the
-    pipeline, its schedule and stages, nor the size of the data-parallel axes (each block is its own FSDP unit)."""
+def _block_key(layout: Layout, cfg: Config) -> tuple:
+    """What a block keeps alive, computes and sends over tp, cp and ep per micro batch depends on (its probe's local
+    shapes): tp, cp, ep and the rows of a micro batch, the checkpointing, FP8, and whether FSDP (its mixed precision)
+    and replicas are there; not the pipeline, its schedule and stages, nor the size of the data-parallel axes (each
+    block is its own FSDP unit)."""
     m = layout.mesh
     rows = cfg.train.global_batch // m.size("dp") // layout.micro_batches
     dp = (m.dp_shard > 1, m.dp_replicate > 1, m.experts.dp_shard_mod_ep > 1)
     return m.tp, m.cp, m.ep, *dp, layout.activation_checkpoint, layout.fp8, rows
 
 
-def in_flight_activations(plan: Plan, first: float, per_block: int) -> int:
+def in_flight_activations(plan: Plan, first: float, per_block: float) -> int:
     """What the estimate of a pipelined layout (laid out by `plan`) keeps alive at least: a micro batch's `first`
     (its floor), and for each other micro batch its schedule keeps in flight, `per_block` (what a block of a layout
-    of the same `_kept_key` keeps, as estimated) for each block of the busiest rank (as `estimate_from` counts)."""
+    of the same `_block_key` keeps, as estimated) for each block of the busiest rank (as `estimate_from` counts)."""
     pipe = plan.pipeline
     held = in_flight(pipe.schedule, plan.mesh.pp, pipe.stages_per_rank, pipe.microbatches)
     return int(first) + int((held - 1) * probed_rank(plan)[1] * per_block)
+
+
+def blocks_time(plan: Plan, block: Probe, floor: Floors, cfg: Config, layout: Layout, dev: Device) -> float:
+    """The step time the estimate of pipelined `layout` (laid out by `plan`) gives at least: its floor, with the
+    busiest rank's blocks each computing and communicating over tp, cp and ep what `block` (one of a layout of the
+    same `_block_key`, as estimated) does, in each micro batch (`Floors.time`; not on ranks that time-share cores)."""
+    blocks = plan.pipeline.microbatches * probed_rank(plan)[1]
+    comm = sum(collective_seconds(c, layout.mesh, dev) for c in block.collectives if c.axis not in (*DP_AXES, "pp"))
+    return floor.time(cfg, layout, dev, compute=blocks * compute_seconds(block, dev), comm=blocks * comm)
 
 
 def _with_fp8(cfg: Config, fp8: str) -> Config:

@@ -92,7 +92,7 @@ def search_table(s: Search, dev: Device, memory: int, rows: int | None = None, e
     lines = [
         f"Search on {dev.name}, {readable_bytes(memory)} per rank: {s.layouts} layouts, {s.over_memory} dropped by their state "
         f"and activations before any probe and {s.too_big} as a sibling needing less memory was too big, {s.pruned} slower than "
-        f"the top {len(s.best)} by their floor alone, {s.estimated} estimated ({s.probes} probes"
+        f"the top {len(s.best)} by their floors, {s.estimated} estimated ({s.probes} probes"
         + (f", {s.stored} read from earlier searches" if s.stored else "")
         + f") in {s.seconds:.1f} s",
         *_aligned(table),

@@ -47,7 +47,8 @@ class Search(Frozen):
     """Estimated without the probe of the pp rank holding their pipeline's last stage (they did not fit, or could not
     enter the top K even at the lower bound on their step time that leaves it out)."""
     pruned: int
-    """Not looked at: their floor (`shardlab.estimate.floors`) is above the `top`-th fastest layout that fits."""
+    """Not looked at: their floor (`shardlab.estimate.floors`; for a pipeline, with each block doing what one of an
+    estimated layout of the same local shapes does) is above the `top`-th fastest layout that fits."""
     unsearched: int
     """Not looked at because the budget ran out (0: the ranking is the exhaustive search's)."""
     floor_left: float | None

@@ -157,9 +157,10 @@ def estimate_shared(
     where probes are kept between searches (`ProbeStore`; None: only in `measured`)."""
     twin_cfg, twin_rank = twin(cfg, plan, provider.n_layers)
     _, blocks = probed_rank(plan)
-    p = _translated(
-        _measured(twin_cfg, twin_rank, rules, provider, measured, blocks, plan, store), twin_cfg, twin_rank, cfg, plan
-    )
+    regather = _regathers(twin_cfg, provider.n_layers, plan)
+    found = _measurement(twin_cfg, twin_rank, rules, provider, measured, plan, store)
+    p = _translated(found.at(blocks, regather), twin_cfg, twin_rank, cfg, plan)
+    block = found.middle_block
     last = None
     if last_rank and needs_last_rank(cfg, plan):
         # the last stage also runs the norm, output and loss (only its rank's compute is used): the twin's rank
@@ -167,8 +168,9 @@ def estimate_shared(
         pipe = plan.pipeline
         held = sum(len(s.blocks) for s in pipe.stages_of(head_rank(plan)))
         twin_head = stage_ranks(twin_cfg.mesh.pp, pipe.stages_per_rank, pipe.schedule)[-1]
-        last = _measured(twin_cfg, twin_head, rules, provider, measured, held, plan, store)
-    return estimate_from(cfg, plan, p, p, cfg.plan.activation_checkpoint, dev, provider, actions, last=last)
+        last = _measurement(twin_cfg, twin_head, rules, provider, measured, plan, store).at(held, regather)
+    e = estimate_from(cfg, plan, p, p, cfg.plan.activation_checkpoint, dev, provider, actions, last=last)
+    return msgspec.structs.replace(e, block=block and _translated(block, twin_cfg, twin_rank, cfg, plan))
 
 
 def needs_last_rank(cfg: Config, plan: Plan) -> bool:
@@ -176,20 +178,10 @@ def needs_last_rank(cfg: Config, plan: Plan) -> bool:
     return plan.pipeline is not None and probed_rank(plan)[0] != head_rank(plan)
 
 
-def _measured(
-    cfg: Config,
-    rank: int,
-    rules: Rules | None,
-    provider: ModelProvider,
-    measured: dict[bytes, Shape],
-    blocks: int | None,
-    plan: Plan,
-    store: ProbeStore | None,
-) -> Probe:
-    """`cfg`'s probe as pp rank `rank` holding `blocks` blocks, from `measured` or measured now (`_measurement`).
-    plan: the layout's."""
-    found = _measurement(cfg, rank, rules, provider, measured, plan, store)
-    return found.at(blocks, regather=cfg.plan.resharding(cfg.mesh)[0] or not _reshards(cfg, provider.n_layers, plan))
+def _regathers(cfg: Config, n_layers: int, plan: Plan) -> bool:
+    """Whether twin `cfg` gathers FSDP's weights again in the backward: where it reshards them after forward, or
+    where its measurement keeps them gathered (`_reshards`; plan: the layout's)."""
+    return cfg.plan.resharding(cfg.mesh)[0] or not _reshards(cfg, n_layers, plan)
 
 
 def _reshards(cfg: Config, n_layers: int, plan: Plan) -> bool:
