@@ -191,8 +191,8 @@ class Floors(Frozen):
             return compute + comm
         ranks = self._ranks(cfg, layout)
         seconds = [self._compute_seconds(cfg, layout, rank) for rank in ranks]
-        blocks = self._compute_seconds(cfg, layout, ranks[0]._replace(head=False))  # the busiest rank's blocks
-        seconds[0] += max(compute - blocks, 0.0)
+        if compute:  # beyond what the floor counts of the busiest rank's blocks
+            seconds[0] += max(compute - self._compute_seconds(cfg, layout, ranks[0]._replace(head=False)), 0.0)
         compute = max(seconds)
         if dev.busy_speed and len(seconds) == 2:  # as the estimate paces ranks that time-share cores
             compute = shared_compute(*seconds, m.pp, m.world_size // m.pp, dev.busy_speed)

@@ -179,8 +179,9 @@ def needs_last_rank(cfg: Config, plan: Plan) -> bool:
 
 
 def _regathers(cfg: Config, n_layers: int, plan: Plan) -> bool:
-    """Whether twin `cfg` gathers FSDP's weights again in the backward: where it reshards them after forward, or
-    where its measurement keeps them gathered (`_reshards`; plan: the layout's)."""
+    """Whether `cfg`'s probe counts the backward's gathers of FSDP's weights that its measurement recorded: where the
+    twin reshards them after forward, or where the measurement kept them gathered and recorded none (`_reshards`;
+    plan: the layout's)."""
     return cfg.plan.resharding(cfg.mesh)[0] or not _reshards(cfg, n_layers, plan)
 
 
