@@ -5,6 +5,11 @@ Every rank runs the checks in order; after each one the ranks all-gather pass/fa
 the world cleanly and later checks read "not run". Each rank writes its results to files as it goes, so a
 killed world still reports what finished, and a failure names the rank that failed first with its own
 traceback (torch's mp.spawn can blame a bystander: the first rank to exit, not the first to fail).
+
+A rank killed by a signal inside a check (a segfault below Python) has its checks from that one on run once more in a
+new world, with a warning that carries its stack: gloo's CPU collectives have crashed that way once in hundreds of
+worlds that pass, where a whole suite's result would otherwise hang on it; a check that crashes every time still
+fails, with the second crash's stack.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import socket
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -181,6 +187,16 @@ class WorldResult:
         died = [f"rank {r} exited with code {code}" for r, code in sorted(self.died.items())]
         return ", ".join([*died, self.cut] if self.cut else died) or "the ranks exited without a result"
 
+    def crashed(self) -> tuple[int, int] | None:
+        """(check index, rank) of the first rank killed by a signal inside a check, if one was."""
+        for i in range(len(self.checks)):
+            for r in range(self.world_size):
+                if f"{i}.{r}" not in self.outcomes and self.died.get(r, 0) < 0:
+                    return i, r
+            if any(f"{i}.{r}" not in self.outcomes for r in range(self.world_size)):
+                return None  # the world stopped here otherwise
+        return None
+
     def raise_for(self, check: Callable | str) -> None:
         """Raise AssertionError("<check> failed on rank 2:\\n<traceback>") or ("<check> was not run: ..."), unless
         the check passed on every rank."""
@@ -217,6 +233,30 @@ def run_world(
         qualname = (check[0] if isinstance(check, tuple) else check).__qualname__
         if "<" in qualname:
             raise TypeError(f"check {qualname} must be a module-level function: the ranks import checks by name")
+    first = _run(world_size, checks, timeout_s, environ, kwargs)
+    crashed = first.crashed()
+    if crashed is None:
+        return first
+    i, rank = crashed
+    stack = first.faults.get(rank, "(no Python stack)")
+    warnings.warn(
+        f"{_short(checks[i])}: rank {rank} was killed by signal {-first.died[rank]} inside the check; running the "
+        f"checks from it once more in a new world. Its stack:\n{stack}",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    again = _run(world_size, checks[i:], timeout_s, environ, kwargs)
+    outcomes = {k: o for k, o in first.outcomes.items() if (n := k.split(".")[0]).isdigit() and int(n) < i}
+    for key, outcome in again.outcomes.items():
+        n, r = key.split(".")
+        outcomes[f"{int(n) + i}.{r}" if n.isdigit() else key] = outcome
+    return WorldResult(checks, world_size, outcomes, again.died, again.faults, again.cut)
+
+
+def _run(
+    world_size: int, checks: list[Check], timeout_s: float, environ: dict[str, str] | None, kwargs: dict[str, Any]
+) -> WorldResult:
+    """One world running `checks` (run_world's arguments)."""
     ctx = mp.get_context("spawn" if environ else "forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory(prefix="world-") as tmp, mock.patch.dict(os.environ, environ or {}):

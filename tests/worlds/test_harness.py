@@ -7,6 +7,7 @@ Run: pytest tests/worlds/test_harness.py
 import faulthandler
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,10 +43,19 @@ def check_hangs(rank, world_size):
         dist.barrier()  # rank 1 never enters it: it goes on to the pass/fail all-gather, which gloo never matches
 
 
-def check_crashes(rank, world_size):
+def check_crashes(rank, world_size, **_):
     if rank == 1:
         faulthandler._sigsegv()  # a crash below Python, as a broken extension would make one
     dist.barrier()
+
+
+def check_crashes_once(rank, world_size, marker):
+    """Crashes on rank 1 in the first world only (the marker file tells the second)."""
+    if rank == 1 and not Path(marker).exists():
+        Path(marker).touch()
+        faulthandler._sigsegv()
+    dist.barrier()
+    return rank
 
 
 MAIN = [check_all_reduce, check_returns_value, check_fails_on_rank_1, check_never_runs]
@@ -100,7 +110,8 @@ def test_hang_is_killed_after_timeout():
 
 @pytest.mark.world
 def test_crash_names_the_rank_exit_code_and_python_stack():
-    world = run_world(2, [check_crashes, check_never_runs], timeout_s=120)
+    with pytest.warns(RuntimeWarning, match=r"check_crashes: rank 1 was killed by signal 11 inside the check; running"):
+        world = run_world(2, [check_crashes, check_never_runs], timeout_s=120)
     message = r"^check_crashes failed on rank 1: the process exited with code -11 inside the check; faulthandler's"
     with pytest.raises(AssertionError, match=message) as err:
         world.raise_for(check_crashes)
@@ -108,6 +119,20 @@ def test_crash_names_the_rank_exit_code_and_python_stack():
     assert re.search(r"\nalso failed on rank 0: RuntimeError: .*Connection", str(err.value))
     with pytest.raises(AssertionError, match="check_never_runs was not run"):
         world.raise_for(check_never_runs)
+
+
+@pytest.mark.world
+def test_a_crash_is_run_again_once_from_its_check_on(tmp_path):
+    marker = tmp_path / "crashed"
+    with pytest.warns(
+        RuntimeWarning, match=r"(?s)check_crashes_once: rank 1 was killed by signal 11.*check_crashes_on"
+    ):
+        checks = [check_returns_value, (check_crashes_once, {"marker": str(marker)}), check_all_reduce]
+        world = run_world(2, checks, timeout_s=120)
+    assert marker.exists()
+    assert world.value(check_returns_value, rank=1) == {"rank": 1, "loss": 2.0}  # from the first world
+    assert world.value(check_crashes_once, rank=1) == 1  # from the second
+    assert world.raise_for(check_all_reduce) is None
 
 
 def test_checks_must_be_importable_by_the_spawned_ranks():
