@@ -247,13 +247,15 @@ def test_every_layout_of_a_search_is_estimated_at_or_above_its_floor():
 def test_a_pipelines_blocks_do_at_least_what_a_block_of_the_same_local_shapes_does():
     """The search drops a pipelined layout whose micro batches in flight exceed the memory, or whose step is slower
     than the K-th fastest, each block of each keeping, computing and communicating what a block of a layout of the
-    same local shapes (`_block_key`), pipelined or not, was estimated to (`Estimate.block`): over every schedule,
-    resharding and stage count of 2 x 2 ranks (and of 2 x 2 with TP 2), no estimate is below that, and it is tighter
-    than the floor alone. A model probed whole gives no such block (its blocks' mean includes the rest)."""
+    same local shapes (`_block_key`), pipelined or not, was estimated to (`Estimate.block`); what it keeps, scaled
+    (`kept_at_least`), bounds other shapes' blocks too: at a larger tp, or with fewer or more rows. Over every
+    schedule, resharding and stage count of 2 x 2 ranks, of 4 pp ranks, and of 2 x 2 with TP 2, no estimate is below
+    these bounds, and they are tighter than the floor alone. A model probed whole gives no such block (its blocks'
+    mean includes the rest)."""
     from shardlab.estimate import estimate_memory, fsdp_buffer_bytes
     from shardlab.estimate.devices import device
     from shardlab.estimate.floors import Floors
-    from shardlab.estimate.search import _block_key, blocks_time, in_flight_activations
+    from shardlab.estimate.search import _block_key, blocks_time, in_flight_activations, kept_at_least
     from shardlab.estimate.twin import estimate_shared
     from shardlab.models.llama.provider import LlamaProvider
     from shardlab.training.loop import plan_model
@@ -262,33 +264,43 @@ def test_a_pipelines_blocks_do_at_least_what_a_block_of_the_same_local_shapes_do
     c = cfg(model, global_batch=8, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
     provider, dev, probes = LlamaProvider(model), device("h100"), {}
     floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False, splits=("tp",))
-    meshes = ({"pp": 2, "dp_shard": 2, "tp": 1}, {"pp": 1, "dp_shard": 4, "tp": 1}, {"pp": 2, "dp_shard": 1, "tp": 2})
+    meshes = (  # the last two without FSDP and replicas: tp 1 and 2 (, rows per micro batch)
+        ({"pp": 2, "dp_shard": 2, "tp": 1}, (1,)), ({"pp": 1, "dp_shard": 4, "tp": 1}, (1,)),
+        ({"pp": 4, "dp_shard": 1, "tp": 1}, (1, 2)), ({"pp": 2, "dp_shard": 1, "tp": 2}, (1,)),
+    )  # fmt: skip
     by_key: dict[tuple, list] = {}
-    for fixed in meshes:
-        for layout in layouts(c, 4, fixed={**fixed, "cp": 1})[0]:  # one row per micro batch each
+    for fixed, rows_of in meshes:
+        for layout in layouts(c, 4, fixed={**fixed, "cp": 1})[0]:
             rows = c.train.global_batch // layout.mesh.size("dp") // layout.micro_batches
-            if layout.activation_checkpoint in ("none", "full") and rows == 1:
+            if layout.activation_checkpoint in ("none", "full") and rows in rows_of:
                 run = layout.config(c).resolve(4)
                 plan = plan_model(run)[1]
                 e = estimate_shared(run, plan, None, dev, provider, probes)
                 fixed_bytes = estimate_memory(plan).total + fsdp_buffer_bytes(plan)
                 first = floors.micro_batch_activations(c, layout)
                 by_key.setdefault(_block_key(layout, c), []).append((layout, plan, e, fixed_bytes, first))
-    assert len(by_key) == 4  # tp 1 and 2, checkpointing none and full
-    less_memory = less_time = 0
-    for same in by_key.values():
-        apart = [x for x in same if x[2].block is not None]  # not 4 stages a rank: 8 stages of 13 blocks, probed whole
-        assert {x[0].pp_stages_per_rank for x in same if x not in apart} == {4} and len(apart) > 7
+    assert len(by_key) == 8  # (FSDP, tp 1), (one rank, tp 1, 1 or 2 rows), (one rank, tp 2), each none and full
+    less_memory = less_time = scaled = flat = 0
+    for key, same in by_key.items():
+        apart = [x for x in same if x[2].block is not None]  # not 8 stages of 13 blocks: probed whole
+        assert all(x[0].mesh.pp * x[0].pp_stages_per_rank == 8 for x in same if x not in apart) and len(apart) > 3
         for _, _, known, _, _ in apart:
-            for layout, plan, e, fixed_bytes, first in same:
-                if layout.mesh.pp > 1:
-                    need = fixed_bytes + in_flight_activations(plan, first, known.block.activation_bytes)
+            for other, theirs in by_key.items():
+                kept = kept_at_least({key: known.block}, other)
+                for layout, plan, e, fixed_bytes, first in theirs if kept else ():
+                    assert e.block is None or kept <= e.block.activation_bytes, (key, other)
+                    need = fixed_bytes + in_flight_activations(plan, first, kept)
                     assert need <= e.peak, layout.describe()
-                    less_memory += need > fixed_bytes + floors.activations(c, layout)
+                    tighter = need > fixed_bytes + floors.activations(c, layout)
+                    less_memory += tighter
+                    scaled += tighter and other != key
+                    flat += tighter and layout.mesh.pp == 1
+            for layout, plan, e, _, _ in same:
+                if layout.mesh.pp > 1:
                     at_least = blocks_time(plan, known.block, floors, c, layout, dev)
                     assert at_least <= e.time.step_s, layout.describe()
                     less_time += at_least > floors.time(c, layout, dev)
-    assert less_memory > 10 and less_time > 10
+    assert less_memory > 10 and less_time > 10 and scaled > 10 and flat > 1
 
 
 @pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
@@ -533,20 +545,6 @@ def test_a_pipelines_last_rank_is_probed_only_for_layouts_that_may_enter_the_top
         assert bound.time.step_s < exact.time.step_s
         assert_parts_add_up(b)
         assert dict(b.parts)["bubble"] > 0 and dict(b.parts)["pp sends"] > 0
-
-
-def test_the_siblings_a_layout_is_dropped_for_are_layouts_of_the_search():
-    """A layout is dropped where a sibling needing no more memory did not fit: each sibling must be one the search
-    enumerates (a zero-bubble schedule with FSDP has no resharding sibling: make_plan refuses it)."""
-    from shardlab.estimate.search import _memory_siblings
-
-    c = cfg(global_batch=16, param_dtype="bfloat16")
-    found, _ = layouts(c, 4)
-    enumerated = set(found)
-    assert any(lay.pp_schedule == "zbv_zero_bubble" for lay in found)
-    for layout in found:
-        one_row, others = _memory_siblings(layout, c)
-        assert set(one_row + others) <= enumerated, layout.describe()
 
 
 @pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier

@@ -9,14 +9,14 @@ shape, on one meta model), and a layout whose state and the activations it keeps
 exceed the memory is dropped before any probe. Once a layout of the same local shapes (`_block_key`), pipelined or
 not, has been estimated, each block of a pipelined one is taken to keep, compute and communicate (tp, cp, ep) what
 one of its blocks does in each micro batch (`Estimate.block`): one whose micro batches in flight then exceed the
-memory is dropped, and one whose step time then exceeds the K-th fastest is not estimated.
+memory is dropped, and one whose step time then exceeds the K-th fastest is not estimated. What a block keeps
+bounds that of other shapes too, scaled to their tp, cp and rows (`kept_at_least`).
 The rest are estimated (`shardlab.estimate.twin`) with probes shared through one cache (one per twin shape: every row
 count on the line through two, keeping FSDP's weights gathered from the probe that reshards them). The pp rank
 holding a pipeline's last stage, whose probe only its compute needs, is probed only for a layout that fits and may
 enter the top K (without it the step time is a lower bound, as its floor is: the higher of the two; the memory
-exact). A layout is dropped without a probe of its own where a sibling that needs no more memory did not fit: the
-same layout resharding FSDP's weights after forward, checkpointing every block, or running one sequence per micro
-batch. Within one mesh and schedule, fewer micro batches and less recomputation never make a step slower in the
+exact). A layout is dropped without a probe of its own where an estimated layout of its mesh and schedule that
+needs no more memory (more checkpointing, resharding after forward, fewer rows) did not fit. Within one mesh and schedule, fewer micro batches and less recomputation never make a step slower in the
 estimator's model (the same work in larger kernels, fewer FSDP gathers; recomputation only adds work), nor does
 keeping the weights gathered between forward and backward (reshard_after_forward=False: fewer gathers), so once a
 layout fits, the ones it beats that way are not estimated: they cannot win, and they are not shown.
@@ -42,7 +42,7 @@ from shardlab.config import Config
 from shardlab.estimate import check_fp8, estimate_memory, fsdp_buffer_bytes, probed_rank
 from shardlab.estimate.device import Device
 from shardlab.estimate.floors import Floors
-from shardlab.estimate.layouts import AC_MODES, Layout, divisors, enumerate_layouts, recomputes_no_more, uses_fsdp
+from shardlab.estimate.layouts import AC_MODES, Layout, enumerate_layouts, recomputes_no_more
 from shardlab.estimate.measurement import Probe
 from shardlab.estimate.probe_store import ProbeStore
 from shardlab.estimate.roofline import DP_AXES, collective_seconds, compute_seconds
@@ -50,7 +50,7 @@ from shardlab.estimate.search_result import Candidate, Search, as_candidate, rea
 from shardlab.estimate.twin import Shape, estimate_shared, needs_last_rank
 from shardlab.models.flops import module_flops
 from shardlab.models.provider import ModelProvider, check_layout
-from shardlab.sharding.pipeline import LOOPED, ONE_STAGE, V_SHAPED, ZERO_BUBBLE, bubble_fraction, in_flight, stage_shape
+from shardlab.sharding.pipeline import LOOPED, ONE_STAGE, V_SHAPED, bubble_fraction, in_flight, stage_shape
 from shardlab.sharding.plan import Plan, make_plan
 from shardlab.sharding.rules import Rules
 
@@ -144,7 +144,6 @@ def search(
     seen: dict[tuple, Probe] = {}  # per `_block_key`: one more block of a micro batch, as estimated
     bounds: set[Layout] = set()  # estimated without their last stage's rank: a lower bound on their step time
     done: dict[tuple, list[Layout]] = {}  # per mesh and schedule: the layouts that fit
-    unfit = 0  # layouts looked at that did not fit
     too_large: dict[tuple, list[Layout]] = {}  # per mesh and schedule: every estimated layout that did not fit
     fits: list[tuple[float, int, Candidate]] = []
     kth: list[float] = []  # the `top` fastest step times so far, negated (a heap: the K-th fastest first)
@@ -182,30 +181,6 @@ def search(
                 too_large.setdefault(_frame(layout), []).append(layout)
         return estimates[layout]
 
-    def cannot_fit(layout: Layout) -> bool:
-        """Where memory is what decides (more layouts failed to fit than fit), whether one of the siblings of `layout`
-        that bound the most others did not fit (`_memory_siblings`, estimated here if they were not): their probes are
-        the smallest of the layout's mesh and the most shared. Without a pipeline, the rows per micro batch that fit
-        are then bisected (one probe per halving, where the layouts of one mesh would take one per row count)."""
-        if unfit <= len(fits):
-            return False
-        one_row, others = _memory_siblings(layout, cfg)
-        if any(estimated(s).peak > memory for s in one_row):
-            return True
-        if layout.mesh.pp == 1:
-            resharding = _resharding(layout, cfg)
-            per_rank = cfg.train.global_batch // layout.mesh.size("dp")
-            rows = [per_rank // m for m in reversed(divisors(per_rank))]  # ascending
-            mine = per_rank // layout.micro_batches
-            with_rows = lambda q: msgspec.structs.replace(resharding, micro_batches=per_rank // q)  # noqa: E731
-            known = [q for q in rows if q < mine and with_rows(q) in estimates]
-            low = max((q for q in known if estimates[with_rows(q)].peak <= memory), default=0)
-            while between := [q for q in rows if low < q < mine]:
-                low = between[len(between) // 2]
-                if estimated(with_rows(low)).peak > memory:
-                    return True
-        return any(estimated(s).peak > memory for s in others)
-
     for n, i in enumerate(order):
         layout = layouts[i]
         if prune and len(kth) == top and time_floor[i] > -kth[0]:
@@ -226,10 +201,13 @@ def search(
             if fixed_by_plan is None:
                 continue
             need = fixed_by_plan + floor.activations(chosen, layout)
-            block = seen.get(_block_key(layout, cfg)) if layout.mesh.pp > 1 else None
-            if block is not None:
-                first, plan = floor.micro_batch_activations(chosen, layout), plan_of(layout.config(cfg).resolve(world))
-                need = max(need, fixed_by_plan + in_flight_activations(plan, first, block.activation_bytes))
+            key = _block_key(layout, cfg)
+            kept = kept_at_least(seen, key)
+            if kept:
+                plan = plan_of(layout.config(cfg).resolve(world))
+                first = floor.micro_batch_activations(chosen, layout)
+                need = max(need, fixed_by_plan + in_flight_activations(plan, first, kept))
+                block = seen.get(key) if layout.mesh.pp > 1 else None
         if need > memory:
             over += 1
             if closest_state is None or need < closest_state[0]:
@@ -238,9 +216,6 @@ def search(
         may_prune = prune and len(kth) == top and not dev.busy_speed  # (ranks time-sharing cores: paced otherwise)
         if may_prune and block is not None and blocks_time(plan, block, floor, chosen, layout, dev) > -kth[0]:
             slower += 1  # what its blocks take makes it slower than the K-th fastest
-            continue
-        if cannot_fit(layout):
-            too_big += 1
             continue
         candidate = estimated(layout)
         if candidate.peak <= memory:
@@ -254,10 +229,8 @@ def search(
             heapq.heappush(kth, -at_least)
             if len(kth) > top:
                 heapq.heappop(kth)
-        else:
-            unfit += 1
-            if closest is None or candidate.peak < closest.peak:
-                closest = candidate
+        elif closest is None or candidate.peak < closest.peak:
+            closest = candidate
     if not fits:
         raise ShardlabError(
             _nothing_fits(world, memory, len(layouts), over, len(estimates), closest, closest_state, refused)
@@ -292,13 +265,30 @@ def _block_key(layout: Layout, cfg: Config) -> tuple:
     return m.tp, m.cp, m.ep, *dp, layout.activation_checkpoint, layout.fp8, rows
 
 
+def kept_at_least(seen: Mapping[tuple, Probe], key: tuple) -> float:
+    """What one block of a micro batch of local shapes `key` (`_block_key`) keeps alive at least, from the blocks
+    estimated (`seen`, by key): its own, or, scaled, one of the same checkpointing, FP8, ep and data-parallel axes at
+    no larger tp and cp (0: none). A block's kept bytes are a sum of terms that each grow with the rows (or not) and
+    shrink as 1 / tp, 1 / cp (or not): what tp or cp leave whole (a norm's output, sequence parallelism's gathered
+    input, cp's gathered K and V) only adds. So at tp' >= tp a block keeps at least tp / tp' of what it does at tp (the
+    same for cp), and with r' rows at least min(1, r' / r) of what it does with r."""
+    tp, cp, *rest, rows = key
+    best = 0.0
+    for (t, c, *other, r), block in seen.items():
+        if other == rest and t <= tp and c <= cp:
+            best = max(best, block.activation_bytes * min(1.0, rows / r) * t / tp * c / cp)
+    return best
+
+
 def in_flight_activations(plan: Plan, first: float, per_block: float) -> int:
-    """What the estimate of a pipelined layout (laid out by `plan`) keeps alive at least: a micro batch's `first`
-    (its floor), and for each other micro batch its schedule keeps in flight, `per_block` (what a block of a layout
-    of the same `_block_key` keeps, as estimated) for each block of the busiest rank (as `estimate_from` counts)."""
-    pipe = plan.pipeline
-    held = in_flight(pipe.schedule, plan.mesh.pp, pipe.stages_per_rank, pipe.microbatches)
-    return int(first) + int((held - 1) * probed_rank(plan)[1] * per_block)
+    """What the estimate of a layout (laid out by `plan`) keeps alive at least: for each micro batch its schedule
+    keeps in flight (one without a pipeline), `per_block` (what a block keeps, `kept_at_least`) for each block of the
+    busiest rank, as `estimate_from` counts them; the first of them at least its floor `first` (at the peak it also
+    holds what lies outside the blocks)."""
+    pipe, blocks = plan.pipeline, probed_rank(plan)[1]
+    held = 1 if pipe is None else in_flight(pipe.schedule, plan.mesh.pp, pipe.stages_per_rank, pipe.microbatches)
+    mine = (len(plan.blocks) if blocks is None else blocks) * per_block
+    return int(max(first, mine) + (held - 1) * mine)
 
 
 def blocks_time(plan: Plan, block: Probe, floor: Floors, cfg: Config, layout: Layout, dev: Device) -> float:
@@ -335,28 +325,6 @@ def _needs_no_more(small: Layout, other: Layout) -> bool:
     if small.mesh.pp > 1:
         return more_ac and resharded and small.micro_batches == other.micro_batches
     return more_ac and resharded and small.micro_batches >= other.micro_batches
-
-
-def _resharding(layout: Layout, cfg: Config) -> Layout:
-    """`layout` resharding FSDP's weights after forward, where it is enumerated with that sibling (else itself: not
-    under a zero-bubble schedule, whose weight gradients need the weights kept gathered)."""
-    if layout.reshard_after_forward or not uses_fsdp(cfg, layout.mesh) or layout.pp_schedule in ZERO_BUBBLE:
-        return layout
-    return msgspec.structs.replace(layout, reshard_after_forward=True)
-
-
-def _memory_siblings(layout: Layout, cfg: Config) -> tuple[list[Layout], list[Layout]]:
-    """The siblings whose fit decides the most, each needing no more memory than `layout`: without a pipeline, one
-    sequence per micro batch (checkpointing every block, then as `layout`); then checkpointing every block and
-    resharding after forward where FSDP can (the last one, where it is a sibling)."""
-    resharding = _resharding(layout, cfg)
-    one_row = []
-    if layout.mesh.pp == 1:
-        micro = cfg.train.global_batch // layout.mesh.size("dp")
-        one_row.append(msgspec.structs.replace(resharding, activation_checkpoint="full", micro_batches=micro))
-        one_row.append(msgspec.structs.replace(resharding, micro_batches=micro))
-    others = [msgspec.structs.replace(resharding, activation_checkpoint="full"), resharding]
-    return [s for s in dict.fromkeys(one_row) if s != layout], [s for s in dict.fromkeys(others) if s != layout]
 
 
 def _derived(base: Plan, run: Config) -> Plan:
