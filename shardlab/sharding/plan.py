@@ -7,6 +7,7 @@ options. A Plan holds no modules, meshes or tensors: it prints, diffs and round-
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Literal
@@ -21,7 +22,7 @@ from shardlab.sharding import plan_text
 from shardlab.sharding.context import ContextPlan, context_plan
 from shardlab.sharding.experts import ExpertPlan, expert_plan, module_of, strip_ep
 from shardlab.sharding.fp8 import Fp8Plan, fp8_plan
-from shardlab.sharding.mesh import MeshSpec
+from shardlab.sharding.mesh import ExpertMeshSpec, MeshSpec
 from shardlab.sharding.pipeline import ZERO_BUBBLE, PipelinePlan, pipeline_plan
 from shardlab.sharding.plan_config import PlanConfig
 from shardlab.sharding.rules import Rules, matches, resolve
@@ -225,7 +226,8 @@ def make_plan(
                 spec = spec if expert else strip_ep(spec)
             on = mesh.experts if expert else mesh
             _check_model_axes(fqn, match.rule, rules, spec, on)
-            check_shape(P(*spec), on, t.shape, name=fqn)
+            if not _shape_ok(spec, on, tuple(t.shape)):
+                check_shape(P(*spec), on, t.shape, name=fqn)
         unit = module_of(fqn) if expert and fsdp is not None else unit_of.get(fqn)
         out.append(_param_plan(fqn, t, spec, match, mesh, unit, aliases.get(fqn, ()), expert))
     if uncovered and not options.allow_uncovered:
@@ -323,6 +325,8 @@ def _matches_any(pattern: str, params: dict[str, torch.Tensor]) -> bool:
 
 
 def _check_model_axes(fqn: str, rule: int, rules: Rules, spec: Spec, mesh: MeshSpec) -> None:
+    if _model_axes_ok(spec, mesh):
+        return
     expand(P(*spec), mesh, name=fqn)  # unknown axes and an axis used twice are errors
     for axis in P(*spec).used_axes:
         if axis in DATA_AXES:
@@ -330,6 +334,27 @@ def _check_model_axes(fqn: str, rule: int, rules: Rules, spec: Spec, mesh: MeshS
                 f"{fqn}: rules[{rule}] {rules.params[rule].pattern!r} puts {axis!r} in a parameter spec; FSDP shards "
                 "parameters over the data-parallel axes itself: use model-parallel axes (tp) in rules"
             )
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_ok(spec: Spec, mesh: MeshSpec | ExpertMeshSpec, shape: tuple[int, ...]) -> bool:
+    """Whether `spec`'s axes on `mesh` divide `shape` (`check_shape`; once per mesh for each distinct weight)."""
+    try:
+        check_shape(P(*spec), mesh, shape)
+    except ShardlabError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _model_axes_ok(spec: Spec, mesh: MeshSpec | ExpertMeshSpec) -> bool:
+    """Whether `spec` names only `mesh`'s model-parallel axes, each once (a model's blocks repeat a few specs: each
+    mesh checks them once)."""
+    try:
+        expand(P(*spec), mesh)
+    except ShardlabError:
+        return False
+    return not set(P(*spec).used_axes) & set(DATA_AXES)
 
 
 def _param_plan(
@@ -342,27 +367,14 @@ def _param_plan(
     aliases: tuple[str, ...],
     expert: bool = False,
 ) -> ParamPlan:
-    full = P(*spec) if spec else P()
-    on = mesh.experts if expert else mesh
-    local = local_shape(full, on, t.shape)
-    padded = False
-    fsdp_axes = FSDP_AXES[2:] if expert else FSDP_AXES[:2]
-    shards = math.prod(on.size(a) for a in fsdp_axes)
-    if unit is not None and shards > 1 and t.ndim > 0:
-        # FSDP chunks the TP/EP-local tensor (torch.chunk: ceil rows, padded): ceil(ceil(n / tp) / shards) rows,
-        # over dp_shard and, with context parallelism, cp too (expert weights: over dp_shard_mod_ep). Where dim 0
-        # has fewer rows than shards (a few stacked experts over many ranks), most shards would be padding: dim 1
-        # instead, if it splits evenly (FSDP needs that off dim 0), as torchtitan does for experts.
-        d = 1 if local[0] < shards and t.ndim > 1 and local[1] % shards == 0 else 0
-        padded = local[d] % shards != 0
-        local = tuple(-(-n // shards) if i == d else n for i, n in enumerate(local))
-        full = P(*full, *[None] * (t.ndim - len(full))).with_minor(d, tuple(a for a in fsdp_axes if on.size(a) > 1))
+    full, placed, local, padded = _sharded(spec, tuple(t.shape), mesh.experts if expert else mesh, unit is not None,
+                                           expert)  # fmt: skip
     return ParamPlan(
         fqn=fqn,
         shape=tuple(t.shape),
         dtype=str(t.dtype).removeprefix("torch."),
-        spec=tuple(full),
-        placements=tuple(str(p) for p in placements(full, on, name=fqn)),
+        spec=full,
+        placements=placed,
         local_shape=local,
         bytes_per_rank=math.prod(local) * t.element_size(),
         rule=None if match is None else match.rule,
@@ -373,6 +385,30 @@ def _param_plan(
         aliases=aliases,
         expert=expert,
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _sharded(
+    spec: Spec, shape: tuple[int, ...], on: MeshSpec | ExpertMeshSpec, fsdp: bool, expert: bool
+) -> tuple[Spec, tuple[str, ...], tuple[int, ...], bool]:
+    """A parameter's whole spec (FSDP's axes added where it is in a unit), placements, local shape and whether FSDP
+    pads it, on `on` (the expert mesh for expert weights): the same for every block's copy of a weight, so each mesh
+    works them out once."""
+    full = P(*spec) if spec else P()
+    local = local_shape(full, on, shape)
+    padded = False
+    fsdp_axes = FSDP_AXES[2:] if expert else FSDP_AXES[:2]
+    shards = math.prod(on.size(a) for a in fsdp_axes)
+    if fsdp and shards > 1 and len(shape) > 0:
+        # FSDP chunks the TP/EP-local tensor (torch.chunk: ceil rows, padded): ceil(ceil(n / tp) / shards) rows,
+        # over dp_shard and, with context parallelism, cp too (expert weights: over dp_shard_mod_ep). Where dim 0
+        # has fewer rows than shards (a few stacked experts over many ranks), most shards would be padding: dim 1
+        # instead, if it splits evenly (FSDP needs that off dim 0), as torchtitan does for experts.
+        d = 1 if local[0] < shards and len(shape) > 1 and local[1] % shards == 0 else 0
+        padded = local[d] % shards != 0
+        local = tuple(-(-n // shards) if i == d else n for i, n in enumerate(local))
+        full = P(*full, *[None] * (len(shape) - len(full))).with_minor(d, tuple(a for a in fsdp_axes if on.size(a) > 1))
+    return tuple(full), tuple(str(p) for p in placements(full, on)), local, padded
 
 
 def _fsdp_plan(modules, params, aliases, mesh: MeshSpec, rules: Rules, options: PlanConfig):
@@ -386,10 +422,13 @@ def _fsdp_plan(modules, params, aliases, mesh: MeshSpec, rules: Rules, options: 
             units.extend((f,) for f in found[0])
         else:
             units.append(tuple(f for hits in found for f in hits))
+    last: dict[str, int] = {}  # module -> the last unit holding it (a later unit takes what it holds from earlier ones)
+    for i, unit in enumerate(units):
+        last |= dict.fromkeys(unit, i)
     unit_of: dict[str, str] = {}
     for fqn in params:
         names = (fqn, *aliases.get(fqn, ()))
-        owners = {next((" + ".join(u) for u in reversed(units) for m in u if n.startswith(m + ".")), "") for n in names}
+        owners = {_owner(n, last, units) for n in names}
         if len(owners) > 1:
             raise ShardlabError(
                 f"{fqn}: this tied parameter lies in FSDP units {sorted(owners)}; leave those modules to the root "
@@ -409,6 +448,13 @@ def _fsdp_plan(modules, params, aliases, mesh: MeshSpec, rules: Rules, options: 
         reduce_dtype=options.reduce_dtype,
         cpu_offload=options.cpu_offload,
     )
+
+
+def _owner(name: str, last: dict[str, int], units: list[tuple[str, ...]]) -> str:
+    """The FSDP unit parameter `name` falls in: the last of `units` holding a module that contains it ("": none)."""
+    parts = name.split(".")
+    held = [last[m] for k in range(1, len(parts)) if (m := ".".join(parts[:k])) in last]
+    return " + ".join(units[max(held)]) if held else ""
 
 
 def _check_module_globs(modules: dict[str, nn.Module], rules: Rules) -> None:

@@ -107,6 +107,13 @@ class Match(Frozen):
 
 def resolve(fqn: str, ndim: int, rules: Rules) -> Match | None:
     """Spec of parameter `fqn` from the first matching rule; None when no rule matches."""
+    try:
+        return _kept_resolve(fqn, ndim, rules)
+    except TypeError:  # rules built with lists (unhashable): not kept
+        return _resolve(fqn, ndim, rules)
+
+
+def _resolve(fqn: str, ndim: int, rules: Rules) -> Match | None:
     hits = [i for i, r in enumerate(rules.params) if matches(r.pattern, fqn)]
     if not hits:
         return None
@@ -122,6 +129,10 @@ def resolve(fqn: str, ndim: int, rules: Rules) -> Match | None:
     return Match(
         spec=tuple(spec) + (None,) * (ndim - len(spec)), rule=hits[0], shadowed=tuple(hits[1:]), fallbacks=fallbacks
     )
+
+
+_kept_resolve = functools.lru_cache(maxsize=8192)(_resolve)
+"""`_resolve`, kept: a search plans one model under the same rules on hundreds of meshes."""
 
 
 def logical_to_spec(
