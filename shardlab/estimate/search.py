@@ -16,10 +16,11 @@ count on the line through two, keeping FSDP's weights gathered from the probe th
 holding a pipeline's last stage, whose probe only its compute needs, is probed only for a layout that fits and may
 enter the top K (without it the step time is a lower bound, as its floor is: the higher of the two; the memory
 exact). A layout is dropped without a probe of its own where an estimated layout of its mesh and schedule that
-needs no more memory (more checkpointing, resharding after forward, fewer rows) did not fit. Within one mesh and schedule, fewer micro batches and less recomputation never make a step slower in the
-estimator's model (the same work in larger kernels, fewer FSDP gathers; recomputation only adds work), nor does
-keeping the weights gathered between forward and backward (reshard_after_forward=False: fewer gathers), so once a
-layout fits, the ones it beats that way are not estimated: they cannot win, and they are not shown.
+needs no more memory (more checkpointing, resharding after forward, fewer rows) did not fit. Within one mesh and
+schedule, fewer micro batches and less recomputation never make a step slower in the estimator's model (the same
+work in larger kernels, fewer FSDP gathers; recomputation only adds work), nor does keeping the weights gathered
+between forward and backward (reshard_after_forward=False: fewer gathers), so once a layout fits, the ones it beats
+that way are not estimated: they cannot win, and they are not shown.
 
 A budget of seconds stops the search early, once a layout fits: the layouts not looked at are then each at least
 as slow as the lowest floor among them (`Search.floor_left`), which bounds how far the pick can be from the
