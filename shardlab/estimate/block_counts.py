@@ -51,6 +51,9 @@ class Block(Frozen):
     attention_forward_flops: float
     params: int
     """Its parameters that FSDP gathers whole (numel): all but experts."""
+    expert_params: int = 0
+    """Its experts' parameters (numel): split over ep (and at most tp), FSDP gathers them over the expert mesh's
+    dp_shard_mod_ep."""
     memory_bytes: float = 0.0
     """Bytes its ops without FLOPs read and write per token, forward and backward, in param_dtype on one rank."""
     memory_forward_bytes: float = 0.0
@@ -154,6 +157,7 @@ def count_block(
             excess[axis, 1] = max(c[2, 1][0] - c[1, 1][0] - memory[0] / 2, 0.0) / tokens
     return Block(train_flops=per_token[0], attention_flops=attention * per_token[1],
                  attention_forward_flops=attention_forward * per_token[2], params=round(per_token[3] * seq_len),
+                 expert_params=round((per_token[4] - per_token[3]) * seq_len),
                  memory_bytes=memory[0] / seq_len, memory_forward_bytes=memory[1] / seq_len,
                  kept=tuple(kept), recompute_memory_bytes=tuple(again), head_flops=max(head_flops, 0.0),
                  head_memory_bytes=head / seq_len, tp_memory_bytes=excess.get("tp", 0.0),
@@ -191,9 +195,9 @@ def _dense_params(model: torch.nn.Module) -> int:
 
 def _count(
     provider: ModelProvider, seq_len: int, options: PlanConfig, ac: str | None = None
-) -> tuple[int, int, int, int]:
-    """Matmul FLOPs forward + backward, batched (attention's) ones forward + backward and forward, and the
-    parameters FSDP gathers whole (`_dense_params`) of `provider`'s model on one sequence (ac: its blocks
+) -> tuple[int, int, int, int, int]:
+    """Matmul FLOPs forward + backward, batched (attention's) ones forward + backward and forward, the parameters
+    FSDP gathers whole (`_dense_params`) and all parameters, of `provider`'s model on one sequence (ac: its blocks
     checkpointed so): on meta tensors, or where the model cannot run there (transformers' masks read a value), on
     fake CPU tensors, whose matmuls are the same (CPU's fused attention is not a batched matmul: none counted
     there)."""
@@ -205,7 +209,7 @@ def _count(
 
 def _flops(
     provider: ModelProvider, seq_len: int, options: PlanConfig, ac: str | None, fake: bool
-) -> tuple[int, int, int, int]:
+) -> tuple[int, int, int, int, int]:
     model = _model(provider, options, ac)
     counter = FlopCounterMode(display=False)
     with balanced_routing(), fake_tensors() if fake else contextlib.nullcontext():
@@ -218,7 +222,8 @@ def _flops(
             out.float().sum().backward()
     counts = [counter.get_flop_counts()["Global"], forward]
     batched = [c.get(torch.ops.aten.bmm, 0) for c in counts]
-    return sum(counts[0].get(op, 0) for op in MATMULS), batched[0], batched[1], _dense_params(model)
+    matmuls = sum(counts[0].get(op, 0) for op in MATMULS)
+    return matmuls, batched[0], batched[1], _dense_params(model), sum(p.numel() for p in model.parameters())
 
 
 PER_ROW = ((1, 1), (1, 2), (2, 1), (2, 2))

@@ -258,10 +258,13 @@ class Floors(Frozen):
         if self.block is None or shards == 1:
             return 0.0
         gathers, reductions = self.fsdp_runs(layout)
+        per_weight = gathers * _gathered_bytes(cfg) + reductions * DTYPE_BYTES[cfg.plan.reduce_dtype]
         weights = self._held_blocks(m.pp) * self.block.params / m.tp
-        param, reduce = _gathered_bytes(cfg), DTYPE_BYTES[cfg.plan.reduce_dtype]
         bandwidth = (dev.nvlink_gb_s if shards * m.tp <= GPUS_PER_NODE else dev.network_gb_s) * 1e9
-        return weights * (gathers * param + reductions * reduce) * (shards - 1) / shards / bandwidth
+        dense = weights * per_weight * (shards - 1) / shards / bandwidth
+        experts, groups = self._held_blocks(m.pp) * self.block.expert_params / (m.ep * m.tp), m.experts.dp_shard_mod_ep
+        moved = experts * per_weight * (groups - 1) / groups  # over the expert mesh's FSDP axis (none where it is 1)
+        return dense + moved / axis_bandwidth(m, "dp_shard_mod_ep", dev)
 
     @staticmethod
     def fsdp_runs(layout: Layout) -> tuple[int, int]:
