@@ -40,7 +40,8 @@ That holds only if each floor is at most what the estimate gives, term by term:
   under a capacity) by an all-to-all over ep and send them back by another, in the forward, again in a recomputed
   block, and in the backward; every tp rank routes all of its group's tokens. On the critical path, as CP's.
 - FSDP: the rank's block weights gathered in param_dtype and their gradients reduce-scattered in reduce_dtype, over
-  dp_shard x cp at that group's bandwidth, as often as the estimate runs them (`Floors.fsdp_runs`: with a pipeline
+  dp_shard x cp at that group's bandwidth (experts' split over ep and at most tp, over the expert mesh's
+  dp_shard_mod_ep), as often as the estimate runs them (`Floors.fsdp_runs`: with a pipeline
   and resharding after forward, once per micro batch and once more, whatever the schedule).
   On ranks that time-share cores, the compute of the busiest rank and of the one holding the last stage are
   combined as the estimate combines them (`roofline.shared_compute`).
@@ -59,9 +60,9 @@ That holds only if each floor is at most what the estimate gives, term by term:
   activations) and are dropped only after a probe each.
 A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Experts route
 every token evenly there, as in the probe (shardlab's MoE: `balanced_routing`), so each rank computes its tokens' share
-of their work wherever ep puts them; FSDP's floor counts the weights it gathers whole, not the experts' (sharded
-over ep too). A model whose experts route by data (transformers'
-MoE layers) cannot run on meta tensors and gets no compute, FSDP or activation floor. A recipe's own rules may
+of their work wherever ep puts them; FSDP's floor counts the experts apart (`Block.expert_params`). A model whose
+experts route by data (transformers' MoE layers) cannot run on meta tensors and gets no compute, FSDP or activation
+floor. A recipe's own rules may
 checkpoint other modules than the model's blocks: what op-level and full checkpointing keep or recompute is then
 not counted.
 """
