@@ -62,9 +62,8 @@ A block's numbers are counted once per search, as the difference of meta models 
 every token evenly there, as in the probe (shardlab's MoE: `balanced_routing`), so each rank computes its tokens' share
 of their work wherever ep puts them; FSDP's floor counts the experts apart (`Block.expert_params`). A model whose
 experts route by data (transformers' MoE layers) cannot run on meta tensors and gets no compute, FSDP or activation
-floor. A recipe's own rules may
-checkpoint other modules than the model's blocks: what op-level and full checkpointing keep or recompute is then
-not counted.
+floor. A recipe's own rules may checkpoint other modules than the model's blocks: what op-level and full
+checkpointing keep or recompute is then not counted.
 """
 
 from __future__ import annotations
