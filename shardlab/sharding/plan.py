@@ -22,6 +22,7 @@ from shardlab.sharding import plan_text
 from shardlab.sharding.context import ContextPlan, context_plan
 from shardlab.sharding.experts import ExpertPlan, expert_plan, module_of, strip_ep
 from shardlab.sharding.fp8 import Fp8Plan, fp8_plan
+from shardlab.sharding.fsdp import FsdpPlan, fsdp_plan
 from shardlab.sharding.mesh import ExpertMeshSpec, MeshSpec
 from shardlab.sharding.pipeline import ZERO_BUBBLE, PipelinePlan, pipeline_plan
 from shardlab.sharding.plan_config import PlanConfig
@@ -79,26 +80,6 @@ class ParamPlan(Frozen):
         """The dim FSDP shards: where its axes are in the spec (0, or 1 where dim 0 is smaller than the shards)."""
         spec = P(*self.spec)
         return next((d for d in range(len(spec)) if set(spec.axes(d)) & set(FSDP_AXES)), 0)
-
-
-class FsdpPlan(Frozen):
-    """fully_shard per unit, then at the root."""
-
-    axes: tuple[str, ...]
-    """Mesh axes of the FSDP mesh: (dp_shard,) or (dp_replicate, dp_shard) for HSDP; dp_shard_cp in place of
-    dp_shard under context parallelism."""
-    units: tuple[tuple[str, ...], ...]
-    """Module fqns sharded together, in application order (the root is applied last)."""
-    reshard_after_forward: bool
-    param_dtype: str
-    reduce_dtype: str
-    cpu_offload: bool
-    resharding: str = "as set"
-    """Why reshard_after_forward has its value: as set, the default, or the reason the default changed it."""
-    last_kept: bool = False
-    """The last unit stays gathered from its forward to its backward, which follows at once (the model's output
-    layer; rules.fsdp_last_kept): one all-gather a step fewer, the same peak memory. Without resharding after
-    forward every unit stays gathered anyway."""
 
 
 class Plan(Frozen):
@@ -206,7 +187,7 @@ def make_plan(
     modules = dict(model.named_modules())
     params, aliases = _unique_params(model)
     _check_module_globs(modules, rules)
-    unit_of, fsdp = _fsdp_plan(modules, params, aliases, mesh, rules, options)
+    unit_of, fsdp = fsdp_plan(modules, params, aliases, mesh, rules, options)
     used: set[int] = set()
     uncovered: list[str] = []
     out: list[ParamPlan] = []
@@ -409,52 +390,6 @@ def _sharded(
         local = tuple(-(-n // shards) if i == d else n for i, n in enumerate(local))
         full = P(*full, *[None] * (len(shape) - len(full))).with_minor(d, tuple(a for a in fsdp_axes if on.size(a) > 1))
     return tuple(full), tuple(str(p) for p in placements(full, on)), local, padded
-
-
-def _fsdp_plan(modules, params, aliases, mesh: MeshSpec, rules: Rules, options: PlanConfig):
-    dp = mesh.dp_replicate * mesh.dp_shard * mesh.cp  # cp ranks hold other tokens: their gradients are summed too
-    if dp == 1 and options.param_dtype == "float32" and options.reduce_dtype == "float32" and not options.cpu_offload:
-        return {}, None
-    units: list[tuple[str, ...]] = []
-    for group in rules.fsdp_units:
-        found = [[f for f in modules if matches(g, f)] for g in group]
-        if len(group) == 1:
-            units.extend((f,) for f in found[0])
-        else:
-            units.append(tuple(f for hits in found for f in hits))
-    last: dict[str, int] = {}  # module -> the last unit holding it (a later unit takes what it holds from earlier ones)
-    for i, unit in enumerate(units):
-        last |= dict.fromkeys(unit, i)
-    unit_of: dict[str, str] = {}
-    for fqn in params:
-        names = (fqn, *aliases.get(fqn, ()))
-        owners = {_owner(n, last, units) for n in names}
-        if len(owners) > 1:
-            raise ShardlabError(
-                f"{fqn}: this tied parameter lies in FSDP units {sorted(owners)}; leave those modules to the root "
-                "(drop them from rules.fsdp_units)"
-            )
-        unit_of[fqn] = owners.pop()
-    shard = "dp_shard_cp" if mesh.cp > 1 else "dp_shard"
-    axes = ("dp_replicate", shard) if mesh.dp_replicate > 1 else (shard,)
-    reshard, why = options.resharding(mesh)
-    return unit_of, FsdpPlan(
-        axes=axes,
-        units=tuple(units),
-        reshard_after_forward=reshard,
-        resharding=why,
-        last_kept=rules.fsdp_last_kept and bool(units),
-        param_dtype=options.param_dtype,
-        reduce_dtype=options.reduce_dtype,
-        cpu_offload=options.cpu_offload,
-    )
-
-
-def _owner(name: str, last: dict[str, int], units: list[tuple[str, ...]]) -> str:
-    """The FSDP unit parameter `name` falls in: the last of `units` holding a module that contains it ("": none)."""
-    parts = name.split(".")
-    held = [last[m] for k in range(1, len(parts)) if (m := ".".join(parts[:k])) in last]
-    return " + ".join(units[max(held)]) if held else ""
 
 
 def _check_module_globs(modules: dict[str, nn.Module], rules: Rules) -> None:
