@@ -251,3 +251,12 @@ def test_unknown_logical_name(axes: tuple, message: str) -> None:
 def test_unknown_logical_name_default_where() -> None:
     with pytest.raises(ValueError, match=r"^tensor: logical axis 'hidden'"):
         logical_to_spec(("hidden",), LOGICAL)
+
+
+def test_rules_built_with_lists_resolve_as_rules_of_tuples():
+    """resolve keeps its answers by rules (a search plans one model on hundreds of meshes); rules whose fields are
+    lists cannot be kept, and resolve the same."""
+    rule = Rule(pattern="layers.*.wq", spec=("tp", None))
+    want = resolve("layers.3.wq", 2, Rules(params=(rule,)))
+    assert want is not None and want.spec == ("tp", None)
+    assert resolve("layers.3.wq", 2, Rules(params=[rule])) == want

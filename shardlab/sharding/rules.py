@@ -14,6 +14,7 @@ from shardlab._base import Frozen
 from shardlab._errors import ShardlabError
 from shardlab._glob import glob_regex as glob_regex
 from shardlab._glob import matches as matches
+from shardlab._kept import kept
 from shardlab.sharding.pipeline import StageCall
 from shardlab.sharding.spec import Entry, P
 
@@ -105,15 +106,9 @@ class Match(Frozen):
     """Logical names whose preferred mesh axes were taken, so a fallback (or replication) applied."""
 
 
+@kept  # a search plans one model under the same rules on hundreds of meshes
 def resolve(fqn: str, ndim: int, rules: Rules) -> Match | None:
     """Spec of parameter `fqn` from the first matching rule; None when no rule matches."""
-    try:
-        return _kept_resolve(fqn, ndim, rules)
-    except TypeError:  # rules built with lists (unhashable): not kept
-        return _resolve(fqn, ndim, rules)
-
-
-def _resolve(fqn: str, ndim: int, rules: Rules) -> Match | None:
     hits = [i for i, r in enumerate(rules.params) if matches(r.pattern, fqn)]
     if not hits:
         return None
@@ -129,10 +124,6 @@ def _resolve(fqn: str, ndim: int, rules: Rules) -> Match | None:
     return Match(
         spec=tuple(spec) + (None,) * (ndim - len(spec)), rule=hits[0], shadowed=tuple(hits[1:]), fallbacks=fallbacks
     )
-
-
-_kept_resolve = functools.lru_cache(maxsize=8192)(_resolve)
-"""`_resolve`, kept: a search plans one model under the same rules on hundreds of meshes."""
 
 
 def logical_to_spec(

@@ -4,13 +4,13 @@ tp dims (colwise or rowwise Linear, vocab- or dim-split Embedding) and the activ
 
 from __future__ import annotations
 
-import functools
 from typing import Literal
 
 from torch import nn
 
 from shardlab._base import Frozen
 from shardlab._errors import ShardlabError
+from shardlab._kept import kept
 from shardlab.sharding.rules import Activation, Rules, logical_to_spec, matches
 from shardlab.sharding.spec import P, Spec
 
@@ -39,19 +39,9 @@ class ModulePlan(Frozen):
     """Hand the next module a plain local tensor (False keeps a DTensor, e.g. vocab-sharded logits)."""
 
 
+@kept  # a search plans one model under the same rules on hundreds of meshes
 def _activation(fqn: str, rules: Rules) -> Activation | None:
-    try:
-        return _kept_activation(fqn, rules)
-    except TypeError:  # rules built with lists (unhashable): not kept
-        return _first_activation(fqn, rules)
-
-
-def _first_activation(fqn: str, rules: Rules) -> Activation | None:
     return next((a for a in rules.activations if matches(a.pattern, fqn)), None)
-
-
-_kept_activation = functools.lru_cache(maxsize=8192)(_first_activation)
-"""`_first_activation`, kept: a search plans one model under the same rules on hundreds of meshes."""
 
 
 def _lower(axes: tuple[str | None, ...] | None, rules: Rules, fqn: str) -> Spec | None:
