@@ -262,6 +262,8 @@ class Floors(Frozen):
         weights = self._held_blocks(m.pp) * self.block.params / m.tp
         bandwidth = (dev.nvlink_gb_s if shards * m.tp <= GPUS_PER_NODE else dev.network_gb_s) * 1e9
         dense = weights * per_weight * (shards - 1) / shards / bandwidth
+        if not self.block.expert_params:
+            return dense
         experts, groups = self._held_blocks(m.pp) * self.block.expert_params / (m.ep * m.tp), m.experts.dp_shard_mod_ep
         moved = experts * per_weight * (groups - 1) / groups  # over the expert mesh's FSDP axis (none where it is 1)
         return dense + moved / axis_bandwidth(m, "dp_shard_mod_ep", dev)
