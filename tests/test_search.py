@@ -264,14 +264,17 @@ def test_a_pipelines_blocks_do_at_least_what_a_block_of_the_same_local_shapes_do
     c = cfg(model, global_batch=8, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
     provider, dev, probes = LlamaProvider(model), device("h100"), {}
     floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False, splits=("tp",))
-    meshes = (  # the last two without FSDP and replicas: tp 1 and 2 (, rows per micro batch)
-        ({"pp": 2, "dp_shard": 2, "tp": 1}, (1,)), ({"pp": 1, "dp_shard": 4, "tp": 1}, (1,)),
-        ({"pp": 4, "dp_shard": 1, "tp": 1}, (1, 2)), ({"pp": 2, "dp_shard": 1, "tp": 2}, (1,)),
+    meshes = (  # the last two without FSDP and replicas: tp 1 and 2 (, rows per micro batch, schedules)
+        ({"pp": 2, "dp_shard": 2, "tp": 1}, (1,), None), ({"pp": 1, "dp_shard": 4, "tp": 1}, (1,), None),
+        ({"pp": 4, "dp_shard": 1, "tp": 1}, (1, 2), ("1f1b", "interleaved_1f1b")),
+        ({"pp": 2, "dp_shard": 1, "tp": 2}, (1,), None),
     )  # fmt: skip
     by_key: dict[tuple, list] = {}
-    for fixed, rows_of in meshes:
+    for fixed, rows_of, schedules in meshes:
         for layout in layouts(c, 4, fixed={**fixed, "cp": 1})[0]:
             rows = c.train.global_batch // layout.mesh.size("dp") // layout.micro_batches
+            if schedules is not None and layout.pp_schedule not in schedules:
+                continue
             if layout.activation_checkpoint in ("none", "full") and rows in rows_of:
                 run = layout.config(c).resolve(4)
                 plan = plan_model(run)[1]
