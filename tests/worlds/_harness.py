@@ -227,7 +227,8 @@ def run_world(
     Checks must be module-level functions (the ranks import them by name) and may return a picklable value. The
     parent kills the world after `timeout_s`, or GRACE_S after a rank fails or dies. The ranks are forked from a
     server that has PRELOAD imported; with `environ` they are spawned, new processes that start with these
-    environment variables set (for what a process reads once, at its start, as malloc reads its options).
+    environment variables set (for what a process reads once, at its start, as malloc reads its options). A rank
+    killed by a signal inside a check runs that check and the later ones once more, in a new world (a warning).
     """
     for check in checks:
         qualname = (check[0] if isinstance(check, tuple) else check).__qualname__
