@@ -11,6 +11,7 @@ FOLDERS = [
     "_errors",
     "_base",
     "_glob",
+    "_kept",
     "_version",
     "_faults",
     "_process",
@@ -24,7 +25,7 @@ FOLDERS = [
     "estimate",
     "cli",
 ]
-"""shardlab's folders (and its private foundation modules: errors, structs, globs, the version, fault points, processes) in the order of the flow."""
+"""shardlab's folders (and its private foundation modules: errors, structs, globs, kept answers, the version, fault points, processes) in the order of the flow."""
 TOP = {"__init__", "__main__"}
 """The public API and `python -m shardlab`: they may import anything."""
 PACKAGE = Path(__file__).resolve().parents[1] / "shardlab"
