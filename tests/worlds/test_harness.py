@@ -49,10 +49,10 @@ def check_crashes(rank, world_size, **_):
     dist.barrier()
 
 
-def check_crashes_once(rank, world_size, marker):
-    """Crashes on rank 1 in the first world only (the marker file tells the second)."""
-    if rank == 1 and not Path(marker).exists():
-        Path(marker).touch()
+def check_crashes_twice(rank, world_size, markers):
+    """Crashes on rank 1 in the first two worlds only (the files in `markers` count them)."""
+    if rank == 1 and len(list(Path(markers).iterdir())) < 2:
+        (Path(markers) / str(len(list(Path(markers).iterdir())))).touch()
         faulthandler._sigsegv()
     dist.barrier()
     return rank
@@ -122,16 +122,15 @@ def test_crash_names_the_rank_exit_code_and_python_stack():
 
 
 @pytest.mark.world
-def test_a_crash_is_run_again_once_from_its_check_on(tmp_path):
-    marker = tmp_path / "crashed"
+def test_a_crash_is_run_again_from_its_check_on(tmp_path):
+    checks = [check_returns_value, (check_crashes_twice, {"markers": str(tmp_path)}), check_all_reduce]
     with pytest.warns(
-        RuntimeWarning, match=r"(?s)check_crashes_once: rank 1 was killed by signal 11.*check_crashes_on"
-    ):
-        checks = [check_returns_value, (check_crashes_once, {"marker": str(marker)}), check_all_reduce]
+        RuntimeWarning, match=r"(?s)check_crashes_twice: rank 1 was killed by signal 11.*check_crashes_tw"
+    ) as w:
         world = run_world(2, checks, timeout_s=120)
-    assert marker.exists()
+    assert len(w) == 2 and len(list(tmp_path.iterdir())) == 2
     assert world.value(check_returns_value, rank=1) == {"rank": 1, "loss": 2.0}  # from the first world
-    assert world.value(check_crashes_once, rank=1) == 1  # from the second
+    assert world.value(check_crashes_twice, rank=1) == 1  # from the third
     assert world.raise_for(check_all_reduce) is None
 
 
