@@ -41,8 +41,8 @@ That holds only if each floor is at most what the estimate gives, term by term:
   block, and in the backward; every tp rank routes all of its group's tokens. On the critical path, as CP's.
 - FSDP: the rank's block weights gathered in param_dtype and their gradients reduce-scattered in reduce_dtype, over
   dp_shard x cp at that group's bandwidth (experts' split over ep and at most tp, over the expert mesh's
-  dp_shard_mod_ep), as often as the estimate runs them (`Floors.fsdp_runs`: with a pipeline
-  and resharding after forward, once per micro batch and once more, whatever the schedule).
+  dp_shard_mod_ep), as often as the estimate runs them (`Floors.fsdp_runs`: with a pipeline and resharding after
+  forward, once per micro batch and once more, whatever the schedule).
   On ranks that time-share cores, the compute of the busiest rank and of the one holding the last stage are
   combined as the estimate combines them (`roofline.shared_compute`).
   The step is at least the larger of compute and FSDP (the roofline overlaps them) plus TP's, CP's and EP's

@@ -8,7 +8,7 @@ traceback (torch's mp.spawn can blame a bystander: the first rank to exit, not t
 
 A rank killed by a signal inside a check (a crash below Python) has its checks from that one on run again in a new
 world, at most CRASH_RETRIES times, each with a warning that carries its stack: gloo's CPU collectives have crashed
-that way (SIGSEGV, SIGABRT from a gloo thread) in 2 of 5 whole suites, always in the experts' collectives of
+that way (SIGSEGV, SIGABRT from a gloo thread) in 2 of 6 whole suites, always in the experts' collectives of
 tests/worlds/test_models.py's 4-rank world late in its run, never in about 20 runs of that world alone. A check that
 crashes every time still fails, with the last crash's stack.
 """
