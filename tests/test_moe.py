@@ -11,6 +11,8 @@ import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, TrainConfig, make_mesh
 from shardlab.config import DataConfig, LogConfig, PlanConfig
@@ -120,6 +122,28 @@ def test_a_forward_keeps_nothing_on_the_layer():
     with torch.no_grad():
         moe(torch.randn(1, 4, DIM))
     assert vars(moe) == before
+
+
+def test_the_experts_backward_moves_bytes_in_proportion_to_the_experts():
+    """Each expert's gradient is written once: a backward that wrote a gradient the size of all experts for each
+    expert (indexing the stacked weights) would move 16 times the bytes at 4 times the experts, not 4."""
+
+    class Written(TorchDispatchMode):
+        elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.elements += sum(t.numel() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    def backward_writes(n_experts: int) -> int:
+        experts = block(n_experts=n_experts).experts
+        y = experts(torch.randn(3 * n_experts, DIM), [3] * n_experts)
+        with Written() as written:
+            y.sum().backward()
+        return written.elements
+
+    assert backward_writes(8) <= 4.5 * backward_writes(2)
 
 
 def test_bias_steers_the_choice_but_not_the_weights():
