@@ -598,3 +598,40 @@ def test_a_second_search_reads_its_probes_from_the_store(tmp_path, monkeypatch):
     store = ProbeStore(provider, blocked / "probes")
     alone = search(c, 2, provider, lambda _: None, dev, 2**30, fixed=flat, top=2, store=store)
     assert alone.best == first.best and store.written == 0
+
+
+def test_a_pipelines_block_is_probed_without_its_pipeline():
+    """The search probes a block of a pipelined layout as the layout of its local shapes without pp (one micro batch of
+    its rows): the same `_block_key`, and a block that keeps, computes and sends over tp what one of the pipeline's
+    stages does, for the first rank and the last, one stage per rank or several, with and without FSDP and TP."""
+    from shardlab.estimate.devices import device
+    from shardlab.estimate.roofline import compute_seconds
+    from shardlab.estimate.search import _block_key, _without_pipeline
+    from shardlab.estimate.twin import block_shared, estimate_shared
+    from shardlab.models.llama.provider import LlamaProvider
+    from shardlab.training.loop import plan_model
+
+    model = msgspec.structs.replace(WIDE, n_layers=13)  # 2 and 3 blocks in each of 4 stages: measured apart
+    c = cfg(model, global_batch=8, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
+    provider, dev, probes = LlamaProvider(model), device("h100"), {}
+    compared = set()
+    for fixed, schedule, ac in (({"pp": 2, "dp_shard": 2}, "interleaved_1f1b", "none"), ({"pp": 4}, "1f1b", "full"),
+                                ({"pp": 2, "tp": 2}, "gpipe", "none"), ({"pp": 2, "tp": 2}, "gpipe", "full")):  # fmt: skip
+        for layout in layouts(c, 4, fixed={"tp": 1, "cp": 1, **fixed})[0]:
+            if (layout.pp_schedule, layout.activation_checkpoint) != (schedule, ac) or (layout.mesh, ac) in compared:
+                continue
+            run = layout.config(c).resolve(4)
+            plan = plan_model(run)[1]
+            piped = estimate_shared(run, plan, None, dev, provider, probes).block
+            if piped is None:  # 8 stages of 13 blocks: probed whole
+                continue
+            flat, flat_cfg = _without_pipeline(layout, c)
+            assert flat.mesh.pp == 1 and _block_key(flat, flat_cfg) == _block_key(layout, c)
+            flat_run = flat.config(flat_cfg).resolve(flat.mesh.world_size)
+            block = block_shared(flat_run, plan_model(flat_run)[1], None, provider, probes)
+            assert block.activation_bytes == piped.activation_bytes, layout.describe()
+            assert compute_seconds(block, dev) == pytest.approx(compute_seconds(piped, dev), rel=1e-9)
+            tp = sorted((k.kind, k.phase, k.count, k.bytes) for k in block.collectives if k.axis == "tp")
+            assert tp == sorted((k.kind, k.phase, k.count, k.bytes) for k in piped.collectives if k.axis == "tp")
+            compared.add((layout.mesh, ac))
+    assert len(compared) == 4

@@ -10,7 +10,10 @@ exceed the memory is dropped before any probe. Once a layout of the same local s
 not, has been estimated, each block of a pipelined one is taken to keep, compute and communicate (tp, cp, ep) what
 one of its blocks does in each micro batch (`Estimate.block`): one whose micro batches in flight then exceed the
 memory is dropped, and one whose step time then exceeds the K-th fastest is not estimated. What a block keeps
-bounds that of other shapes too, scaled to their tp, cp and rows (`kept_at_least`).
+bounds that of other shapes too, scaled to their tp, cp and rows (`kept_at_least`). A pipelined layout that passes
+these bounds while no layout of its local shapes has been estimated has a block of them probed first, without its
+pipeline (`_without_pipeline`: one probe of a few blocks, where the pipeline's own are of a few in each stage,
+and of its last stage's rank too), and is bounded by it.
 The rest are estimated (`shardlab.estimate.twin`) with probes shared through one cache (one per twin shape: every row
 count on the line through two, keeping FSDP's weights gathered from the probe that reshards them). The pp rank
 holding a pipeline's last stage, whose probe only its compute needs, is probed only for a layout that fits and may
@@ -48,7 +51,7 @@ from shardlab.estimate.measurement import Probe
 from shardlab.estimate.probe_store import ProbeStore
 from shardlab.estimate.roofline import DP_AXES, collective_seconds, compute_seconds
 from shardlab.estimate.search_result import Candidate, Search, as_candidate, readable_bytes
-from shardlab.estimate.twin import Shape, estimate_shared, needs_last_rank
+from shardlab.estimate.twin import Shape, block_shared, estimate_shared, needs_last_rank
 from shardlab.models.flops import module_flops
 from shardlab.models.provider import ModelProvider, check_layout
 from shardlab.sharding.pipeline import LOOPED, ONE_STAGE, V_SHAPED, bubble_fraction, in_flight, stage_shape
@@ -182,6 +185,31 @@ def search(
                 too_large.setdefault(_frame(layout), []).append(layout)
         return estimates[layout]
 
+    def blocks_need(layout: Layout, key: tuple, fixed_by_plan: int) -> int:
+        """The bytes `layout` needs at least by the blocks seen (`kept_at_least`; 0: none bounds it)."""
+        kept = kept_at_least(seen, key)
+        if not kept:
+            return 0
+        plan = plan_of(layout.config(cfg).resolve(world))
+        first = floors[layout.fp8].micro_batch_activations(choices[layout.fp8], layout)
+        return fixed_by_plan + in_flight_activations(plan, first, kept)
+
+    def probe_block(layout: Layout, key: tuple) -> None:
+        """Probe a block of pipelined `layout`'s local shapes (`_block_key`) without its pipeline, as the twin of the
+        layout of its micro batch's rows on its mesh without pp (two probes of 2 and 3 blocks, where a pipeline's
+        twin runs 2 and 3 in each of its stages, and probes again for the rank holding its last stage): each block
+        of its stages keeps, computes and sends over tp, cp and ep what this one does, so a pipeline too large or
+        too slow by its blocks alone is dropped without its own probes."""
+        flat, flat_cfg = _without_pipeline(layout, cfg)
+        try:
+            run = flat.config(flat_cfg).resolve(flat.mesh.world_size)
+            plan = plan_of(run)
+        except ValueError:  # the model's own limits: the pipeline's own probe decides
+            return
+        block = block_shared(run, plan, rules_of(run), provider, measured, store)
+        if block is not None:
+            seen[key] = block
+
     for n, i in enumerate(order):
         layout = layouts[i]
         if prune and len(kth) == top and time_floor[i] > -kth[0]:
@@ -201,21 +229,20 @@ def search(
             fixed_by_plan = fixed_bytes(layout)
             if fixed_by_plan is None:
                 continue
-            need = fixed_by_plan + floor.activations(chosen, layout)
             key = _block_key(layout, cfg)
-            kept = kept_at_least(seen, key)
-            if kept:
-                plan = plan_of(layout.config(cfg).resolve(world))
-                first = floor.micro_batch_activations(chosen, layout)
-                need = max(need, fixed_by_plan + in_flight_activations(plan, first, kept))
-                block = seen.get(key) if layout.mesh.pp > 1 else None
+            need = max(fixed_by_plan + floor.activations(chosen, layout), blocks_need(layout, key, fixed_by_plan))
+            if layout.mesh.pp > 1 and key not in seen and need <= memory:
+                probe_block(layout, key)
+                need = max(need, blocks_need(layout, key, fixed_by_plan))
+            block = seen.get(key) if layout.mesh.pp > 1 else None
         if need > memory:
             over += 1
             if closest_state is None or need < closest_state[0]:
                 closest_state = (need, layout)
             continue
         may_prune = prune and len(kth) == top and not dev.busy_speed  # (ranks time-sharing cores: paced otherwise)
-        if may_prune and block is not None and blocks_time(plan, block, floor, chosen, layout, dev) > -kth[0]:
+        if may_prune and block is not None and blocks_time(plan_of(layout.config(cfg).resolve(world)), block, floor,
+                                                           chosen, layout, dev) > -kth[0]:  # fmt: skip
             slower += 1  # what its blocks take makes it slower than the K-th fastest
             continue
         candidate = estimated(layout)
@@ -244,6 +271,18 @@ def search(
         floor_left=floor_left, probes=_probed(measured) - known - stored, stored=stored,
         seconds=time.perf_counter() - start,
     )  # fmt: skip
+
+
+def _without_pipeline(layout: Layout, cfg: Config) -> tuple[Layout, Config]:
+    """`layout`'s mesh without pp, one micro batch of the rows of each of its micro batches (the same `_block_key`),
+    and `cfg` with the global batch that makes them."""
+    m = layout.mesh
+    rows = cfg.train.global_batch // m.size("dp") // layout.micro_batches
+    flat = msgspec.structs.replace(
+        layout, mesh=msgspec.structs.replace(m, pp=1), micro_batches=1, pp_schedule=None, pp_stages_per_rank=1
+    )
+    train = msgspec.structs.replace(cfg.train, global_batch=rows * m.size("dp"))
+    return flat, msgspec.structs.replace(cfg, train=train)
 
 
 def _state_shape(layout: Layout) -> Layout:

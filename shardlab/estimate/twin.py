@@ -173,6 +173,21 @@ def estimate_shared(
     return msgspec.structs.replace(e, block=block and _translated(block, twin_cfg, twin_rank, cfg, plan))
 
 
+def block_shared(
+    cfg: Config,
+    plan: Plan,
+    rules: Rules | None,
+    provider: ModelProvider,
+    measured: dict[bytes, Shape],
+    store: ProbeStore | None = None,
+) -> Probe | None:
+    """One more block of a micro batch of `cfg` (resolved, laid out by `plan`), from its twin's probe, shared through
+    `measured` and `store` as `estimate_shared`'s (`Measurement.middle_block`; None for a model probed whole)."""
+    twin_cfg, twin_rank = twin(cfg, plan, provider.n_layers)
+    block = _measurement(twin_cfg, twin_rank, rules, provider, measured, plan, store).middle_block
+    return block and _translated(block, twin_cfg, twin_rank, cfg, plan)
+
+
 def needs_last_rank(cfg: Config, plan: Plan) -> bool:
     """Whether `cfg`'s estimate probes the pp rank holding a pipeline's last stage too (it is not the busiest)."""
     return plan.pipeline is not None and probed_rank(plan)[0] != head_rank(plan)
