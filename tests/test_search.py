@@ -603,7 +603,7 @@ def test_a_second_search_reads_its_probes_from_the_store(tmp_path, monkeypatch):
 def test_a_pipelines_block_is_probed_without_its_pipeline():
     """The search probes a block of a pipelined layout as the layout of its local shapes without pp (one micro batch of
     its rows): the same `_block_key`, and a block that keeps, computes and sends over tp what one of the pipeline's
-    stages does, for the first rank and the last, one stage per rank or several, with and without FSDP and TP."""
+    stages does: with FSDP and several stages per rank, and with TP, one stage per rank and checkpointing."""
     from shardlab.estimate.devices import device
     from shardlab.estimate.roofline import compute_seconds
     from shardlab.estimate.search import _block_key, _without_pipeline
@@ -615,8 +615,10 @@ def test_a_pipelines_block_is_probed_without_its_pipeline():
     c = cfg(model, global_batch=8, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
     provider, dev, probes = LlamaProvider(model), device("h100"), {}
     compared = set()
-    for fixed, schedule, ac in (({"pp": 2, "dp_shard": 2}, "interleaved_1f1b", "none"), ({"pp": 4}, "1f1b", "full"),
-                                ({"pp": 2, "tp": 2}, "gpipe", "none"), ({"pp": 2, "tp": 2}, "gpipe", "full")):  # fmt: skip
+    for fixed, schedule, ac in (
+        ({"pp": 2, "dp_shard": 2}, "interleaved_1f1b", "none"),
+        ({"pp": 2, "tp": 2}, "1f1b", "full"),
+    ):
         for layout in layouts(c, 4, fixed={"tp": 1, "cp": 1, **fixed})[0]:
             if (layout.pp_schedule, layout.activation_checkpoint) != (schedule, ac) or (layout.mesh, ac) in compared:
                 continue
@@ -634,4 +636,4 @@ def test_a_pipelines_block_is_probed_without_its_pipeline():
             tp = sorted((k.kind, k.phase, k.count, k.bytes) for k in block.collectives if k.axis == "tp")
             assert tp == sorted((k.kind, k.phase, k.count, k.bytes) for k in piped.collectives if k.axis == "tp")
             compared.add((layout.mesh, ac))
-    assert len(compared) == 4
+    assert len(compared) == 2
