@@ -341,6 +341,41 @@ def test_pipeline_floors_price_the_ranks_the_estimate_prices():
         assert floors.busy(c, layout, dev) > 1.05 * floors.busy(by_params, layout, dev), layout
 
 
+def test_the_floor_counts_the_adds_accumulating_the_micro_batches_gradients():
+    """Each micro batch after the first adds its gradients to the others': under a pipeline with FSDP into the held
+    blocks' unsharded gradients in reduce_dtype (a fifth of a 405B pipeline rank's step at 256 micro batches), else
+    into the rank's share of the parameters. The floor counts what the estimate counts of the rank's blocks (the
+    plan's parameters, `estimate._accumulation`): all of it but the rest of the model's, never more."""
+    from shardlab.estimate import _accumulation, probed_rank
+    from shardlab.estimate.devices import device
+    from shardlab.estimate.floors import Floors
+    from shardlab.models.llama.provider import LlamaProvider
+    from shardlab.training.loop import plan_model
+
+    model = msgspec.structs.replace(MODEL, n_layers=8, dim=256, ffn_dim=1024)  # the blocks outweigh the rest
+    provider = LlamaProvider(model)
+    c = cfg(model, global_batch=32, seq_len=256)
+    floors = Floors.of(c, provider, provider.meta_model(), device("h100"), own_rules=False)  # its counts: any dtypes
+    for plan, mesh, schedule in (
+        (dict(param_dtype="bfloat16", reduce_dtype="float32"), MeshSpec(pp=4, dp_shard=2), "1f1b"),
+        (dict(param_dtype="bfloat16", reduce_dtype="bfloat16"), MeshSpec(pp=2, dp_shard=2, tp=2), "interleaved_1f1b"),
+        ({}, MeshSpec(pp=2, dp_shard=1, tp=2), "1f1b"),  # fp32 without FSDP: the parameters' own gradients
+        (dict(param_dtype="bfloat16", reduce_dtype="float32"), MeshSpec(dp_shard=4, tp=2), None),
+    ):
+        c = cfg(model, global_batch=32, seq_len=256, **plan)
+        v = 2 if schedule == "interleaved_1f1b" else 1
+        layout = Layout(mesh=mesh, activation_checkpoint="full", micro_batches=8, pp_schedule=schedule,
+                        pp_stages_per_rank=v)  # fmt: skip
+        run = layout.config(c).resolve(mesh.world_size)
+        run_plan = plan_model(run)[1]
+        rank = probed_rank(run_plan)[0]
+        counted = sum(moved * n for _, moved, n, _ in _accumulation(run_plan, rank, 8))
+        floor = floors.accumulated_bytes(c, layout, floors._ranks(c, layout)[0])
+        assert 0.9 * counted < floor <= counted, (mesh, plan)
+        one = msgspec.structs.replace(layout, micro_batches=1)
+        assert floors.accumulated_bytes(c, one, floors._ranks(c, one)[0]) == 0
+
+
 @pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
 def test_the_fsdp_floor_counts_the_gathers_each_schedule_runs():
     """FSDP's floor is at most the data-parallel collectives of the layout's estimate and within a fifth of them.

@@ -21,7 +21,9 @@ That holds only if each floor is at most what the estimate gives, term by term:
   once at size 2 with 2 and 3 rows for every layout of 2 rows or more (`Block.tp_memory_bytes`,
   `Block.cp_memory_bytes`) and with one row for those of one (tp's taken to shrink as 1 / tp there), and FSDP's
   copies of the blocks' weights out of the gathered buffer and of their gradients into the reduced one, once per micro
-  batch (per step with a pipeline). For shardlab's Llama, attention too: the probe counts SDPA's causal kernel as half
+  batch (per step with a pipeline); and the adds accumulating the micro batches' gradients, as the estimate counts
+  them (under a pipeline with FSDP each held block's unsharded gradients, added in reduce_dtype at every micro batch
+  after the first: for 405B on 4,096 ranks over 256 micro batches a fifth of a pipeline rank's step). For shardlab's Llama, attention too: the probe counts SDPA's causal kernel as half
   the square and its backward as 2.5 forwards, where the meta model's math kernel computes the whole square and 2 (a
   masked one, as under cp, as the whole square), so the forward at half of the math kernel's FLOPs and forward and
   backward at 7/12 (twice that under CP, whose attention masks by position: the probe counts the whole square); other
@@ -112,6 +114,7 @@ class Floors(Frozen):
     """The residual stream's width whose reductions tp pays per block and token (0: no TP floor)."""
     param_bytes: int
     """All parameters in their stored dtype (fp32 master weights)."""
+    param_numel: int
     n_layers: int
     rate: float
     """The device's best matmul FLOP/s: its peak at the highest efficiency any of its kernels reach."""
@@ -142,6 +145,7 @@ class Floors(Frozen):
         caller's cache of this provider's block counts, filled here (as `search`'s probes: searches of one model
         share it), so that nothing is kept on the provider, which may be a user's own class."""
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        param_numel = sum(p.numel() for p in model.parameters())
         best, best_memory = dev.matmul_efficiency, dev.hbm_efficiency
         if dev.kernels is not None:
             best = max(e for curve in (dev.kernels.matmul, dev.kernels.attention) for _, e in curve)
@@ -158,7 +162,7 @@ class Floors(Frozen):
         moe = provider.moe if llama else None
         expert_rows = moe.top_k * min(1.0, moe.capacity_factor or 1.0) if moe is not None else 0.0
         return cls(block=block, tp_dim=provider.dim if llama else 0, kv_dim=kv_dim, expert_rows=expert_rows,
-                   param_bytes=param_bytes,
+                   param_bytes=param_bytes, param_numel=param_numel,
                    n_layers=provider.n_layers, rate=_matmul_peak(cfg, dev) * best,
                    bandwidth=dev.hbm_tb_s * 1e12 * best_memory)  # fmt: skip
 
@@ -329,7 +333,26 @@ class Floors(Frozen):
             times = 1 if m.pp > 1 else layout.micro_batches
             gathered = 2 * param if m.dp_shard * m.cp > 1 else 0
             copies = times * rank.blocks * b.params / m.tp * (gathered + param + reduce)
-        return (tokens * moved / m.tp + copies) / self.bandwidth
+        return (tokens * moved / m.tp + copies + self.accumulated_bytes(cfg, layout, rank)) / self.bandwidth
+
+    def accumulated_bytes(self, cfg: Config, layout: Layout, rank: _Rank) -> float:
+        """Bytes the adds accumulating the micro batches' gradients move per step on pp rank `rank` at least, as the
+        estimate counts them (`estimate._accumulation`): under a pipeline with FSDP, its blocks' gradients unsharded
+        (split over tp, the experts' over ep x tp, at most), cast to reduce_dtype at the first micro batch and added
+        at each later one; else each later micro batch's gradients added to the last ones, the rank's share of the
+        stored parameters' bytes (split at most dp_shard x cp x tp x pp ways, or its blocks' under a pipeline)."""
+        m, micro, b = layout.mesh, layout.micro_batches, self.block
+        if micro == 1 or b is None:
+            return 0.0
+        numel = rank.blocks * (b.params / m.tp + b.expert_params / (m.ep * m.tp))
+        if m.pp > 1 and uses_fsdp(cfg, m):
+            param, reduce = DTYPE_BYTES[cfg.plan.param_dtype], DTYPE_BYTES[cfg.plan.reduce_dtype]
+            if param != reduce:
+                return numel * (param + reduce) + (micro - 1) * numel * (2 * reduce + param)
+            return (micro - 1) * 3 * numel * param
+        if m.pp > 1:
+            return (micro - 1) * 3 * numel * self.param_bytes / self.param_numel
+        return (micro - 1) * 3 * self.param_bytes / (m.dp_shard * m.cp * m.tp)
 
     def tp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
         """Seconds per step the blocks' TP reductions take at least (as all-reduces: an all-gather and a
