@@ -23,11 +23,12 @@ That holds only if each floor is at most what the estimate gives, term by term:
   copies of the blocks' weights out of the gathered buffer and of their gradients into the reduced one, once per micro
   batch (per step with a pipeline); and the adds accumulating the micro batches' gradients, as the estimate counts
   them (under a pipeline with FSDP each held block's unsharded gradients, added in reduce_dtype at every micro batch
-  after the first: for 405B on 4,096 ranks over 256 micro batches a fifth of a pipeline rank's step). For shardlab's Llama, attention too: the probe counts SDPA's causal kernel as half
-  the square and its backward as 2.5 forwards, where the meta model's math kernel computes the whole square and 2 (a
-  masked one, as under cp, as the whole square), so the forward at half of the math kernel's FLOPs and forward and
-  backward at 7/12 (twice that under CP, whose attention masks by position: the probe counts the whole square); other
-  models' attention kernels may be ones the probe does not count.
+  after the first: for 405B on 4,096 ranks over 256 micro batches a fifth of a pipeline rank's step). For
+  shardlab's Llama, attention too: the probe counts SDPA's causal kernel as half the square and its backward as 2.5
+  forwards, where the meta model's math kernel computes the whole square and 2 (a masked one, as under cp, as the
+  whole square), so the forward at half of the math kernel's FLOPs and forward and backward at 7/12 (twice that
+  under CP, whose attention masks by position: the probe counts the whole square); other models' attention kernels
+  may be ones the probe does not count.
 - TP, for shardlab's Llama laid out by its own rules: each block's attention and MLP end in a projection sharded
   over its input dim, whose partial outputs tp reduces in the forward, and begin with ones sharded over their
   output dim, whose input gradients it reduces in the backward: at least 4 collectives of the rank's tokens x dim

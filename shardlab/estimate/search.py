@@ -241,10 +241,11 @@ def search(
                 closest_state = (need, layout)
             continue
         may_prune = prune and len(kth) == top and not dev.busy_speed  # (ranks time-sharing cores: paced otherwise)
-        if may_prune and block is not None and blocks_time(plan_of(layout.config(cfg).resolve(world)), block, floor,
-                                                           chosen, layout, dev) > -kth[0]:  # fmt: skip
-            slower += 1  # what its blocks take makes it slower than the K-th fastest
-            continue
+        if may_prune and block is not None:
+            plan = plan_of(layout.config(cfg).resolve(world))
+            if blocks_time(plan, block, floor, chosen, layout, dev) > -kth[0]:
+                slower += 1  # what its blocks take makes it slower than the K-th fastest
+                continue
         candidate = estimated(layout)
         if candidate.peak <= memory:
             # a bound's floor, which counts the last stage's rank, may be the higher of the two

@@ -108,7 +108,7 @@ class Experts(nn.Module):
         """The experts this rank holds (all, or its ep shard: the local blocks of the DTensors) on rows grouped by
         local expert, counts[e] for its e-th."""
         # Unbound, not indexed: the backward of `w[e]` writes a zero gradient the size of all of w for each expert
-        # (memory traffic growing as the square of the experts); unbind's stacks the experts' gradients once.
+        # (memory traffic growing as the square of the experts); unbind's backward stacks their gradients once.
         gate, up, down = (_local(w).unbind(0) for w in (self.gate_proj, self.up_proj, self.down_proj))
         # Every expert runs, idle ones on zero rows: their weights get zero gradients, not none (under expert
         # parallelism a rank whose experts got no tokens must still join FSDP's reduce-scatter).
