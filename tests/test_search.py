@@ -664,7 +664,7 @@ def test_a_pipelines_block_is_probed_without_its_pipeline():
                 continue
             flat, flat_cfg = _without_pipeline(layout, c)
             assert flat.mesh.pp == 1 and _block_key(flat, flat_cfg) == _block_key(layout, c)
-            flat_run = flat.config(flat_cfg).resolve(flat.mesh.world_size)
+            flat_run = flat_cfg.resolve(flat.mesh.world_size)
             block = block_shared(flat_run, plan_model(flat_run)[1], None, provider, probes)
             assert block.activation_bytes == piped.activation_bytes, layout.describe()
             assert compute_seconds(block, dev) == pytest.approx(compute_seconds(piped, dev), rel=1e-9)
@@ -672,3 +672,7 @@ def test_a_pipelines_block_is_probed_without_its_pipeline():
             assert tp == sorted((k.kind, k.phase, k.count, k.bytes) for k in piped.collectives if k.axis == "tp")
             compared.add((layout.mesh, ac))
     assert len(compared) == 2
+    pinned = msgspec.structs.replace(c, mesh=MeshSpec(dp_shard=2, tp=2))  # a recipe's own mesh, 2 data-parallel ranks
+    one_row = Layout(mesh=MeshSpec(pp=4), activation_checkpoint="none", micro_batches=8, pp_schedule="1f1b")
+    flat, flat_cfg = _without_pipeline(one_row, pinned)  # one sequence: a batch the recipe's own mesh cannot split
+    assert flat_cfg.mesh == flat.mesh and flat_cfg.train.global_batch == 1 and flat_cfg.resolve(1).micro_batches == 1

@@ -200,11 +200,11 @@ def search(
         twin runs 2 and 3 in each of its stages, and probes again for the rank holding its last stage): each block
         of its stages keeps, computes and sends over tp, cp and ep what this one does, so a pipeline too large or
         too slow by its blocks alone is dropped without its own probes."""
-        flat, flat_cfg = _without_pipeline(layout, cfg)
         try:
-            run = flat.config(flat_cfg).resolve(flat.mesh.world_size)
+            flat, flat_cfg = _without_pipeline(layout, cfg)
+            run = flat_cfg.resolve(flat.mesh.world_size)
             plan = plan_of(run)
-        except ValueError:  # the model's own limits: the pipeline's own probe decides
+        except ValueError:  # the config's or the model's own limits: the pipeline's own probe decides
             return
         block = block_shared(run, plan, rules_of(run), provider, measured, store)
         if block is not None:
@@ -276,14 +276,15 @@ def search(
 
 def _without_pipeline(layout: Layout, cfg: Config) -> tuple[Layout, Config]:
     """`layout`'s mesh without pp, one micro batch of the rows of each of its micro batches (the same `_block_key`),
-    and `cfg` with the global batch that makes them."""
+    and `cfg` laid out so, with the global batch that makes them (raises the config's ValueError where it cannot)."""
     m = layout.mesh
     rows = cfg.train.global_batch // m.size("dp") // layout.micro_batches
     flat = msgspec.structs.replace(
         layout, mesh=msgspec.structs.replace(m, pp=1), micro_batches=1, pp_schedule=None, pp_stages_per_rank=1
     )
-    train = msgspec.structs.replace(cfg.train, global_batch=rows * m.size("dp"))
-    return flat, msgspec.structs.replace(cfg, train=train)
+    run = flat.config(cfg)
+    train = msgspec.structs.replace(run.train, global_batch=rows * m.size("dp"), micro_batch=None)
+    return flat, msgspec.structs.replace(run, train=train)
 
 
 def _state_shape(layout: Layout) -> Layout:
