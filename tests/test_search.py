@@ -355,7 +355,7 @@ def test_the_floor_counts_the_adds_accumulating_the_micro_batches_gradients():
     model = msgspec.structs.replace(MODEL, n_layers=8, dim=256, ffn_dim=1024)  # the blocks outweigh the rest
     provider = LlamaProvider(model)
     c = cfg(model, global_batch=32, seq_len=256)
-    floors = Floors.of(c, provider, provider.meta_model(), device("h100"), own_rules=False)  # its counts: any dtypes
+    floors = Floors.of(c, provider, provider.meta_model(), device("h100"), own_rules=True)  # parameters: any dtypes
     for plan, mesh, schedule in (
         (dict(param_dtype="bfloat16", reduce_dtype="float32"), MeshSpec(pp=4, dp_shard=2), "1f1b"),
         (dict(param_dtype="bfloat16", reduce_dtype="bfloat16"), MeshSpec(pp=2, dp_shard=2, tp=2), "interleaved_1f1b"),
@@ -635,6 +635,7 @@ def test_a_second_search_reads_its_probes_from_the_store(tmp_path, monkeypatch):
     assert alone.best == first.best and store.written == 0
 
 
+@pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
 def test_a_pipelines_block_is_probed_without_its_pipeline():
     """The search probes a block of a pipelined layout as the layout of its local shapes without pp (one micro batch of
     its rows): the same `_block_key`, and a block that keeps, computes and sends over tp what one of the pipeline's
@@ -659,7 +660,7 @@ def test_a_pipelines_block_is_probed_without_its_pipeline():
                 continue
             run = layout.config(c).resolve(4)
             plan = plan_model(run)[1]
-            piped = estimate_shared(run, plan, None, dev, provider, probes).block
+            piped = estimate_shared(run, plan, None, dev, provider, probes, last_rank=False).block
             if piped is None:  # 8 stages of 13 blocks: probed whole
                 continue
             flat, flat_cfg = _without_pipeline(layout, c)
