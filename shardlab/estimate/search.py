@@ -11,9 +11,10 @@ not, has been estimated, each block of a pipelined one is taken to keep, compute
 one of its blocks does in each micro batch (`Estimate.block`): one whose micro batches in flight then exceed the
 memory is dropped, and one whose step time then exceeds the K-th fastest is not estimated. What a block keeps
 bounds that of other shapes too, scaled to their tp, cp and rows (`kept_at_least`). A pipelined layout that passes
-these bounds while no layout of its local shapes has been estimated has a block of them probed first, without its
-pipeline (`_without_pipeline`: one probe of a few blocks, where the pipeline's own are of a few in each stage,
-and of its last stage's rank too), and is bounded by it.
+these bounds while no layout of its local shapes has been estimated, and needs more than half the memory by them,
+has a block of them probed first, without its pipeline (`_without_pipeline`: one probe of a few blocks, where the
+pipeline's own are of a few in each stage, and of its last stage's rank too), and is bounded by it (where the memory
+is far from binding that block seldom drops the pipeline: its own probes decide).
 The rest are estimated (`shardlab.estimate.twin`) with probes shared through one cache (one per twin shape: every row
 count on the line through two, keeping FSDP's weights gathered from the probe that reshards them). The pp rank
 holding a pipeline's last stage, whose probe only its compute needs, is probed only for a layout that fits and may
@@ -231,7 +232,7 @@ def search(
                 continue
             key = _block_key(layout, cfg)
             need = max(fixed_by_plan + floor.activations(chosen, layout), blocks_need(layout, key, fixed_by_plan))
-            if layout.mesh.pp > 1 and key not in seen and need <= memory:
+            if layout.mesh.pp > 1 and key not in seen and memory < 2 * need <= 2 * memory:
                 probe_block(layout, key)
                 need = max(need, blocks_need(layout, key, fixed_by_plan))
             block = seen.get(key) if layout.mesh.pp > 1 else None
