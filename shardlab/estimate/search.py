@@ -109,6 +109,14 @@ def search(
     model = provider.meta_model()
     flops = _stage_flops(cfg, model, provider)
     plans: dict[bytes, Plan] = {}
+    runs: dict[Layout, Config] = {}
+
+    def run_of(layout: Layout) -> Config:
+        """`cfg` laid out as `layout`, resolved: made once per layout, which its memory bound, its blocks' time bound
+        and its estimate each read."""
+        if layout not in runs:
+            runs[layout] = layout.config(cfg).resolve(world)
+        return runs[layout]
 
     def plan_of(run: Config) -> Plan:
         """One make_plan per mesh and stage placement: checkpointing, resharding and the schedule within a placement
@@ -127,7 +135,7 @@ def search(
 
     def state(shape: Layout) -> int:
         """Bytes the plan fixes (all but activations): the same for every checkpointing and micro batch count."""
-        plan = plan_of(shape.config(cfg).resolve(world))
+        plan = plan_of(run_of(shape))
         return estimate_memory(plan).total + fsdp_buffer_bytes(plan)
 
     splits = tuple(axis for axis in ("tp", "cp") if any(layout.mesh.size(axis) > 1 for layout in layouts))
@@ -171,7 +179,7 @@ def search(
         """The layout's estimate; exact=False: its step time may be a lower bound (`bounds`), its peak is exact."""
         first = layout not in estimates
         if first or (exact and layout in bounds):
-            run = layout.config(cfg).resolve(world)
+            run = run_of(layout)
             plan = plan_of(run)
             e = estimate_shared(run, plan, rules_of(run), dev, provider, measured, actions, last_rank=exact,
                                 store=store)  # fmt: skip
@@ -191,7 +199,7 @@ def search(
         kept = kept_at_least(seen, key)
         if not kept:
             return 0
-        plan = plan_of(layout.config(cfg).resolve(world))
+        plan = plan_of(run_of(layout))
         first = floors[layout.fp8].micro_batch_activations(choices[layout.fp8], layout)
         return fixed_by_plan + in_flight_activations(plan, first, kept)
 
@@ -243,7 +251,7 @@ def search(
             continue
         may_prune = prune and len(kth) == top and not dev.busy_speed  # (ranks time-sharing cores: paced otherwise)
         if may_prune and block is not None:
-            plan = plan_of(layout.config(cfg).resolve(world))
+            plan = plan_of(run_of(layout))
             if blocks_time(plan, block, floor, chosen, layout, dev) > -kth[0]:
                 slower += 1  # what its blocks take makes it slower than the K-th fastest
                 continue
