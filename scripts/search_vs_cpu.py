@@ -5,8 +5,9 @@
 A wider debug model (dim 512, 4 blocks, 8 heads, seq 256, 8 sequences per step) on 4 gloo ranks of this machine:
 FSDP 4, HSDP 2x2, FSDP 2 x TP 2, TP 4, PP 2 x FSDP 2 and CP 2 x FSDP 2, each without and with full activation
 checkpointing, and the layout `python -m shardlab search --device cpu` picks from all of them. Each layout is
-estimated with `--device cpu` (this machine measured with 4 ranks sharing its cores) and run for --steps steps
-(median step time after step 2), --repeats times, every layout once per pass and the passes in alternating order
+estimated with `--device cpu` (this machine measured afresh with 4 ranks sharing its cores, not read from the cache:
+one measured under another job's load prices every layout too slow) and run for --steps steps (median step time
+after step 2), --repeats times, every layout once per pass and the passes in alternating order
 (A B ... B A), so that a slow stretch of a shared machine falls on different layouts; --measured adds the passes of
 an earlier --out, and only what they lack is measured (--no-runs: nothing; the estimates are scored against those
 passes, and a search's pick they lack is reported unmeasured). Prints a markdown table (the median over passes and
@@ -112,11 +113,11 @@ def main() -> int:
     args = parser.parse_args()
     known = json.loads(args.measured.read_text()) if args.measured else {}
     from shardlab.cli.recipe import load_recipe
-    from shardlab.estimate.devices import device
+    from shardlab.estimate.cpu import measure
     from shardlab.estimate.search import search
     from shardlab.models import provider_for
 
-    dev = device("cpu", WORLD)
+    dev = measure(WORLD)  # afresh, not the cache: a calibration taken under another job's load skews every estimate
     print(f"device: {dev}", flush=True)
     rows = []
     for name in MESHES:

@@ -8,9 +8,10 @@ fastest matmul measured and the bandwidth a large copy's; the kernel table (shar
 attention and adds of several sizes, and the cost of a tiny op) says how far below them each op runs, and
 `busy_speed` how much faster a rank runs while others idle. Other jobs on the
 machine slow every measurement alike (the estimate then runs slow too), and take the cores that idle ranks free; a
-job that starts or stops between the calibration and a run biases the comparison. The cache (SHARDLAB_CACHE, else
-~/.cache/shardlab) is keyed by the world size and checked against the cores, the processor and torch's version;
-delete it to measure again.
+job that starts or stops between the calibration and a run biases the comparison: a calibration taken while another
+job ran prices every layout too slow (one such measured 27 GFLOP/s on cores that reach 50 quiet), so the device's
+name says when it was measured. The cache (SHARDLAB_CACHE, else ~/.cache/shardlab) is keyed by the world size and
+checked against the cores, the processor and torch's version; delete it to measure again.
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def measure(world: int) -> Device:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world / 2**30
     peak = max(r for _, r in rates.matmul)
     command = f"shardlab.estimate.cpu.measure({world}) on {_machine()}"
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return Device(
-        name=f"CPU ({world} rank{'s' * (world > 1)} on {cores()} cores, measured)", bf16_tflops=peak / 1e12,
+        name=f"CPU ({world} rank{'s' * (world > 1)} on {cores()} cores, measured {when})", bf16_tflops=peak / 1e12,
         hbm_tb_s=copy_bytes / 1e12, nvlink_gb_s=link / 1e9, network_gb_s=link / 1e9, memory_gib=memory,
         matmul_efficiency=1.0, hbm_efficiency=1.0, kernels=table(rates, peak, copy_bytes, command), busy_speed=speed,
         collective_speed=kinds, collective_latency=latency,
