@@ -43,6 +43,7 @@ CASES = {  # each case probes twice on 8 fake ranks (10-20 s): the axes the twin
 }
 
 
+@pytest.mark.world  # the exact estimate's probes and the twin's, forked side by side: the full suite's tier
 @pytest.mark.parametrize("name", CASES)
 def test_the_twin_estimate_agrees_with_the_exact_one(name):
     from shardlab.estimate.twin import estimate_shared
@@ -96,6 +97,7 @@ ROWS = {  # the shape, the pp rank probed, whether one row runs other ops than t
 }  # fmt: skip
 
 
+@pytest.mark.world  # five probes of each case, forked side by side: the full suite's tier
 @pytest.mark.parametrize("name", ROWS)
 def test_probes_at_two_row_counts_give_every_other_and_resharding_gives_keeping_the_weights_gathered(name):
     """The search's sharing is exact: a measurement on the line through rows 2 and 3 equals the probe at 5 rows,
@@ -126,6 +128,7 @@ def test_probes_at_two_row_counts_give_every_other_and_resharding_gives_keeping_
     assert line.at(regather=False) == five.at(regather=False)
 
 
+@pytest.mark.world  # four probes: the full suite's tier
 def test_a_rank_of_several_stages_is_the_sum_of_stages_probed_elsewhere():
     """A twin of two pp ranks holding two stages each (V-shaped, without resharding as its zero bubble needs) is put
     together from the stages of interleaved 1F1B with two per rank, which its probes then equal exactly."""
