@@ -529,7 +529,7 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
     from shardlab.models.llama.provider import LlamaProvider
 
     deep = msgspec.structs.replace(WIDE, n_layers=6)  # the blocks outweigh the rest: the floor's per-block count shows
-    dev, provider = device("h100"), LlamaProvider(deep)
+    dev, provider, blocks = device("h100"), LlamaProvider(deep), {}  # blocks: counted once per plan, as a search does
     cases = [
         (dict(param_dtype="bfloat16", reduce_dtype="float32"), MeshSpec(dp_shard=2, tp=8), "full"),
         (dict(sequence_parallel=False), MeshSpec(dp_shard=4, cp=2, tp=2), "selective"),
@@ -542,7 +542,7 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
     ]  # fmt: skip
     for plan, mesh, ac, *micro in cases:
         c = cfg(deep, global_batch=16, seq_len=4096, **plan)
-        floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False, splits=("tp", "cp"))
+        floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False, blocks=blocks, splits=("tp", "cp"))
         assert floors.block.tp_memory_bytes > 0 and floors.block.cp_memory_bytes > 0  # counted at tp 2 and cp 2
         layout = Layout(mesh=mesh, activation_checkpoint=ac, micro_batches=micro[0] if micro else 2)
         p = probe(layout.config(c).resolve(16), provider=provider)
@@ -559,6 +559,7 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
         assert (0 < floors.cp_seconds(c, layout, dev) <= cp) if mesh.cp > 1 else cp == 0, (mesh, ac)
         tp = layout.micro_batches * sum(collective_seconds(x, run_mesh, dev) for x in p.collectives if x.axis == "tp")
         assert (0 < floors.tp_seconds(c, layout, dev) <= tp) if mesh.tp > 1 else tp == 0, (mesh, ac)
+    assert len(blocks) == 2  # the two plans' blocks
 
 
 @pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
