@@ -5,7 +5,7 @@
 A wider debug model (dim 512, 4 blocks, 8 heads, seq 256, 8 sequences per step) on 4 gloo ranks of this machine:
 FSDP 4, HSDP 2x2, FSDP 2 x TP 2, TP 4, PP 2 x FSDP 2 and CP 2 x FSDP 2, each without and with full activation
 checkpointing, and the layout `python -m shardlab search --device cpu` picks from all of them. Each layout is
-estimated with `--device cpu` (this machine measured afresh with 4 ranks sharing its cores, not read from the cache:
+estimated with `--device cpu` (this machine measured afresh with 4 ranks sharing its cores, the cache replaced:
 one measured under another job's load prices every layout too slow) and run for --steps steps (median step time
 after step 2), --repeats times, every layout once per pass and the passes in alternating order
 (A B ... B A), so that a slow stretch of a shared machine falls on different layouts; --measured adds the passes of
@@ -113,11 +113,14 @@ def main() -> int:
     args = parser.parse_args()
     known = json.loads(args.measured.read_text()) if args.measured else {}
     from shardlab.cli.recipe import load_recipe
-    from shardlab.estimate.cpu import measure
+    from shardlab.estimate.cpu import cache_path
+    from shardlab.estimate.devices import device
     from shardlab.estimate.search import search
     from shardlab.models import provider_for
 
-    dev = measure(WORLD)  # afresh, not the cache: a calibration taken under another job's load skews every estimate
+    # measured afresh, the cache replaced: a calibration taken under another job's load skews every estimate
+    cache_path(WORLD).unlink(missing_ok=True)
+    dev = device("cpu", WORLD)
     print(f"device: {dev}", flush=True)
     rows = []
     for name in MESHES:
