@@ -240,7 +240,7 @@ def search(
                 continue
             key = _block_key(layout, cfg)
             need = max(fixed_by_plan + floor.activations(chosen, layout), blocks_need(layout, key, fixed_by_plan))
-            if layout.mesh.pp > 1 and key not in seen and memory < 2 * need <= 2 * memory:
+            if layout.mesh.pp > 1 and key not in seen and memory / 2 < need <= memory:
                 probe_block(layout, key)
                 need = max(need, blocks_need(layout, key, fixed_by_plan))
             block = seen.get(key) if layout.mesh.pp > 1 else None
