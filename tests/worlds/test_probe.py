@@ -27,6 +27,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from shardlab.config import Config, MeshSpec, MoEConfig
 from shardlab.estimate import DTYPE_BYTES, cached_probe, estimate, per_step, probed_rank
+from shardlab.estimate._fake import cached_sharding_propagation
 from shardlab.estimate.probe import Probe, probe
 from shardlab.estimate.recorder import Recorder, axis_names, param_storages
 from shardlab.estimate.roofline import DP_AXES
@@ -87,7 +88,7 @@ def real(rank, world_size, name: str) -> dict:
         seen["after"] = rss()
         seen["live"] = recorder.live_bytes(param_storages(model))
 
-    with balanced_routing():  # the probe's routing: every expert the same load
+    with balanced_routing(), cached_sharding_propagation():  # the probe's routing, and its DTensor decisions kept
         with CommDebugMode() as torchs:  # torch's own count of the collectives, of a step that runs the same
             forward_backward(model, tokens, tokens, 1.0, plan.loss_parallel, positions=positions)  # lazy init, grads
         seen["before"] = rss()
@@ -191,7 +192,7 @@ def real_pipeline(name: str) -> dict:
     schedules._batch_p2p, PipelineStage.perform_reduce_grad = batch_p2p, reduce
     model.zero_grad(set_to_none=True)  # as after an optimizer step: the first micro batch's gradients add to none
     try:
-        with recorder:
+        with cached_sharding_propagation(), recorder:  # as the probe: each op schema's decision made once
             run(model, tokens, tokens, 1.0, positions)
     finally:
         schedules._batch_p2p, PipelineStage.perform_reduce_grad = real_batch_p2p, real_reduce
