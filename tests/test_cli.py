@@ -458,6 +458,26 @@ def test_four_rank_run_relaunches_and_matches_one_rank(tmp_path):
     assert len(four) == 3 and max(abs(a - b) for a, b in zip(four, one)) <= 1e-5, (four, one)
 
 
+def test_estimate_says_whether_the_peak_fits_the_device_and_what_size_a_minus_one_axis_took(capsys, monkeypatch):
+    """A newcomer's first estimate of a recipe written for many ranks: without --world its -1 axis is 1 rank, which
+    is said in a note, and a peak beyond the device's memory is said beside the step time it could not run."""
+    monkeypatch.chdir(ROOT)
+    small = ["estimate", "recipes/llama_debug.py", *TINY, "--mesh.dp-shard", "-1"]
+    assert main([*small, "--device", "h100"]) == 0
+    out, err = capsys.readouterr()
+    assert (
+        err == "note: no --world: dp_shard (-1 in the recipe) takes size 1, a world of 1; --world N estimates N ranks\n"
+    )
+    assert re.search(r"^  fits H100 SXM's 79\.6 GiB, 79\.\d{3} GiB to spare$", out, re.M), out
+    assert main([*small, "--world", "2", "--model.dim", "8192", "--model.n-heads", "64", "--model.n-kv-heads",
+                 "8", "--model.ffn-dim", "28672", "--model.n-layers", "16"]) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    assert err == "" and "Estimate for mesh dp_shard=2" in out, out
+    over = re.search(r"^  does not fit H100 SXM's 79\.6 GiB: ([\d.]+) GiB over; shard over more ranks", out, re.M)
+    peak = float(re.search(r"^  peak +([\d.]+) GiB$", out, re.M)[1])
+    assert over is not None and float(over[1]) == pytest.approx(peak - 79.6, abs=0.1), out
+
+
 def test_plan_shows_each_parameters_optimizer_group(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     args = ["plan", "recipes/llama_fsdp_tp.py", "--optim.no-decay", "**norm.weight"]

@@ -411,6 +411,18 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:10.3f} GiB"
 
 
+def _fits(peak: int, dev: Device) -> str:
+    """Whether the peak fits the device's memory: a layout that does not is said so beside its step time, which
+    the device could not run."""
+    held = dev.memory_gib * 2**30
+    if peak <= held:
+        return f"  fits {dev.name}'s {dev.memory_gib:g} GiB, {(held - peak) / 2**30:.3f} GiB to spare"
+    return (
+        f"  does not fit {dev.name}'s {dev.memory_gib:g} GiB: {(peak - held) / 2**30:.3f} GiB over; shard over more "
+        "ranks (--world), checkpoint more, or let `python -m shardlab search RECIPE --world N` find a layout that fits"
+    )
+
+
 def estimate_table(e: Estimate, cfg: Config, dev: Device | None = None) -> str:
     """The estimate as text, for `python -m shardlab estimate`."""
     ac = cfg.plan.activation_checkpoint
@@ -427,6 +439,7 @@ def estimate_table(e: Estimate, cfg: Config, dev: Device | None = None) -> str:
         f"  {f'activations (checkpointing {e.other_checkpointing})':<34}{_gib(e.activations_other)}  (not in peak)",
         f"  {'FSDP unsharded params and grads':<34}{_gib(e.fsdp_buffers)}",
         f"  {'peak':<34}{_gib(e.peak)}",
+        *([_fits(e.peak, dev)] if dev is not None else []),
         "communication per step (buffer bytes; ring traffic is (n-1)/n of it, all-reduce twice)",
     ]
     for c in sorted(e.collectives, key=lambda c: (c.axis, c.kind, c.phase)):
