@@ -124,6 +124,7 @@ def test_a_transformers_model_trains_in_fp8(tmp_path):
     assert max(abs(a - b) for a, b in zip(got, want)) < FP8_TOL and got != want, (got, want)
 
 
+@pytest.mark.world  # a cold torch.compile (inductor on CPU): the full suite's tier
 def test_fp8_compiles_and_checkpoints_by_op():
     """torch.compile of FP8 blocks (inductor on CPU) with op-level checkpointing, which keeps every other float8
     matmul's output: the same curve as eager FP8 without checkpointing, within float rounding."""

@@ -178,6 +178,7 @@ def test_a_model_micro_batch_gets_cross_entropys_gradients(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.world  # a cold torch.compile (inductor on CPU): the full suite's tier
 def test_a_compiled_model_micro_batch_gets_cross_entropys_gradients(monkeypatch):
     """plan.compile (inductor on CPU: tens of seconds to compile on 2 cores)."""
     check_model_gradients(True, monkeypatch)

@@ -148,6 +148,7 @@ def test_step_rejects_rows_that_do_not_split_into_micro_batches():
 
 
 @pytest.mark.slow
+@pytest.mark.world  # a cold torch.compile (inductor on CPU): the full suite's tier
 def test_compiled_blocks_train_like_eager():
     """plan.compile wraps each block in torch.compile (inductor on CPU: ~30 s to compile on 2 cores)."""
     batches = [batch(4), batch(5)]
