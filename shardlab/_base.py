@@ -8,6 +8,7 @@ draw a box around it).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -51,12 +52,35 @@ def revalidate(value: T) -> T:
     """Round-trip through msgspec so `msgspec.Meta` constraints and every `check` run (tyro builds structs by
     calling them, which skips the former).
 
-    Errors come out as one line with the path, e.g. ``Expected `int` >= 1 - at `$.mesh.tp```.
+    Errors come out as one line led by the field: ``train.seq_len=0: Expected `int` >= 1``.
     """
+    data = msgspec.to_builtins(value)
     try:
-        return msgspec.convert(msgspec.to_builtins(value), type(value))
+        return msgspec.convert(data, type(value))
     except msgspec.ValidationError as err:
-        raise ShardlabError(str(err)) from None
+        raise ShardlabError(_field_first(str(err), data)) from None
+
+
+_AT = re.compile(r"^(?P<what>.*) - at `\$\.?(?P<path>[^`]*)`$", re.S)
+"""msgspec's message and the path of the field it is about (`... - at `$.train.seq_len``)."""
+_STEP = re.compile(r"[^.\[\]]+|\[(\d+)\]")
+
+
+def _field_first(message: str, data: Any) -> str:
+    """`message` led by its field and the value given, as every check's own message is; a check's message (it names
+    its fields already) loses msgspec's path suffix."""
+    found = _AT.match(message)
+    if found is None:
+        return message
+    what, path = found["what"], found["path"]
+    if not what.startswith(("Expected ", "Invalid ")):  # msgspec's own words; anything else is a check's
+        return what
+    for step in _STEP.finditer(path):
+        try:
+            data = data[int(step[1])] if step[1] is not None else data[step[0]]
+        except (KeyError, IndexError, TypeError):
+            return f"{path}: {what}"
+    return f"{path}={data!r}: {what}"
 
 
 def to_json(value: Any) -> bytes:

@@ -393,7 +393,8 @@ def test_unknown_axis_in_a_rule(tmp_path, capsys):
         (["--mesh.tp", "3"], "model.n_heads=16 is not divisible by mesh.tp=3"),
         (["--mesh.tq", "3"], "Unrecognized"),
         (["--train.steps", "zero"], "train.steps"),
-        (["--train.steps", "0"], "Expected `int` >= 1"),
+        (["--train.steps", "0"], "error: train.steps=0: Expected `int` >= 1"),
+        (["--optim.lr", "-1"], "error: optim.lr=-1.0: must be > 0"),
         (["--plan.param-dtype", "float16"], "float16"),
         (["--train.global-batch", "5"], "train.global_batch=5 is not divisible by the data-parallel size"),
         (
