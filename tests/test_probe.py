@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig, make_mesh
-from shardlab.estimate import estimate, estimate_table
+from shardlab.estimate import estimate
 from shardlab.estimate._fake import fake_world
 from shardlab.estimate.devices import device
+from shardlab.estimate.estimate_table import estimate_table
 from shardlab.estimate.probe import Probe, _probe_layers, probe
 from shardlab.estimate.roofline import axis_bandwidth
 from shardlab.models.llama.provider import LlamaProvider

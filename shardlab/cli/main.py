@@ -123,8 +123,9 @@ def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
         print(plan.table(groups=group_names([p.fqn for p in plan.params], cfg.optim)))
         return 0
     if command == "estimate":
-        from shardlab.estimate import estimate, estimate_table
+        from shardlab.estimate import estimate
         from shardlab.estimate.devices import device
+        from shardlab.estimate.estimate_table import estimate_table
 
         dev = device(flags.device, cfg.mesh.world_size)  # cpu: this machine as the layout's ranks share it
         print(estimate_table(estimate(cfg, plan, recipe.rules(cfg), dev, provider), cfg, dev))
