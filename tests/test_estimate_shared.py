@@ -157,8 +157,30 @@ REPLICATED = {  # the HSDP twin (dp_replicate 2), the pp rank probed
         lay(MeshSpec(pp=2, dp_replicate=2, dp_shard=2), "selective", 4, "interleaved_1f1b", 2), 1,
     ),
     "moe, hsdp 2 x 2": (MOE, lay(MeshSpec(dp_replicate=2, dp_shard=2)), 0),
+    "moe, ep 2 of hsdp 2 x 4 (experts' shards of 2)": (MOE, lay(MeshSpec(dp_replicate=2, dp_shard=4, ep=2)), 0),
+    "moe, pp 2 x ep 2 of hsdp 2 x 2 x cp 2, interleaved x2, last rank": (
+        msgspec.structs.replace(MOE, n_layers=4),
+        lay(MeshSpec(pp=2, dp_replicate=2, dp_shard=2, cp=2, ep=2), micro=4, schedule="interleaved_1f1b", v=2), 1,
+    ),
     "transformers qwen2, hsdp 2 x 2 x tp 2, full": ("qwen2", lay(MeshSpec(dp_replicate=2, dp_shard=2, tp=2), "full"), 0),
 }  # fmt: skip
+
+
+def test_hsdp_of_experts_sharded_over_one_rank_is_not_derived():
+    """Where the expert mesh's FSDP shards the experts over one rank (dp_shard_mod_ep 1), FSDP reduce-scatters none of
+    their gradients, so the one replica's run has nothing the replicas' all-reduce of them follows: that HSDP twin is
+    probed itself; with shards of 2 it is derived."""
+    from shardlab.estimate.twin import _one_replica
+
+    def hsdp(dp_shard: int) -> Config:
+        layout = lay(MeshSpec(dp_replicate=2, dp_shard=dp_shard, ep=2))
+        base = Config(model=MOE, plan=PlanConfig(param_dtype="bfloat16", reduce_dtype="float32"),
+                      train=TrainConfig(global_batch=2 * layout.mesh.size("dp"), seq_len=64))  # fmt: skip
+        return layout.config(base).resolve(layout.mesh.world_size)
+
+    assert hsdp(2).mesh.experts.dp_shard_mod_ep == 1 and _one_replica(hsdp(2)) is None
+    one = _one_replica(hsdp(4))
+    assert one is not None and (one.mesh.dp_replicate, one.mesh.dp_shard, one.mesh.ep) == (1, 4, 2)
 
 
 @pytest.mark.world  # two probes of each case, forked side by side: the full suite's tier

@@ -34,8 +34,9 @@ class Probe(Frozen):
     """The part of `ops` that recomputed checkpointed activations in the backward (activation checkpointing's cost)."""
 
 
-SHARD_AXES = ("dp_shard", "dp_shard_cp")
-"""The groups FSDP shards the model's weights over (not the experts': theirs is the expert mesh's)."""
+SHARD_AXES = ("dp_shard", "dp_shard_cp", "dp_shard_mod_ep")
+"""The groups FSDP shards weights over: the model's (dp_shard, or with cp its flattened view) and the experts' (the
+expert mesh's dp_shard_mod_ep)."""
 CollectiveKey = tuple[str, str, str, int, int | None]
 """(axis, kind, phase, group size, stage): how a Recorder counts collectives."""
 
@@ -99,8 +100,8 @@ class Run(NamedTuple):
 
     def replicated(self, replicas: int) -> Run | None:
         """This run of FSDP alone (dp_replicate 1) as the rank of HSDP with `replicas` replicas of its shard group runs
-        it: FSDP then all-reduces each reduce-scatter's output (its buffer over the shard group's size) over
-        dp_replicate; every op, every other collective and the activations are the same (tests/test_estimate_shared.py
+        it: FSDP then all-reduces each reduce-scatter's output (its buffer over the shard group's size; the experts'
+        too, over the expert mesh's shard group) over dp_replicate; every op, every other collective and the activations are the same (tests/test_estimate_shared.py
         compares the result with the probe of the HSDP rank). None where it reduced nothing over a shard group."""
         counts, nbytes = dict(self.collectives), dict(self.collective_bytes)
         for key, n in self.collectives.items():

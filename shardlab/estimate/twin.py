@@ -260,9 +260,12 @@ def _measurement(
 def _one_replica(cfg: Config) -> Config | None:
     """The twin `cfg` of HSDP (dp_replicate > 1, FSDP sharding over dp_shard) with one replica, the same rows per
     rank: its measurement gives `cfg`'s (`Measurement.replicated`). None for other twins, and where experts have a
-    mesh of their own (ep > 1)."""
+    mesh of their own (ep > 1) whose FSDP shards them over one rank (dp_shard_mod_ep 1): FSDP reduce-scatters
+    nothing there, so the one replica's run has no collective that the replicas' all-reduce of the experts'
+    gradients follows."""
     m = cfg.mesh
-    if m.dp_replicate == 1 or m.dp_shard == 1 or m.ep > 1 or not uses_fsdp(cfg, m):
+    alone = m.ep > 1 and m.experts.dp_shard_mod_ep == 1
+    if m.dp_replicate == 1 or m.dp_shard == 1 or alone or not uses_fsdp(cfg, m):
         return None
     mesh = msgspec.structs.replace(m, dp_replicate=1)
     train = _train(cfg, cfg.train.global_batch // m.dp_replicate)
