@@ -349,6 +349,18 @@ def test_plan_prints_a_pipelined_layout(capsys, monkeypatch):
     assert "pp=2 x dp_shard=2 x tp=2 (8 ranks)" in capsys.readouterr().out
 
 
+def test_plan_says_what_size_a_minus_one_axis_took_without_world(capsys, monkeypatch):
+    """`plan` of a recipe written for many ranks (dp_shard=-1) without --world plans one rank, and says so."""
+    monkeypatch.chdir(ROOT)
+    assert main(["plan", "recipes/llama3_8b.py"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "note: no --world: dp_shard (-1 in the recipe) takes size 1, a world of 1; --world N plans N ranks\n"
+    assert out.startswith("Plan for mesh 1 rank")
+    assert main(["plan", "recipes/llama3_8b.py", "--world", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("Plan for mesh dp_shard=8 (8 ranks)"), out[:200]
+
+
 def test_recipe_with_a_python_error_is_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.py"
     bad.write_text("from shardlab import Config, MeshSpec\nconfig = Config(mesh=MeshSpec(tpp=2))\n")

@@ -105,10 +105,10 @@ def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
         world = int(os.environ["WORLD_SIZE"])
     elif (world := flags.world) is None:
         world = math.prod(s for s in cfg.mesh.axis_sizes if s != -1)  # a -1 axis gets size 1 unless --world says more
-        if command == "estimate" and -1 in cfg.mesh.axis_sizes:
+        if command in ("plan", "estimate") and -1 in cfg.mesh.axis_sizes:
             axis = cfg.mesh.axis_names[cfg.mesh.axis_sizes.index(-1)]
             print(f"note: no --world: {axis} (-1 in the recipe) takes size 1, a world of {world}; "
-                  f"--world N estimates N ranks", file=sys.stderr)  # fmt: skip
+                  f"--world N {command}s N ranks", file=sys.stderr)  # fmt: skip
     cfg = cfg.resolve(world)
     from shardlab.models import provider_for
     from shardlab.models.provider import check_layout
