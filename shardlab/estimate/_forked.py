@@ -13,6 +13,7 @@ has its share run here.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -73,7 +74,16 @@ def _child_share(calls: Sequence[Callable[[], T]], share: int) -> list[T]:
 
 def _fork(call: Callable[[], T]) -> tuple[int, int]:
     read, write = os.pipe()
-    pid = os.fork()
+    # The child never collects what it inherits: a finalizer of this process's uncollected garbage (an object of a
+    # library whose threads did not follow the fork) could crash it. gc.freeze, as Python's docs advise before a fork.
+    gc.freeze()
+    try:
+        pid = os.fork()
+    except BaseException:
+        gc.unfreeze()
+        raise
+    if pid != 0:
+        gc.unfreeze()
     if pid == 0:  # the child: run, send back, leave without running the parent's exit handlers
         os.close(read)
         try:
