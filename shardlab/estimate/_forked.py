@@ -77,13 +77,12 @@ def _fork(call: Callable[[], T]) -> tuple[int, int]:
     # The child never collects what it inherits: a finalizer of this process's uncollected garbage (an object of a
     # library whose threads did not follow the fork) could crash it. gc.freeze, as Python's docs advise before a fork.
     gc.freeze()
+    pid = -1
     try:
         pid = os.fork()
-    except BaseException:
-        gc.unfreeze()
-        raise
-    if pid != 0:
-        gc.unfreeze()
+    finally:
+        if pid != 0:  # here (or no child): collect as before
+            gc.unfreeze()
     if pid == 0:  # the child: run, send back, leave without running the parent's exit handlers
         os.close(read)
         try:

@@ -101,8 +101,9 @@ class Run(NamedTuple):
     def replicated(self, replicas: int) -> Run | None:
         """This run of FSDP alone (dp_replicate 1) as the rank of HSDP with `replicas` replicas of its shard group runs
         it: FSDP then all-reduces each reduce-scatter's output (its buffer over the shard group's size; the experts'
-        too, over the expert mesh's shard group) over dp_replicate; every op, every other collective and the activations are the same (tests/test_estimate_shared.py
-        compares the result with the probe of the HSDP rank). None where it reduced nothing over a shard group."""
+        too, reduced over the expert mesh's shard group) over dp_replicate; every op, every other collective and the
+        activations are the same (tests/test_estimate_shared.py compares the result with the probe of the HSDP rank).
+        None where it reduced nothing over a shard group."""
         counts, nbytes = dict(self.collectives), dict(self.collective_bytes)
         for key, n in self.collectives.items():
             axis, kind, phase, size, stage = key
