@@ -166,6 +166,13 @@ REPLICATED = {  # the HSDP twin (dp_replicate 2), the pp rank probed
 }  # fmt: skip
 
 
+def _two_rows(model: ModelConfig, layout: Layout) -> Config:
+    """`layout` of `model` in bf16, two 64-token sequences per micro batch on each rank, resolved."""
+    base = Config(model=model, plan=PlanConfig(param_dtype="bfloat16", reduce_dtype="float32"),
+                  train=TrainConfig(global_batch=2 * layout.mesh.size("dp") * layout.micro_batches, seq_len=64))  # fmt: skip
+    return layout.config(base).resolve(layout.mesh.world_size)
+
+
 def test_hsdp_of_experts_sharded_over_one_rank_is_not_derived():
     """Where the expert mesh's FSDP shards the experts over one rank (dp_shard_mod_ep 1), FSDP reduce-scatters none of
     their gradients, so the one replica's run has nothing the replicas' all-reduce of them follows: that HSDP twin is
@@ -173,10 +180,7 @@ def test_hsdp_of_experts_sharded_over_one_rank_is_not_derived():
     from shardlab.estimate.twin import _one_replica
 
     def hsdp(dp_shard: int) -> Config:
-        layout = lay(MeshSpec(dp_replicate=2, dp_shard=dp_shard, ep=2))
-        base = Config(model=MOE, plan=PlanConfig(param_dtype="bfloat16", reduce_dtype="float32"),
-                      train=TrainConfig(global_batch=2 * layout.mesh.size("dp"), seq_len=64))  # fmt: skip
-        return layout.config(base).resolve(layout.mesh.world_size)
+        return _two_rows(MOE, lay(MeshSpec(dp_replicate=2, dp_shard=dp_shard, ep=2)))
 
     assert hsdp(2).mesh.experts.dp_shard_mod_ep == 1 and _one_replica(hsdp(2)) is None
     one = _one_replica(hsdp(4))
@@ -202,9 +206,7 @@ def test_an_hsdp_measurement_is_fsdps_with_its_replicas_all_reduces(name):
                                          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                                          "num_key_value_heads": 2}, "qwen2")  # fmt: skip
         model = DENSE
-    base = Config(model=model, plan=PlanConfig(param_dtype="bfloat16", reduce_dtype="float32"),
-                  train=TrainConfig(global_batch=2 * layout.mesh.size("dp") * layout.micro_batches, seq_len=64))  # fmt: skip
-    cfg = layout.config(base).resolve(layout.mesh.world_size)
+    cfg = _two_rows(model, layout)
     one = _one_replica(cfg)
     assert one is not None and one.mesh.dp_replicate == 1
     provider = provider or provider_for(cfg)
