@@ -341,6 +341,21 @@ def test_pipeline_floors_price_the_ranks_the_estimate_prices():
         assert floors.busy(c, layout, dev) > 1.05 * floors.busy(by_params, layout, dev), layout
 
 
+def test_a_block_whose_flops_cannot_be_counted_gives_no_block(monkeypatch):
+    """A model whose forward cannot run on meta tensors (`CANNOT_RUN`: data-dependent shapes, say) has no block
+    counts, so no compute floor; what the other counts, run in the same batch, found is dropped with it."""
+    from shardlab.estimate import block_counts
+    from shardlab.models.llama.provider import LlamaProvider
+
+    def cannot(*_args, **_kwargs):
+        raise NotImplementedError("data-dependent output shape")
+
+    monkeypatch.setattr(block_counts, "_count", cannot)  # forked children inherit it
+    monkeypatch.setattr(block_counts, "_memory_bytes", cannot)  # (quicker: only the FLOPs decide)
+    c = cfg()
+    assert block_counts.count_block(LlamaProvider(c.model), c.train.seq_len, c.plan, False) is None
+
+
 def test_the_floor_counts_the_adds_accumulating_the_micro_batches_gradients():
     """Each micro batch after the first adds its gradients to the others': under a pipeline with FSDP into the held
     blocks' unsharded gradients in reduce_dtype (a fifth of a 405B pipeline rank's step at 256 micro batches), else

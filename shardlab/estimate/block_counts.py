@@ -105,14 +105,12 @@ def count_block(
     axes (tp, cp) some layout searched splits the blocks over, whose rank 0 at size 2 in `cfg` (a config of the
     model under its plan `options`) is probed for what each adds to the traffic (none under own rules; tp not where
     the model cannot split in 2): 6 runs each (1 and 2 blocks at 1, 2 and 3 rows), left out where no layout needs
-    them. The counts are independent runs, side by side on the cores (`run_forked`)."""
-    one, two = run_forked([partial(_or_none, _count, provider.with_layers(n), seq_len, options) for n in (1, 2)])
-    if one is None or two is None:  # no compute floor
-        return None
-    per_token = [(b - a) / seq_len for a, b in zip(one, two, strict=True)]
-    head_flops = one[0] / seq_len - per_token[0]
+    them. The counts are independent runs, all side by side on the cores (`run_forked`): one batch, so no core
+    waits for another's last run before the next."""
     modes = () if own_rules else ("op", "full")
-    calls: dict[tuple, partial] = {}
+    calls: dict[tuple, partial] = {
+        ("flops", n): partial(_count, provider.with_layers(n), seq_len, options) for n in (1, 2)
+    }
     for ac in modes:  # what op-level and full checkpointing recompute
         calls |= {("recompute", ac, n): partial(_count, provider.with_layers(n), seq_len, options, ac) for n in (1, 2)}
     even = all(size % 2 == 0 for size in provider.tp_divisors().values())
@@ -128,6 +126,11 @@ def count_block(
     for axis in splits:  # and at one row
         calls |= {(axis, n, 1): partial(_split_traffic, provider.with_layers(n), cfg, 1, axis) for n in (1, 2)}
     counted = dict(zip(calls, run_forked([partial(_or_none, call) for call in calls.values()]), strict=True))
+    one, two = counted["flops", 1], counted["flops", 2]
+    if one is None or two is None:  # no compute floor
+        return None
+    per_token = [(b - a) / seq_len for a, b in zip(one, two, strict=True)]
+    head_flops = one[0] / seq_len - per_token[0]
     recompute = {}
     for ac in modes:  # else none counted
         one_ac, two_ac = counted[("recompute", ac, 1)], counted[("recompute", ac, 2)]
