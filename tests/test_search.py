@@ -343,7 +343,7 @@ def test_pipeline_floors_price_the_ranks_the_estimate_prices():
 
 def test_a_block_whose_flops_cannot_be_counted_gives_no_block(monkeypatch):
     """A model whose forward cannot run on meta tensors (`CANNOT_RUN`: data-dependent shapes, say) has no block
-    counts, so no compute floor; what the other counts, run in the same batch, found is dropped with it."""
+    counts, so no compute floor, whatever the other counts run in the same batch find."""
     from shardlab.estimate import block_counts
     from shardlab.models.llama.provider import LlamaProvider
 
