@@ -108,11 +108,9 @@ def count_block(
     them. The counts are independent runs, all side by side on the cores (`run_forked`): one batch, so no core
     waits for another's last run before the next."""
     modes = () if own_rules else ("op", "full")
-    calls: dict[tuple, partial] = {
-        ("flops", n): partial(_count, provider.with_layers(n), seq_len, options) for n in (1, 2)
-    }
-    for ac in modes:  # what op-level and full checkpointing recompute
-        calls |= {("recompute", ac, n): partial(_count, provider.with_layers(n), seq_len, options, ac) for n in (1, 2)}
+    calls: dict[tuple, partial] = {}
+    for ac in (None, *modes):  # the FLOPs, and what op-level and full checkpointing recompute
+        calls |= {("flops", ac, n): partial(_count, provider.with_layers(n), seq_len, options, ac) for n in (1, 2)}
     even = all(size % 2 == 0 for size in provider.tp_divisors().values())
     splits = () if own_rules else tuple(a for a in splits if a == "cp" or (a == "tp" and even))
     if splits and cfg is None:
@@ -126,14 +124,14 @@ def count_block(
     for axis in splits:  # and at one row
         calls |= {(axis, n, 1): partial(_split_traffic, provider.with_layers(n), cfg, 1, axis) for n in (1, 2)}
     counted = dict(zip(calls, run_forked([partial(_or_none, call) for call in calls.values()]), strict=True))
-    one, two = counted["flops", 1], counted["flops", 2]
+    one, two = counted["flops", None, 1], counted["flops", None, 2]
     if one is None or two is None:  # no compute floor
         return None
     per_token = [(b - a) / seq_len for a, b in zip(one, two, strict=True)]
     head_flops = one[0] / seq_len - per_token[0]
     recompute = {}
     for ac in modes:  # else none counted
-        one_ac, two_ac = counted[("recompute", ac, 1)], counted[("recompute", ac, 2)]
+        one_ac, two_ac = counted["flops", ac, 1], counted["flops", ac, 2]
         if one_ac is not None and two_ac is not None:
             recompute[ac] = max((two_ac[0] - one_ac[0]) / seq_len - per_token[0], 0.0)
     llama = isinstance(provider, LlamaProvider)  # attention as the probe counts it (see the module docstring)
