@@ -26,33 +26,7 @@ CACHE = tempfile.TemporaryDirectory(prefix="shardlab-tests-")
 os.environ["SHARDLAB_CACHE"] = CACHE.name  # what the tests measure (probes, the CPU device) is not the user's
 
 
-WORLD_IDS = "shardlab_world_ids"
-"""The key of `workerinput` naming the directory where pytest-xdist workers write their world tests' ids."""
-WORLD_IDS_DIR = tempfile.TemporaryDirectory(prefix="shardlab-world-ids-")
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """Under `-n N` with xdist's default distribution: the world tests on one worker, the rest beside them
-    (tests/_tiers.py). Another `--dist` is left to xdist."""
-    if config.getoption("dist") != "load":
-        return None
-    from _tiers import WorldsOnOneWorker
-
-    return WorldsOnOneWorker(config, log, WORLD_IDS_DIR.name)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    node.workerinput[WORLD_IDS] = WORLD_IDS_DIR.name
-
-
 def pytest_collection_modifyitems(config, items):
-    worker = getattr(config, "workerinput", {})
-    if WORLD_IDS in worker:
-        from _tiers import write_world_ids
-
-        write_world_ids(worker[WORLD_IDS], worker["workerid"], items)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
