@@ -71,7 +71,7 @@ checkpointing keep or recompute is then not counted.
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 from typing import NamedTuple
 
 import msgspec
@@ -104,6 +104,21 @@ class _Rank(NamedTuple):
     """Of its blocks, those whose forward runs again (checkpointed whole)."""
     head: bool | None
     """Whether it runs the output layer (None: not known, the split is not by blocks alone)."""
+
+
+@cache
+def _split_ranks(n_layers: int, pp: int, v: int, schedule: str | None, ac: str, k: int) -> tuple[_Rank, ...]:
+    """`Floors._ranks` of stages split evenly by blocks, as the plan splits them: the busiest pp rank (the most
+    blocks, the lowest such rank) and the one holding the last stage. Cached: a search asks once per layout, and
+    a few hundred splits serve its tens of thousands of layouts."""
+    starts = (*split_stages([1.0] * n_layers, 0.0, 0.0, pp * v), n_layers)
+    owner = stage_ranks(pp, v, schedule)
+    blocks = [[i for s, r in enumerate(owner) if r == rank for i in range(starts[s], starts[s + 1])]
+              for rank in range(pp)]  # fmt: skip
+    recomputed = [len(b) if ac == "full" else sum(i % k == 0 for i in b) if ac == "selective" else 0
+                  for b in blocks]  # fmt: skip
+    busiest = max(range(pp), key=lambda r: (len(blocks[r]), -r))
+    return tuple(_Rank(len(blocks[r]), recomputed[r], r == owner[-1]) for r in dict.fromkeys((busiest, owner[-1])))
 
 
 class Floors(Frozen):
@@ -235,26 +250,18 @@ class Floors(Frozen):
         tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
         return tokens * flops / m.tp
 
-    def _ranks(self, cfg: Config, layout: Layout) -> list[_Rank]:
+    def _ranks(self, cfg: Config, layout: Layout) -> tuple[_Rank, ...]:
         """The pp ranks whose compute the estimate prices: without a pipeline the one rank; with one whose stages split
         evenly by blocks (plan.pp_balance "blocks", no pp_split), exactly as the plan splits them, the busiest rank
         (the most blocks, the lowest such rank) and the one holding the last stage (which also runs the output
         layer); otherwise a rank of ceil(L / pp) blocks, at least the average rank's compute."""
         m = layout.mesh
         if m.pp == 1:
-            return [_Rank(self.n_layers, self._recomputed(cfg, layout), True)]
+            return (_Rank(self.n_layers, self._recomputed(cfg, layout), True),)
         if cfg.plan.pp_balance != "blocks" or cfg.plan.pp_split:
-            return [_Rank(self._held_blocks(m.pp), self._recomputed(cfg, layout), None)]
-        v = layout.pp_stages_per_rank
-        starts = (*split_stages([1.0] * self.n_layers, 0.0, 0.0, m.pp * v), self.n_layers)
-        owner = stage_ranks(m.pp, v, layout.pp_schedule)
-        blocks = [[i for s, r in enumerate(owner) if r == rank for i in range(starts[s], starts[s + 1])]
-                  for rank in range(m.pp)]  # fmt: skip
-        ac, k = layout.activation_checkpoint, cfg.plan.ac_every
-        recomputed = [len(b) if ac == "full" else sum(i % k == 0 for i in b) if ac == "selective" else 0
-                      for b in blocks]  # fmt: skip
-        busiest = max(range(m.pp), key=lambda r: (len(blocks[r]), -r))
-        return [_Rank(len(blocks[r]), recomputed[r], r == owner[-1]) for r in dict.fromkeys((busiest, owner[-1]))]
+            return (_Rank(self._held_blocks(m.pp), self._recomputed(cfg, layout), None),)
+        return _split_ranks(self.n_layers, m.pp, layout.pp_stages_per_rank, layout.pp_schedule,
+                            layout.activation_checkpoint, cfg.plan.ac_every)  # fmt: skip
 
     def fsdp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
         """Seconds per step FSDP's gathers of the held blocks' weights and reductions of their gradients take at
