@@ -14,7 +14,7 @@ from shardlab import Config, MeshSpec, ModelConfig, PlanConfig, TrainConfig
 from shardlab.estimate import estimate_memory
 from shardlab.models.llama.model import Llama
 from shardlab.models.llama.rules import llama_rules
-from shardlab.sharding.pipeline import bubble_fraction, split_stages, stage_ranks
+from shardlab.sharding.pipeline import _first_block, bubble_fraction, split_stages, stage_ranks
 from shardlab.sharding.plan import Plan, make_plan
 from shardlab.training.loop import plan_model
 
@@ -34,6 +34,18 @@ def plan_for(mesh: MeshSpec, model: ModelConfig = MODEL, **options) -> Plan:
 )
 def test_even_split_gives_the_extra_blocks_to_the_first_stages(n_blocks, n_stages, starts):
     assert split_stages([1] * n_blocks, 0, 0, n_stages) == starts
+
+
+def test_a_parameter_belongs_to_the_first_block_holding_it():
+    """Looked up by the name's prefixes, as the first block (in the blocks' order) it starts with: nested blocks,
+    a block that is a prefix of another's name but not of a dotted component, the root's parameters."""
+    blocks = ("layers.1", "layers", "layers.10", "layers.1.mlp", "head")
+    block_of = {b: i for i, b in enumerate(blocks)}
+    names = ["layers.1.mlp.w", "layers.10.w", "layers.1.w", "layers.2.w", "layers.w", "head.w", "headx.w", "w",
+             "layers.1", "layers.100.w"]  # fmt: skip
+    for name in names:
+        first = next((block_of[b] for b in blocks if name.startswith(b + ".")), None)
+        assert _first_block(name, block_of) == first, name
 
 
 def test_params_balance_gives_the_embedding_and_head_stages_fewer_blocks():

@@ -10,7 +10,7 @@ import re
 import msgspec
 import pytest
 
-from shardlab.sharding.rules import Match, Rule, Rules, glob_regex, logical_to_spec, matches, resolve
+from shardlab.sharding.rules import Match, Rule, Rules, glob_regex, logical_to_spec, matches, matching, resolve
 from shardlab.sharding.spec import P
 
 # -- glob semantics ---------------------------------------------------------------------------------------
@@ -56,6 +56,15 @@ GLOBS = [
 @pytest.mark.parametrize(("pattern", "fqn", "expected"), GLOBS)
 def test_glob(pattern: str, fqn: str, expected: bool) -> None:
     assert matches(pattern, fqn) is expected
+
+
+def test_matching_keeps_the_order_and_agrees_with_matches() -> None:
+    names = tuple(dict.fromkeys(fqn for _, fqn, _ in GLOBS))
+    for pattern in dict.fromkeys(p for p, _, _ in GLOBS):
+        assert matching(pattern, names) == tuple(n for n in names if matches(pattern, n)), pattern
+    assert matching("model.layers.*", ("model.layers.3", "model.norm", "model.layers.1")) == (
+        "model.layers.3", "model.layers.1",
+    )  # fmt: skip
 
 
 BAD_PATTERNS = ["", ".model.norm", "model.norm.", "model..norm", "."]

@@ -14,7 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from shardlab.sharding import _strided
 from shardlab.sharding.mesh import AXES, MeshSpec
-from shardlab.sharding.spec import P, block, check_shape, expand, local_shape, placements, spec_from_placements
+from shardlab.sharding.spec import P, block, check_shape, dim_of, expand, local_shape, placements, spec_from_placements
 
 
 def torch_local(global_t: torch.Tensor, spec: P, mesh: MeshSpec, coord: dict[str, int]) -> torch.Tensor:
@@ -104,6 +104,16 @@ def test_entries_normalize_like_jax():
     assert repr(P("tp", None)) == "P('tp', None)"
     with pytest.raises(TypeError, match="expected None, an axis name"):
         P(3)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [(), (None,), ("tp", None), (None, "tp"), (("tp",), None), (None, ("dp_shard", "tp")), (["tp", "cp"], None),
+     (("dp_shard",), ()), ("tpx", "tp"), (("cp", "dp_shard"), "tp", None)],
+)  # fmt: skip
+def test_dim_of_a_raw_spec_is_that_of_its_p(spec):
+    for axis in ("tp", "cp", "dp_shard", "dp_replicate"):
+        assert dim_of(spec, axis) == P(*spec).dim_of(axis), (spec, axis)
 
 
 def test_flat_views_expand():

@@ -22,7 +22,7 @@ from torch import nn
 from shardlab._base import Frozen
 from shardlab._errors import ShardlabError
 from shardlab.sharding.mesh import MeshSpec
-from shardlab.sharding.rules import Rules, matches, takes_keyword
+from shardlab.sharding.rules import Rules, matching, takes_keyword
 
 
 class ContextPlan(Frozen):
@@ -39,7 +39,8 @@ def context_plan(modules: dict[str, nn.Module], mesh: MeshSpec, rules: Rules) ->
     """The plan's context parallelism for `modules` (fqn -> module): None when mesh.cp is 1."""
     if mesh.cp == 1:
         return None
-    attention = tuple(f for f in modules if any(matches(g, f) for g in rules.attention))
+    hits = {f for g in rules.attention for f in matching(g, tuple(modules))}
+    attention = tuple(f for f in modules if f in hits)
     if not attention:
         raise ShardlabError(
             f"mesh.cp={mesh.cp} needs rules.attention to name the attention modules that take context "

@@ -12,7 +12,7 @@ from shardlab._base import Frozen
 from shardlab._errors import ShardlabError
 from shardlab.sharding.mesh import MeshSpec
 from shardlab.sharding.plan_config import PlanConfig
-from shardlab.sharding.rules import Rules, matches
+from shardlab.sharding.rules import Rules, matching
 
 
 class FsdpPlan(Frozen):
@@ -49,8 +49,9 @@ def fsdp_plan(
     if dp == 1 and options.param_dtype == "float32" and options.reduce_dtype == "float32" and not options.cpu_offload:
         return {}, None
     units: list[tuple[str, ...]] = []
+    names = tuple(modules)
     for group in rules.fsdp_units:
-        found = [[f for f in modules if matches(g, f)] for g in group]
+        found = [matching(g, names) for g in group]
         if len(group) == 1:
             units.extend((f,) for f in found[0])
         else:

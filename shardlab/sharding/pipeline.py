@@ -89,7 +89,7 @@ def pipeline_plan(
             "runs one stage; set pp_stages_per_rank=1 with pp_schedule='1f1b' or 'gpipe'"
         )
     block_of = {b: i for i, b in enumerate(blocks)}
-    owner = {n: next((block_of[b] for b in blocks if n.startswith(b + ".")), None) for n in names}
+    owner = {n: _first_block(n, block_of) for n in names}
     first_block_at = next((k for k, n in enumerate(names) if owner[n] is not None), len(names))
     order = {n: k for k, n in enumerate(names)}
 
@@ -173,6 +173,14 @@ def stage_ranks(pp: int, stages_per_rank: int, schedule: Schedule) -> tuple[int,
     if schedule in V_SHAPED:
         return tuple(s if s < pp else 2 * pp - 1 - s for s in range(n))
     return tuple(s % pp for s in range(n))
+
+
+def _first_block(name: str, block_of: dict[str, int]) -> int | None:
+    """The first of the blocks (fqn -> index) holding parameter `name` (a block is a dotted prefix of it), or None:
+    looked up by each prefix, not tried block by block (a 126-block model has a thousand names)."""
+    parts = name.split(".")
+    held = [block_of[p] for p in (".".join(parts[:k]) for k in range(1, len(parts))) if p in block_of]
+    return min(held, default=None)
 
 
 def split_stages(

@@ -26,8 +26,8 @@ from shardlab.sharding.fsdp import FsdpPlan, fsdp_plan
 from shardlab.sharding.mesh import ExpertMeshSpec, MeshSpec
 from shardlab.sharding.pipeline import ZERO_BUBBLE, PipelinePlan, pipeline_plan
 from shardlab.sharding.plan_config import PlanConfig
-from shardlab.sharding.rules import Rules, matches, resolve
-from shardlab.sharding.spec import P, Spec, check_shape, expand, local_shape, placements
+from shardlab.sharding.rules import Rules, matches, matching, resolve
+from shardlab.sharding.spec import P, Spec, check_shape, dim_of, expand, local_shape, placements
 from shardlab.sharding.tensor_parallel import ModulePlan, module_plans
 
 PLAN_VERSION = 2
@@ -73,7 +73,7 @@ class ParamPlan(Frozen):
 
     @property
     def tp_dim(self) -> int | None:
-        return P(*self.spec).dim_of("tp")
+        return dim_of(self.spec, "tp")
 
     @property
     def fsdp_dim(self) -> int:
@@ -243,7 +243,8 @@ def make_plan(
     if experts is not None:  # expert weights are sharded by apply's expert parallelism, not by a ParallelStyle
         tp_dims = {n: d for n, d in tp_dims.items() if module_of(n) not in experts.modules}
     styles = module_plans(modules, tp_dims, rules) if mesh.tp > 1 else ()
-    blocks = tuple(f for f in modules if any(matches(g, f) for g in rules.blocks))
+    in_blocks = {f for g in rules.blocks for f in matching(g, tuple(modules))}
+    blocks = tuple(f for f in modules if f in in_blocks)
     pipeline = None
     if mesh.pp > 1:
         pipeline, stage_of = pipeline_plan(
@@ -394,10 +395,11 @@ def _sharded(
 
 def _check_module_globs(modules: dict[str, nn.Module], rules: Rules) -> None:
     """Globs over modules must match at any mesh, not only at the one where they are used."""
+    names = tuple(modules)
     for i, a in enumerate(rules.activations):
-        if not any(matches(a.pattern, f) for f in modules):
+        if not matching(a.pattern, names):
             raise ShardlabError(f"rules.activations[{i}] {a.pattern!r} matched no module; fix the glob")
     for i, group in enumerate(rules.fsdp_units):
         for g in group:
-            if not any(matches(g, f) for f in modules):
+            if not matching(g, names):
                 raise ShardlabError(f"rules.fsdp_units[{i}] {g!r} matched no module; fix the glob")

@@ -64,9 +64,11 @@ class Activation(Frozen):
     sequence-parallel norm keeps a DTensor). Code that adds the output to a local tensor needs True."""
 
 
-class Rules(Frozen):
+class Rules(Frozen, cache_hash=True):
     """Everything that states a model's layout as data: parameter rules, the logical table, activations,
-    FSDP units and the blocks that activation checkpointing and compile wrap."""
+    FSDP units and the blocks that activation checkpointing and compile wrap.
+
+    Its hash is computed once: planning asks many kept questions of the same rules (`shardlab._kept`)."""
 
     params: tuple[Rule, ...]
     """Parameter rules, first match wins."""
@@ -124,6 +126,13 @@ def resolve(fqn: str, ndim: int, rules: Rules) -> Match | None:
     return Match(
         spec=tuple(spec) + (None,) * (ndim - len(spec)), rule=hits[0], shadowed=tuple(hits[1:]), fallbacks=fallbacks
     )
+
+
+@kept  # a search plans one model on hundreds of meshes, each plan matching the same globs over the same modules
+def matching(pattern: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The `names` that `pattern` matches, in order."""
+    regex = glob_regex(pattern)
+    return tuple(n for n in names if regex.fullmatch(n) is not None)
 
 
 def logical_to_spec(

@@ -49,13 +49,22 @@ class P(tuple):
 
     def dim_of(self, axis: str) -> int | None:
         """The tensor dim that `axis` splits, or None."""
-        return next((d for d in range(len(self)) if axis in self.axes(d)), None)
+        return dim_of(self, axis)
 
     def with_minor(self, dim: int, axes: tuple[str, ...]) -> P:
         """The same spec with `axes` appended (as minor) to dim `dim`, e.g. FSDP's dp_shard on dim 0."""
         entries = list(self)
         entries[dim] = self.axes(dim) + axes
         return P(*entries)
+
+
+def dim_of(spec: Sequence[Entry | Sequence[str]], axis: str) -> int | None:
+    """The dim of `spec` (a PartitionSpec's entries, normalized or not) that `axis` splits, or None: as
+    `P(*spec).dim_of(axis)` without building the P (a search asks this of every parameter of hundreds of plans)."""
+    for d, e in enumerate(spec):
+        if e is not None and (e == axis if isinstance(e, str) else axis in e):
+            return d
+    return None
 
 
 def _normalize(entry: object) -> Entry:

@@ -12,7 +12,7 @@ from shardlab._base import Frozen
 from shardlab._errors import ShardlabError
 from shardlab._kept import kept
 from shardlab.sharding.rules import Activation, Rules, logical_to_spec, matches
-from shardlab.sharding.spec import P, Spec
+from shardlab.sharding.spec import Spec, dim_of
 
 Style = Literal[
     "colwise", "rowwise", "embedding_rowwise", "embedding_colwise", "sequence_parallel", "prepare_input",
@@ -49,13 +49,17 @@ def _lower(axes: tuple[str | None, ...] | None, rules: Rules, fqn: str) -> Spec 
 
 
 def _tp_dim(spec: Spec | None) -> int | None:
-    return None if spec is None else P(*spec).dim_of("tp")
+    return None if spec is None else dim_of(spec, "tp")
 
 
 def module_plans(modules: dict[str, nn.Module], tp_dims: dict[str, int | None], rules: Rules) -> tuple[ModulePlan, ...]:
     """The TP style of every module (fqn -> module) from its parameters' tp dims (fqn -> dim, None when not
     sharded over tp) and the activation layouts the rules declare."""
     out: list[ModulePlan] = []
+    held: dict[str, dict[str, int | None]] = {}  # module -> its own parameters' tp dims, by their names in it
+    for name, dim in tp_dims.items():
+        owner, _, leaf = name.rpartition(".")
+        held.setdefault(owner, {})[leaf] = dim
     for fqn, module in modules.items():
         act = _activation(fqn, rules)
         inputs = None if act is None or act.inputs is None else tuple(_lower(x, rules, fqn) for x in act.inputs)
@@ -69,11 +73,7 @@ def module_plans(modules: dict[str, nn.Module], tp_dims: dict[str, int | None], 
         kwargs = None if act is None else _lower_kwargs(act.kwarg_inputs, rules, fqn)
         desired_kwargs = None if act is None else _lower_kwargs(act.desired_kwarg_inputs, rules, fqn)
         local = None if act is None else act.local_output
-        own = {
-            n: tp_dims[f"{fqn}.{n}" if fqn else n]
-            for n, _ in module.named_parameters(recurse=False)
-            if (f"{fqn}.{n}" if fqn else n) in tp_dims
-        }
+        own = held.get(fqn, {})
         if desired_output is not None and (output is None or not inputs or any(d is not None for d in own.values())):
             raise ShardlabError(
                 f"rules.activations: {fqn} declares desired_output, which needs its inputs and output declared too "
