@@ -319,14 +319,15 @@ class Floors(Frozen):
         if b is None or not self.bandwidth:
             return 0.0
         rank = rank or self._ranks(cfg, layout)[0]
-        tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
+        rows = cfg.train.global_batch // m.size("dp")  # over every micro batch
+        tokens = rows * cfg.train.seq_len // m.cp
         again = dict(b.recompute_memory_bytes)  # what checkpointing's recomputation adds, per block
         if layout.activation_checkpoint == "op":
             extra = rank.blocks * again.get("op", 0.0)
         else:  # blocks recomputed whole (full, selective)
             extra = rank.recomputed * again.get("full", b.memory_forward_bytes)
         moved = rank.blocks * b.memory_bytes + extra
-        if cfg.train.global_batch // m.size("dp") // layout.micro_batches > 1:  # what tp and cp add on each rank
+        if rows // layout.micro_batches > 1:  # what tp and cp add on each rank
             moved += rank.blocks * (b.tp_memory_bytes * m.tp * (m.tp > 1) + b.cp_memory_bytes * (m.cp > 1))
         else:  # at one row, what tp 2 adds shrinks as 1 / tp at most (what cp adds per token of the rank: as at 2 rows)
             moved += rank.blocks * (b.tp_one_row_memory_bytes * 2 * (m.tp > 1) + b.cp_one_row_memory_bytes * (m.cp > 1))

@@ -28,7 +28,6 @@ The model, stated so it can be argued with:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 from shardlab._base import Frozen
@@ -77,8 +76,19 @@ def _span(mesh: MeshSpec, axis: str) -> int:
         return mesh.ep * mesh.tp
     if axis == "dp_shard_mod_ep":
         return mesh.size("dp_shard_cp") * mesh.tp
-    inner = min(AXES.index(a) for a in FLAT_VIEWS.get(axis, (axis,)))
-    return math.prod(mesh.size(a) for a in AXES[inner:])
+    axes = _FROM_INNERMOST.get(axis)
+    if axes is None:
+        raise ValueError(f"{axis!r} is neither a mesh axis nor a view of axes")
+    span = 1
+    for a in axes:
+        span *= getattr(mesh, a)
+    return span
+
+
+_FROM_INNERMOST = {
+    name: AXES[min(AXES.index(a) for a in FLAT_VIEWS.get(name, (name,))) :] for name in (*AXES, *FLAT_VIEWS)
+}
+"""Per axis or view: the axes from its innermost one on (a search asks `_span` of hundreds of thousands of layouts)."""
 
 
 def collective_seconds(c: Collective, mesh: MeshSpec, dev: Device) -> float:
