@@ -185,7 +185,7 @@ def make_plan(
     if not mesh.is_resolved:
         raise ShardlabError("make_plan: the mesh has a -1 axis; call MeshSpec.resolve(world_size) first")
     modules = dict(model.named_modules())
-    params, aliases = _unique_params(model)
+    params, aliases, names = _unique_params(model)
     _check_module_globs(modules, rules)
     unit_of, fsdp = fsdp_plan(modules, params, aliases, mesh, rules, options)
     used: set[int] = set()
@@ -249,7 +249,7 @@ def make_plan(
     if mesh.pp > 1:
         pipeline, stage_of = pipeline_plan(
             [(p.fqn, p.aliases, math.prod(p.shape)) for p in out],
-            [name for name, _ in model.named_parameters(remove_duplicate=False)], blocks, mesh.pp, options.pp_schedule,
+            names, blocks, mesh.pp, options.pp_schedule,
             options.pp_stages_per_rank, options.pp_microbatches, options.pp_balance, options.pp_split, flops,
             rules.stage_call,
         )  # fmt: skip
@@ -289,17 +289,21 @@ def make_plan(
     )
 
 
-def _unique_params(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, ...]]]:
+def _unique_params(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, ...]], list[str]]:
+    """Each tensor under its first name, its other names (tied aliases), and every name in model order: one walk
+    of the model (a 126-block model has over a thousand)."""
     first: dict[int, str] = {}
     params: dict[str, torch.Tensor] = {}
     aliases: dict[str, list[str]] = {}
+    names: list[str] = []
     for fqn, t in model.named_parameters(remove_duplicate=False):
+        names.append(fqn)
         if id(t) in first:
             aliases.setdefault(first[id(t)], []).append(fqn)
         else:
             first[id(t)] = fqn
             params[fqn] = t
-    return params, {k: tuple(v) for k, v in aliases.items()}
+    return params, {k: tuple(v) for k, v in aliases.items()}, names
 
 
 def _matches_any(pattern: str, params: dict[str, torch.Tensor]) -> bool:
