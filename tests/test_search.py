@@ -7,6 +7,7 @@ import msgspec
 import pytest
 
 from shardlab import Config, MeshSpec, ModelConfig, MoEConfig, PlanConfig, TrainConfig
+from shardlab._errors import ShardlabError
 from shardlab.estimate.layouts import AC_MODES, Layout, enumerate_layouts, factorizations, recomputes_no_more
 from shardlab.sharding.mesh import AXES
 from shardlab.sharding.pipeline import V_SHAPED
@@ -127,6 +128,29 @@ def test_layouts_whose_plan_exceeds_the_memory_are_dropped_before_any_probe():
     assert found.over_memory == sum(lay.mesh == ddp for lay in layouts(c, 2, fixed=fixed)[0]) > 0
     assert all(b.layout.mesh == fsdp and b.peak <= memory for b in found.best)
     assert found.estimated < sum(lay.mesh == fsdp for lay in layouts(c, 2, fixed=fixed)[0])  # beaten ones skipped
+
+
+def test_a_memory_below_every_layouts_state_is_one_line_before_any_block_is_counted():
+    """Where even the most sharded layout's parameters, gradients and AdamW state exceed the memory, the search says
+    so at once, with the closest layout and what it needs at least, without counting a block or making a plan (a
+    user who typed MiB for GiB waits for nothing)."""
+    from shardlab.estimate.devices import device
+    from shardlab.estimate.floors import model_bytes, state_at_least
+    from shardlab.estimate.search import search
+    from shardlab.models.llama.provider import LlamaProvider
+
+    c, provider, blocks = cfg(global_batch=4), LlamaProvider(MODEL), {}
+    least = state_at_least(model_bytes(provider.meta_model()), MeshSpec(dp_shard=4))
+    message = (
+        r"^search: none of the (\d+) layouts of 4 ranks fits .* per rank \(\1 exceed it by their state and the "
+        r"activations they keep at least, 0 estimated\); the closest, .*, needs .* or more; raise --memory"
+    )
+    with pytest.raises(ShardlabError, match=message):
+        search(c, 4, provider, lambda _: None, device("h100"), least - 1, blocks=blocks)
+    assert blocks == {}  # nothing counted
+    with pytest.raises(ShardlabError, match=message):  # room for that state: the activations' floors decide
+        search(c, 4, provider, lambda _: None, device("h100"), least, fixed={"tp": 1, "cp": 1}, blocks=blocks)
+    assert blocks  # counted there
 
 
 def test_keeping_the_weights_gathered_never_needs_less_memory():

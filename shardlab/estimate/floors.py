@@ -78,7 +78,7 @@ import msgspec
 import torch
 
 from shardlab._base import Frozen
-from shardlab.config import Config
+from shardlab.config import Config, MeshSpec
 from shardlab.estimate.block_counts import Block, count_block
 from shardlab.estimate.device import Device
 from shardlab.estimate.layouts import Layout, uses_fsdp
@@ -121,6 +121,16 @@ def _split_ranks(n_layers: int, pp: int, v: int, schedule: str | None, ac: str, 
     return tuple(_Rank(len(blocks[r]), recomputed[r], r == owner[-1]) for r in dict.fromkeys((busiest, owner[-1])))
 
 
+def model_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def state_at_least(param_bytes: int, mesh: MeshSpec) -> int:
+    """Bytes of a rank's parameters, gradients and AdamW's moments at least: the model's `param_bytes` taken as fp32,
+    split at most dp_shard x cp x tp x pp ways (`Floors.memory`'s first term, known before any block is counted)."""
+    return 4 * param_bytes // (mesh.dp_shard * mesh.cp * mesh.tp * mesh.pp)
+
+
 class Floors(Frozen):
     """What every layout of one model, batch and device needs at least (`time`, `memory`)."""
 
@@ -160,7 +170,7 @@ class Floors(Frozen):
         store: where the block counts are kept between searches, with the probes (None: counted here); blocks: the
         caller's cache of this provider's block counts, filled here (as `search`'s probes: searches of one model
         share it), so that nothing is kept on the provider, which may be a user's own class."""
-        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        param_bytes = model_bytes(model)
         param_numel = sum(p.numel() for p in model.parameters())
         best, best_memory = dev.matmul_efficiency, dev.hbm_efficiency
         if dev.kernels is not None:
@@ -398,7 +408,7 @@ class Floors(Frozen):
         """Bytes at the peak of `layout` (the estimate's) at least: what its plan fixes (state and FSDP buffers,
         `estimate.search`'s `state`) and `activations`."""
         m = layout.mesh
-        state = 4 * self.param_bytes // (m.dp_shard * m.cp * m.tp * m.pp)
+        state = state_at_least(self.param_bytes, m)
         if m.pp == 1 or not uses_fsdp(cfg, m) or self.block is None:
             return state + self.activations(cfg, layout)
         held = self._held_blocks(m.pp) * self.block.params // m.tp

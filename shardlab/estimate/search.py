@@ -46,7 +46,7 @@ from shardlab._errors import ShardlabError
 from shardlab.config import Config
 from shardlab.estimate import check_fp8, estimate_memory, fsdp_buffer_bytes, probed_rank
 from shardlab.estimate.device import Device
-from shardlab.estimate.floors import Floors
+from shardlab.estimate.floors import Floors, model_bytes, state_at_least
 from shardlab.estimate.layouts import AC_MODES, Layout, enumerate_layouts, recomputes_no_more
 from shardlab.estimate.measurement import Probe
 from shardlab.estimate.probe_store import ProbeStore
@@ -107,6 +107,11 @@ def search(
             f"mesh(es) tried, none fits the model and batch; the first: {refused[0]}"
         )
     model = provider.meta_model()
+    param_bytes = model_bytes(model)
+    least = min(((state_at_least(param_bytes, s.mesh), s) for s in layouts), key=lambda n: n[0])
+    if least[0] > memory:  # every layout's state alone exceeds it: said without counting a block or making a plan
+        n = len(layouts)
+        raise ShardlabError(_nothing_fits(world, memory, n, n, 0, None, least, refused))
     flops = _stage_flops(cfg, model, provider)
     plans: dict[bytes, Plan] = {}
     runs: dict[Layout, Config] = {}
