@@ -10,7 +10,17 @@ import re
 import msgspec
 import pytest
 
-from shardlab.sharding.rules import Match, Rule, Rules, glob_regex, logical_to_spec, matches, matching, resolve
+from shardlab.sharding.rules import (
+    Match,
+    Rule,
+    Rules,
+    glob_regex,
+    logical_to_spec,
+    matches,
+    matching,
+    matching_any,
+    resolve,
+)
 from shardlab.sharding.spec import P
 
 # -- glob semantics ---------------------------------------------------------------------------------------
@@ -64,6 +74,10 @@ def test_matching_keeps_the_order_and_agrees_with_matches() -> None:
         assert matching(pattern, names) == tuple(n for n in names if matches(pattern, n)), pattern
     assert matching("model.layers.*", ("model.layers.3", "model.norm", "model.layers.1")) == (
         "model.layers.3", "model.layers.1",
+    )  # fmt: skip
+    either = ("model.layers.*", "*")  # names matched by one pattern or the other, in their own order, once each
+    assert matching_any(either, ("scale", "model.layers.3", "model.norm", "model.layers.1")) == (
+        "scale", "model.layers.3", "model.layers.1",
     )  # fmt: skip
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from shardlab._base import Frozen
 from shardlab._errors import ShardlabError
 from shardlab.sharding.mesh import MeshSpec
-from shardlab.sharding.rules import Rules, matching, takes_keyword
+from shardlab.sharding.rules import Rules, matching_any, takes_keyword
 
 
 class ContextPlan(Frozen):
@@ -39,8 +39,7 @@ def context_plan(modules: dict[str, nn.Module], mesh: MeshSpec, rules: Rules) ->
     """The plan's context parallelism for `modules` (fqn -> module): None when mesh.cp is 1."""
     if mesh.cp == 1:
         return None
-    hits = {f for g in rules.attention for f in matching(g, tuple(modules))}
-    attention = tuple(f for f in modules if f in hits)
+    attention = matching_any(rules.attention, tuple(modules))
     if not attention:
         raise ShardlabError(
             f"mesh.cp={mesh.cp} needs rules.attention to name the attention modules that take context "

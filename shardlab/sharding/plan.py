@@ -26,7 +26,7 @@ from shardlab.sharding.fsdp import FsdpPlan, fsdp_plan
 from shardlab.sharding.mesh import ExpertMeshSpec, MeshSpec
 from shardlab.sharding.pipeline import ZERO_BUBBLE, PipelinePlan, pipeline_plan
 from shardlab.sharding.plan_config import PlanConfig
-from shardlab.sharding.rules import Rules, matches, matching, resolve
+from shardlab.sharding.rules import Rules, matches, matching, matching_any, resolve
 from shardlab.sharding.spec import P, Spec, check_shape, dim_of, expand, local_shape, placements
 from shardlab.sharding.tensor_parallel import ModulePlan, module_plans
 
@@ -243,8 +243,7 @@ def make_plan(
     if experts is not None:  # expert weights are sharded by apply's expert parallelism, not by a ParallelStyle
         tp_dims = {n: d for n, d in tp_dims.items() if module_of(n) not in experts.modules}
     styles = module_plans(modules, tp_dims, rules) if mesh.tp > 1 else ()
-    in_blocks = {f for g in rules.blocks for f in matching(g, tuple(modules))}
-    blocks = tuple(f for f in modules if f in in_blocks)
+    blocks = matching_any(rules.blocks, tuple(modules))
     pipeline = None
     if mesh.pp > 1:
         pipeline, stage_of = pipeline_plan(

@@ -135,6 +135,12 @@ def matching(pattern: str, names: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(n for n in names if regex.fullmatch(n) is not None)
 
 
+def matching_any(patterns: tuple[str, ...], names: tuple[str, ...]) -> tuple[str, ...]:
+    """The `names` that one of `patterns` matches, in order."""
+    hits = {n for p in patterns for n in matching(p, names)}
+    return tuple(n for n in names if n in hits)
+
+
 def logical_to_spec(
     axes: tuple[str | None, ...], table: LogicalTable, *, name: str = "tensor"
 ) -> tuple[P, tuple[str, ...]]:
