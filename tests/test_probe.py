@@ -98,7 +98,8 @@ def test_estimate_sums_up():
     c = cfg(MeshSpec(dp_shard=2, tp=2), sequence_parallel=True, loss_parallel=True).resolve(4)
     _, plan = plan_model(c)
     e = estimate(c, plan, dev=device("h100"))
-    assert e.peak == e.memory.total + e.activations + e.fsdp_buffers
+    m, first = e.memory, e.first_grads
+    assert e.peak == m.params + m.optim + e.fsdp_buffers + max(e.activations + first, m.grads + e.block_activations)
     assert e.other_checkpointing == "full" and e.activations_other < e.activations
     assert {x.axis for x in e.collectives} == {"dp_shard", "tp"}
     t = e.time
@@ -140,6 +141,37 @@ def test_pipelines_balanced_by_flops_are_estimated():
     e = estimate(c, plan)
     assert e.micro_batches == plan.pipeline.microbatches == 2
     assert {x.axis for x in e.collectives} == {"pp"}
+
+
+@pytest.mark.parametrize("mesh", [MeshSpec(dp_shard=2, tp=2), MeshSpec(dp_shard=4)], ids=["fsdp_tp", "fsdp"])
+def test_a_forward_that_runs_without_gradients_peaks_beside_the_first_ones_alone(mesh):
+    """The step sets gradients to None after each update: one micro batch without checkpointing or a pipeline
+    peaks at the backward's start (every activation, the gradients of what lies outside the blocks) or its end
+    (every gradient, one block's activations), not with all of both. A second micro batch runs its forward beside
+    the first one's gradients, a checkpointed block rebuilds more than it kept, and a pipeline runs forwards while
+    other micro batches' gradients are held: there every gradient is beside every activation."""
+
+    def estimated(c: Config) -> tuple:
+        c = c.resolve(4)
+        plan = plan_model(c)[1]
+        return c, plan, estimate(c, plan, dev=device("h100"))
+
+    c, plan, e = estimated(cfg(mesh))
+    outside = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    assert e.first_grads == sum(p.bytes_per_rank for p in plan.params if p.fqn in outside) > 0
+    assert 0 < e.block_activations < e.activations
+    m = e.memory
+    assert m.total + e.fsdp_buffers < e.peak < m.total + e.activations + e.fsdp_buffers
+    assert e.peak == m.params + m.optim + e.fsdp_buffers + max(
+        e.activations + e.first_grads, m.grads + e.block_activations
+    )
+    two_micro = msgspec.structs.replace(
+        cfg(MeshSpec(dp_shard=2, tp=2)), train=TrainConfig(global_batch=4, seq_len=64, micro_batch=1)
+    )
+    for other in (cfg(mesh, activation_checkpoint="full"), two_micro, cfg(MeshSpec(pp=2, dp_shard=2))):
+        c, _, e = estimated(other)
+        assert e.first_grads is None and e.peak == e.memory.total + e.activations + e.fsdp_buffers, other.mesh
+    assert c.mesh.pp == 2 and two_micro.resolve(4).micro_batches == 2
 
 
 def test_without_resharding_every_fsdp_unit_stays_gathered():

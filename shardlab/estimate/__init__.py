@@ -21,6 +21,7 @@ from shardlab.config import Config
 from shardlab.estimate._fake import fake_world
 from shardlab.estimate.device import Device
 from shardlab.estimate.measurement import Probe
+from shardlab.estimate.peak import first_grad_bytes, forward_without_grads
 from shardlab.estimate.probe import probe, stage_boundary
 from shardlab.estimate.recorder import Collective, OpKind
 from shardlab.estimate.roofline import (
@@ -131,10 +132,23 @@ class Estimate(Frozen):
     time: StepTime | None
     block: Probe | None = None
     """One more block of a micro batch on the probed rank (`Measurement.middle_block`; the search's estimates)."""
+    first_grads: int | None = None
+    """Where the forward runs without gradients (`forward_without_grads`): the bytes of those the backward makes
+    before it frees any block's activations (the parameters' outside the blocks); None: every gradient is held
+    beside the activations."""
+    block_activations: int = 0
+    """What one block keeps for its backward: at most what it holds beside every gradient at the backward's end."""
 
     @property
     def peak(self) -> int:
-        return self.memory.total + self.activations + self.fsdp_buffers
+        """Bytes at the worst rank's peak. Where the forward runs without gradients, the peak is at the backward's
+        start (every activation, the first gradients) or at its end (every gradient, the last block's activations),
+        whichever is larger: between them each block's backward frees its activations and makes its gradients."""
+        m = self.memory
+        if self.first_grads is None or m.on_host:
+            return m.total + self.activations + self.fsdp_buffers
+        held = max(self.activations + self.first_grads, m.grads + self.block_activations)
+        return m.params + m.optim + self.fsdp_buffers + held
 
 
 def estimate(
@@ -272,6 +286,10 @@ def estimate_from(
         flops_per_token=fpt,
         executed_flops=micro * p.flops,
         time=time,
+        first_grads=first_grad_bytes(plan)
+        if forward_without_grads(plan.activation_checkpoint, micro, cfg.mesh.pp)
+        else None,
+        block_activations=p.block_activation_bytes,
     )
 
 

@@ -34,7 +34,13 @@ def estimate_table(e: Estimate, cfg: Config, dev: Device | None = None) -> str:
         "worst rank:",
         "memory",
         f"  {'parameters':<34}{_gib(e.memory.params)}",
-        f"  {'gradients':<34}{_gib(e.memory.grads)}",
+        f"  {'gradients':<34}{_gib(e.memory.grads)}"
+        + (
+            ""
+            if e.first_grads is None
+            else f"  (none in the forward: {e.first_grads / 2**30:.3f} GiB beside every "
+            "activation, the rest made as they are freed)"
+        ),
         f"  {'optimizer (AdamW)':<34}{_gib(e.memory.optim)}",
         *([f"  {'the three above: host memory':<34}{_gib(e.memory.host)}  (not in peak)"] if e.memory.on_host else []),
         f"  {f'activations (checkpointing {ac})':<34}{_gib(e.activations)}",

@@ -1,5 +1,4 @@
 """Floors: what a layout's estimated step time and peak memory are at least, from its shape alone (no plan, no probe).
-
 The search (`shardlab.estimate.search`) estimates layouts lowest floor first and stops where the next floor is above
 the K-th fastest layout that fits: no layout left can then enter the top K, so the ranking is the exhaustive one.
 That holds only if each floor is at most what the estimate gives, term by term:
@@ -52,7 +51,8 @@ That holds only if each floor is at most what the estimate gives, term by term:
   collectives, stretched by the pipeline's bubble as `roofline.step_time` stretches it, plus AdamW's step over at
   least the model's parameters split every way the layout shards them; pipeline sends only add.
 - memory: parameters, gradients and two AdamW moments, split at most dp_shard x cp x tp x pp ways, and under a
-  pipeline with FSDP the held blocks' unsharded weights and gradients (`fsdp_buffer_bytes`). Plus the activations
+  pipeline with FSDP the held blocks' unsharded weights and gradients (`fsdp_buffer_bytes`); the gradients or the
+  activations, the larger, where the forward runs without gradients (`peak.beside_state`). Plus the activations
   (`activations`): what a block's forward leaves alive for each row of a micro batch with the layout's checkpointing
   (none, op or full; selective checkpoints every ac_every-th block whole), counted on fake CPU tensors as the probe
   counts them, in param_dtype on one rank, and taken at 1 / (tp x cp) on the rank: each tensor the forward keeps
@@ -60,8 +60,7 @@ That holds only if each floor is at most what the estimate gives, term by term:
   least ceil(L / pp) blocks, and at its peak the activations of the micro batches its schedule keeps in flight
   (`pipeline.in_flight`, one without a pipeline). Without this term most layouts of a large model pass the memory
   floor (a 405B model's 512-rank layouts without checkpointing, at 111 s the lowest time floors, need terabytes of
-  activations) and are dropped only after a probe each.
-A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Experts route
+  activations) and are dropped only after a probe each. A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Experts route
 every token evenly there, as in the probe (shardlab's MoE: `balanced_routing`), so each rank computes its tokens' share
 of their work wherever ep puts them; FSDP's floor counts the experts apart (`Block.expert_params`). A model whose
 experts route by data (transformers' MoE layers) cannot run on meta tensors and gets no compute, FSDP or activation
@@ -82,6 +81,7 @@ from shardlab.config import Config, MeshSpec
 from shardlab.estimate.block_counts import Block, count_block
 from shardlab.estimate.device import Device
 from shardlab.estimate.layouts import Layout, uses_fsdp
+from shardlab.estimate.peak import beside_state
 from shardlab.estimate.probe_store import ProbeStore
 from shardlab.estimate.roofline import (
     ADAM_BYTES_PER_PARAM,
@@ -405,12 +405,12 @@ class Floors(Frozen):
         return (4 * blocks + 2 * recomputed) * rows * per_byte
 
     def memory(self, cfg: Config, layout: Layout) -> int:
-        """Bytes at the peak of `layout` (the estimate's) at least: what its plan fixes (state and FSDP buffers,
-        `estimate.search`'s `state`) and `activations`."""
+        """Bytes at the peak of `layout` (the estimate's) at least: what its plan fixes (state, a quarter of it
+        gradients, and FSDP buffers, `estimate.search`'s `state`) and `activations` (`peak.beside_state`)."""
         m = layout.mesh
         state = state_at_least(self.param_bytes, m)
         if m.pp == 1 or not uses_fsdp(cfg, m) or self.block is None:
-            return state + self.activations(cfg, layout)
+            return beside_state((state, state // 4), self.activations(cfg, layout), layout.forward_without_grads)
         held = self._held_blocks(m.pp) * self.block.params // m.tp
         buffers = held * (DTYPE_BYTES[cfg.plan.param_dtype] + DTYPE_BYTES[cfg.plan.reduce_dtype])
         return state + buffers + self.activations(cfg, layout)

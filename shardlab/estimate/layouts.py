@@ -17,6 +17,7 @@ import msgspec
 
 from shardlab._base import Frozen
 from shardlab.config import Config, check_tp_divisors
+from shardlab.estimate.peak import forward_without_grads
 from shardlab.sharding.mesh import AXES, MeshSpec
 from shardlab.sharding.pipeline import LOOPED, ONE_STAGE, V_SHAPED, ZERO_BUBBLE, Schedule, split_stages
 
@@ -70,6 +71,11 @@ class Layout(Frozen):
         micro_batch = None if pp or per_rank is None else per_rank // self.micro_batches
         train = msgspec.structs.replace(cfg.train, micro_batch=micro_batch)
         return msgspec.structs.replace(cfg, mesh=mesh, plan=plan, train=train)
+
+    @property
+    def forward_without_grads(self) -> bool:
+        """Whether its forward runs with no gradient held (`peak.forward_without_grads`)."""
+        return forward_without_grads(self.activation_checkpoint, self.micro_batches, self.mesh.pp)
 
     def describe(self) -> str:
         """`pp=8 x dp_shard=8 x tp=8, AC full, 32 micro batches, interleaved_1f1b x2`."""

@@ -49,6 +49,7 @@ from shardlab.estimate.device import Device
 from shardlab.estimate.floors import Floors, model_bytes, state_at_least
 from shardlab.estimate.layouts import AC_MODES, Layout, enumerate_layouts, recomputes_no_more
 from shardlab.estimate.measurement import Probe
+from shardlab.estimate.peak import beside_state
 from shardlab.estimate.probe_store import ProbeStore
 from shardlab.estimate.roofline import DP_AXES, collective_seconds, compute_seconds
 from shardlab.estimate.search_result import Candidate, Search, as_candidate, readable_bytes
@@ -138,10 +139,12 @@ def search(
             plans[key] = make_plan(model, run.mesh, rules_of(run) or provider.rules(base_plan), base_plan, flops)
         return _derived(plans[key], run)
 
-    def state(shape: Layout) -> int:
-        """Bytes the plan fixes (all but activations): the same for every checkpointing and micro batch count."""
+    def state(shape: Layout) -> tuple[int, int]:
+        """Bytes the plan fixes (all but activations), and the gradients' of them: the same for every checkpointing
+        and micro batch count."""
         plan = plan_of(run_of(shape))
-        return estimate_memory(plan).total + fsdp_buffer_bytes(plan)
+        m = estimate_memory(plan)
+        return m.total + fsdp_buffer_bytes(plan), 0 if m.on_host else m.grads
 
     splits = tuple(axis for axis in ("tp", "cp") if any(layout.mesh.size(axis) > 1 for layout in layouts))
     own_rules = rules_of(cfg) is not None
@@ -157,7 +160,7 @@ def search(
     known = _probed(measured)
     read = store.read if store is not None else 0  # probes read from the store before this search
     actions: dict[tuple, dict[int, str]] = {}  # pipeline schedule orders
-    states: dict[Layout, int | None] = {}  # per state shape (`_state_shape`): bytes the plan fixes; None: refused
+    states: dict[Layout, tuple[int, int] | None] = {}  # per `_state_shape`: bytes the plan fixes; None: refused
     estimates: dict[Layout, Candidate] = {}
     seen: dict[tuple, Probe] = {}  # per `_block_key`: one more block of a micro batch, as estimated
     bounds: set[Layout] = set()  # estimated without their last stage's rank: a lower bound on their step time
@@ -170,7 +173,7 @@ def search(
     closest: Candidate | None = None
     closest_state: tuple[int, Layout] | None = None
 
-    def fixed_bytes(layout: Layout) -> int | None:
+    def fixed_bytes(layout: Layout) -> tuple[int, int] | None:
         shape = _state_shape(layout)
         if shape not in states:
             try:
@@ -199,14 +202,14 @@ def search(
                 too_large.setdefault(_frame(layout), []).append(layout)
         return estimates[layout]
 
-    def blocks_need(layout: Layout, key: tuple, fixed_by_plan: int) -> int:
+    def blocks_need(layout: Layout, key: tuple, fixed_by_plan: tuple[int, int]) -> int:
         """The bytes `layout` needs at least by the blocks seen (`kept_at_least`; 0: none bounds it)."""
         kept = kept_at_least(seen, key)
         if not kept:
             return 0
         plan = plan_of(run_of(layout))
         first = floors[layout.fp8].micro_batch_activations(choices[layout.fp8], layout)
-        return fixed_by_plan + in_flight_activations(plan, first, kept)
+        return beside_state(fixed_by_plan, in_flight_activations(plan, first, kept), layout.forward_without_grads)
 
     def probe_block(layout: Layout, key: tuple) -> None:
         """Probe a block of pipelined `layout`'s local shapes (`_block_key`) without its pipeline, as the twin of the
@@ -244,7 +247,10 @@ def search(
             if fixed_by_plan is None:
                 continue
             key = _block_key(layout, cfg)
-            need = max(fixed_by_plan + floor.activations(chosen, layout), blocks_need(layout, key, fixed_by_plan))
+            need = max(
+                beside_state(fixed_by_plan, floor.activations(chosen, layout), layout.forward_without_grads),
+                blocks_need(layout, key, fixed_by_plan),
+            )
             if layout.mesh.pp > 1 and key not in seen and memory / 2 < need <= memory:
                 probe_block(layout, key)
                 need = max(need, blocks_need(layout, key, fixed_by_plan))
