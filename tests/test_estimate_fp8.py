@@ -61,6 +61,44 @@ def test_the_probe_runs_float8_matmuls_and_gathers_float8_weights():
     assert _gathers(rowwise) == _gathers(bf16)
 
 
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_compiled_a_float8_cast_reads_its_source_twice_and_writes_its_result_once(rowwise):
+    """torch.compile fuses each of torchao's casts into two passes over the source (its amax; the scaled, clamped
+    cast), writing only the amax and the float8 result: a recorder counting compiled casts counts exactly that, a
+    recorder counting eager ones counts each op's own pass (fp32 intermediates read and written: over 5x as much)."""
+    import torch
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    from shardlab.estimate.recorder import Recorder
+
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    granularity = ScalingGranularity.AXISWISE if rowwise else ScalingGranularity.TENSORWISE
+    moved = {}
+    for fused in (True, False):
+        recorder = Recorder({}, fused_casts=fused)
+        with recorder:
+            hp_tensor_to_float8_dynamic(x, torch.float8_e4m3fn, LinearMMConfig(), scaling_granularity=granularity,
+                                        axiswise_dim=-1 if rowwise else None)  # fmt: skip
+        moved[fused] = sum(m * n for (f, m, kind), n in recorder.ops.items() if kind == "memory")
+    assert moved[True] == 2 * x.nbytes + x.numel()
+    assert moved[False] > 5 * moved[True]
+
+
+def test_a_compiled_fp8_step_counts_its_casts_fused_and_nothing_else_changes():
+    """Under plan.compile the probe counts FP8's casts as compiled blocks run them: less traffic than eager, the same
+    FLOPs, matmuls and collectives; a bf16 plan's probe is the same compiled or not (only the casts are fused)."""
+    compiled = lambda fp8: probe(msgspec.structs.replace(  # noqa: E731
+        cfg(fp8), plan=msgspec.structs.replace(cfg(fp8).plan, compile=True)))  # fmt: skip
+    eager, fused = probed("tensorwise"), compiled("tensorwise")
+    memory = lambda p: sum(m * n for _, m, n, kind in p.ops if kind == "memory")  # noqa: E731
+    assert memory(probed("none")) < memory(fused) < memory(eager) / 2
+    assert fused.flops == eager.flops and fused.collectives == eager.collectives
+    assert [op for op in fused.ops if op[3] != "memory"] == [op for op in eager.ops if op[3] != "memory"]
+    assert compiled("none").ops == probed("none").ops
+
+
 def test_float8_matmuls_are_priced_at_the_fp8_peak():
     """With the bytes free (bandwidth without limit), the matmuls' seconds fall by exactly what the linears' FLOPs
     take at 989 rather than 1979 TFLOP/s (the flat efficiency of both); attention stays at the bf16 peak."""
@@ -91,14 +129,16 @@ def test_an_fp8_estimate_gathers_a_byte_per_fp8_weight_and_a100_refuses_it():
 
 
 @pytest.mark.world  # whole searches, probes forked side by side: the full suite's tier
-def test_a_search_keeps_a_pinned_fp8_recipe_and_its_floors_stay_below_its_estimates():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_search_keeps_a_pinned_fp8_recipe_and_its_floors_stay_below_its_estimates(compiled):
     """plan.fp8 is a field of the recipe's plan: every candidate keeps it, and the pick written as a recipe runs it.
-    The floors (at the FP8 peak, float8 gathers) never prune a layout the exhaustive search would have ranked."""
+    The floors (at the FP8 peak, float8 gathers, compiled casts fused as the estimate counts them) never prune a
+    layout the exhaustive search would have ranked."""
     from shardlab.estimate.search import search
     from shardlab.estimate.search_report import layout_recipe
     from shardlab.models.llama.provider import LlamaProvider
 
-    c = Config(model=MODEL, plan=PlanConfig(fp8="tensorwise", param_dtype="bfloat16"),
+    c = Config(model=MODEL, plan=PlanConfig(fp8="tensorwise", param_dtype="bfloat16", compile=compiled),
                train=TrainConfig(global_batch=4, seq_len=64))  # fmt: skip
     fixed = {"pp": 1, "cp": 1, "tp": 1, "dp_replicate": 1}
     provider, dev, probes, blocks = LlamaProvider(MODEL), device("h100"), {}, {}

@@ -253,7 +253,7 @@ def _memory_bytes(
     fused attention) with the parameters in param_dtype, its blocks checkpointed as `ac` says (None: not); and the
     bytes its forward leaves alive."""
     model = _model(provider, options, ac)
-    recorder, forward = Recorder({}), {}
+    recorder, forward = Recorder({}, fused_casts=options.compile and options.fp8 != "none"), {}
 
     def after_forward() -> None:
         forward.update(moved=_moved(recorder), alive=recorder.live_bytes(param_storages(model)))

@@ -72,6 +72,7 @@ def _probe_layers(
     recorder = Recorder(
         axis_names(mesh, built.experts),
         1 / (e.ep * (plan.mesh.tp if e.tensor_parallel else 1)) if e and e.stacked else 1,
+        fused_casts=plan.compile and plan.fp8 is not None,
     )
     with fake_tensors():
         model.to_empty(device="cpu")

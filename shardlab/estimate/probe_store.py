@@ -34,8 +34,8 @@ from shardlab.estimate.measurement import Measurement
 from shardlab.models.provider import ModelProvider
 from shardlab.sharding.rules import Rules
 
-FORMAT = 1
-"""Bumped when what an entry holds changes shape."""
+FORMAT = 2
+"""Bumped when what an entry holds changes shape or meaning (2: compiled FP8 casts counted fused)."""
 UNREADABLE = (OSError, EOFError, zlib.error, pickle.UnpicklingError, ValueError, TypeError, AttributeError)
 """What reading a missing, damaged or foreign entry raises: it is measured again."""
 
