@@ -15,6 +15,7 @@ FOLDERS = [
     "_version",
     "_faults",
     "_process",
+    "_quiet",
     "sharding",
     "config",
     "data",
@@ -25,7 +26,7 @@ FOLDERS = [
     "estimate",
     "cli",
 ]
-"""shardlab's folders (and its private foundation modules: errors, structs, globs, kept answers, the version, fault points, processes) in the order of the flow."""
+"""shardlab's folders (and its private foundation modules: errors, structs, globs, kept answers, the version, fault points, processes, quiet imports) in the order of the flow."""
 TOP = {"__init__", "__main__"}
 """The public API and `python -m shardlab`: they may import anything."""
 PACKAGE = Path(__file__).resolve().parents[1] / "shardlab"

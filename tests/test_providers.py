@@ -65,6 +65,19 @@ def test_the_config_names_the_provider(qwen3_dir):
     assert (p.n_layers, p.vocab_size, p.dim) == (3, 512, 64)
 
 
+def test_transformers_model_classes_import_torchao_without_a_word():
+    """transformers' model classes import torchao where it is installed, whose import logs warnings about torch's
+    pytree registry and its CPU build: shardlab imports them quietly, so an estimate or a run prints none of it."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    code = ("import sys; from shardlab.models.transformers.provider import _transformers; _transformers(); "
+            "assert 'torchao' in sys.modules")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+
+
 def test_llama_fields_beside_hf_path_are_refused():
     with pytest.raises(ValueError, match=r"model.dim is set but model.hf_path is too.*drop --model.dim"):
         ModelConfig(hf_path="somewhere", dim=512)

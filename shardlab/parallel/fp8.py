@@ -8,7 +8,6 @@ torchao is an optional extra (`shardlab[fp8]`), imported here only.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
 from collections.abc import Collection
 from types import ModuleType
@@ -21,26 +20,17 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from shardlab._errors import ShardlabError
+from shardlab._quiet import quiet_imports
 from shardlab.sharding.fp8 import Fp8Plan
-
-_IMPORT_CHATTER = ("torchao", "torch.utils._pytree")
-"""Loggers that warn while torchao is imported: about its CUDA kernels on a CPU build, and about torch's pytree
-registration of its enums. Neither concerns a run."""
 
 
 def torchao_float8() -> ModuleType:
     """torchao's float8 package (imported quietly), or one line saying how to install it."""
-    loggers = [logging.getLogger(name) for name in _IMPORT_CHATTER]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
     try:
-        import torchao.float8 as float8
+        with quiet_imports():
+            import torchao.float8 as float8
     except ImportError:
         raise ShardlabError("plan.fp8 needs torchao: pip install 'shardlab[fp8]' (or set plan.fp8='none')") from None
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
     return float8
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from shardlab._errors import ShardlabError
+from shardlab._quiet import quiet_imports
 from shardlab.config import PlanConfig
 from shardlab.models.flops import flops_per_token
 from shardlab.models.hf_dir import has_weights
@@ -48,8 +49,11 @@ NOT_IDENTITY = (
 
 
 def _transformers() -> Any:
+    """transformers, its model classes imported quietly (they import torchao where it is installed)."""
     try:
-        import transformers
+        with quiet_imports():
+            import transformers
+            import transformers.modeling_utils
     except ImportError:
         raise ShardlabError("model.hf_path needs the transformers package: pip install 'shardlab[hf]'") from None
     return transformers
