@@ -143,20 +143,21 @@ def test_pipelines_balanced_by_flops_are_estimated():
     assert {x.axis for x in e.collectives} == {"pp"}
 
 
-@pytest.mark.parametrize("mesh", [MeshSpec(dp_shard=2, tp=2), MeshSpec(dp_shard=4)], ids=["fsdp_tp", "fsdp"])
-def test_a_forward_that_runs_without_gradients_peaks_beside_the_first_ones_alone(mesh):
+def test_a_forward_that_runs_without_gradients_peaks_beside_the_first_ones_alone():
     """The step sets gradients to None after each update: one micro batch without checkpointing or a pipeline
     peaks at the backward's start (every activation, the gradients of what lies outside the blocks) or its end
     (every gradient, one block's activations), not with all of both. A second micro batch runs its forward beside
     the first one's gradients, a checkpointed block rebuilds more than it kept, and a pipeline runs forwards while
     other micro batches' gradients are held: there every gradient is beside every activation."""
+    fsdp_tp = MeshSpec(dp_shard=2, tp=2)
 
-    def estimated(c: Config) -> tuple:
-        c = c.resolve(4)
-        plan = plan_model(c)[1]
-        return c, plan, estimate(c, plan, dev=device("h100"))
+    def estimated(mesh: MeshSpec = fsdp_tp, micro_batch: int | None = None, **plan) -> tuple:
+        c = cfg(mesh, n_layers=2, **plan)
+        c = msgspec.structs.replace(c, train=msgspec.structs.replace(c.train, micro_batch=micro_batch)).resolve(4)
+        planned = plan_model(c)[1]
+        return c, planned, estimate(c, planned, dev=device("h100"), compare_checkpointing=False)
 
-    c, plan, e = estimated(cfg(mesh))
+    c, plan, e = estimated()
     outside = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     assert e.first_grads == sum(p.bytes_per_rank for p in plan.params if p.fqn in outside) > 0
     assert 0 < e.block_activations < e.activations
@@ -165,13 +166,11 @@ def test_a_forward_that_runs_without_gradients_peaks_beside_the_first_ones_alone
     assert e.peak == m.params + m.optim + e.fsdp_buffers + max(
         e.activations + e.first_grads, m.grads + e.block_activations
     )
-    two_micro = msgspec.structs.replace(
-        cfg(MeshSpec(dp_shard=2, tp=2)), train=TrainConfig(global_batch=4, seq_len=64, micro_batch=1)
-    )
-    for other in (cfg(mesh, activation_checkpoint="full"), two_micro, cfg(MeshSpec(pp=2, dp_shard=2))):
-        c, _, e = estimated(other)
-        assert e.first_grads is None and e.peak == e.memory.total + e.activations + e.fsdp_buffers, other.mesh
-    assert c.mesh.pp == 2 and two_micro.resolve(4).micro_batches == 2
+    others = [dict(activation_checkpoint="full"), dict(micro_batch=1), dict(mesh=MeshSpec(pp=2, dp_shard=2))]
+    for other in others:
+        c, _, e = estimated(**other)
+        assert e.first_grads is None and e.peak == e.memory.total + e.activations + e.fsdp_buffers, other
+        assert c.micro_batches == (1 if "activation_checkpoint" in other else 2)
 
 
 def test_without_resharding_every_fsdp_unit_stays_gathered():
