@@ -1,33 +1,33 @@
 """Floors: what a layout's estimated step time and peak memory are at least, from its shape alone (no plan, no probe).
+
 The search (`shardlab.estimate.search`) estimates layouts lowest floor first and stops where the next floor is above
 the K-th fastest layout that fits: no layout left can then enter the top K, so the ranking is the exhaustive one.
 That holds only if each floor is at most what the estimate gives, term by term:
-- compute: the blocks' matmul FLOPs (forward and backward; the forward again under full checkpointing up to the
-  last tensor the backward needs, where torch's checkpoint stops, in every ac_every-th block under selective, every
-  other matmul of a block under op-level checkpointing), each rank's share being 1 / (tp x cp) of them, at the
-  device's best matmul rate (its FP8 peak under plan.fp8, and FSDP's gathers at a byte per weight under tensorwise
-  FP8), and the output layer's where the rank runs it. With a pipeline the estimate prices the busiest pp rank and
-  the one holding the last stage: where the stages split by blocks (the default), both as the plan splits them (a
-  V-shaped schedule puts the output layer on the first rank, beside the first stage), else a rank of at least
-  ceil(L / pp) blocks and one computing at least the average. Plus the traffic of the ops without FLOPs (norms,
-  activations, residual adds, rotary, copies, the loss), each its own kernel in eager PyTorch and priced by its
-  bytes at the device's best bandwidth: counted per row of a micro batch (what grows with the rows; what does
-  not is dropped) on fake CPU tensors as the probe runs them (`step.forward_backward`), on one rank with the
-  parameters in param_dtype (as FSDP's mixed precision computes), with the blocks checkpointed as the layout's (op
-  or full; a recomputed block under selective as under full), and taken at 1 / (tp x cp) on the rank. Each such
-  op of one rank has its counterpart on every layout's rank, on its share of the tokens, heads or hidden units; a
-  layout's own ops (casts, redistributions) only add. Two of them are counted: what tp and cp add on a rank, counted
-  once at size 2 with 2 and 3 rows for every layout of 2 rows or more (`Block.tp_memory_bytes`,
-  `Block.cp_memory_bytes`) and with one row for those of one (tp's taken to shrink as 1 / tp there), and FSDP's
-  copies of the blocks' weights out of the gathered buffer and of their gradients into the reduced one, once per micro
-  batch (per step with a pipeline); and the adds accumulating the micro batches' gradients, as the estimate counts
-  them (under a pipeline with FSDP each held block's unsharded gradients, added in reduce_dtype at every micro batch
-  after the first: for 405B on 4,096 ranks over 256 micro batches a fifth of a pipeline rank's step). For
-  shardlab's Llama, attention too: the probe counts SDPA's causal kernel as half the square and its backward as 2.5
-  forwards, where the meta model's math kernel computes the whole square and 2 (a masked one, as under cp, as the
-  whole square), so the forward at half of the math kernel's FLOPs and forward and backward at 7/12 (twice that
-  under CP, whose attention masks by position: the probe counts the whole square); other models' attention kernels
-  may be ones the probe does not count.
+- compute: the blocks' matmul FLOPs (forward and backward; the forward again under full checkpointing up to the last
+  tensor the backward needs, where torch's checkpoint stops, in every ac_every-th block under selective, every other
+  matmul of a block under op-level checkpointing), each rank's share being 1 / (tp x cp) of them, at the device's best
+  matmul rate (its FP8 peak under plan.fp8, and FSDP's gathers at a byte per weight under tensorwise FP8), and the
+  output layer's where the rank runs it. With a pipeline the estimate prices the busiest pp rank and the one holding
+  the last stage: where the stages split by blocks (the default), both as the plan splits them (a V-shaped schedule
+  puts the output layer on the first rank, beside the first stage), else a rank of at least ceil(L / pp) blocks and
+  one computing at least the average. Plus the traffic of the ops without FLOPs (norms, activations, residual adds,
+  rotary, copies, the loss), each its own kernel in eager PyTorch and priced by its bytes at the device's best
+  bandwidth: counted per row of a micro batch (what grows with the rows; what does not is dropped) on fake CPU tensors
+  as the probe runs them (`step.forward_backward`), on one rank with the parameters in param_dtype (as FSDP's mixed
+  precision computes), with the blocks checkpointed as the layout's (op or full; a recomputed block under selective as
+  under full), and taken at 1 / (tp x cp) on the rank. Each such op of one rank has its counterpart on every layout's
+  rank, on its share of the tokens, heads or hidden units; a layout's own ops (casts, redistributions) only add. Two
+  of them are counted: what tp and cp add on a rank, counted once at size 2 with 2 and 3 rows for every layout of 2
+  rows or more (`Block.tp_memory_bytes`, `Block.cp_memory_bytes`) and with one row for those of one (tp's taken to
+  shrink as 1 / tp there), and FSDP's copies of the blocks' weights out of the gathered buffer and of their gradients
+  into the reduced one, once per micro batch (per step with a pipeline); and the adds accumulating the micro batches'
+  gradients, as the estimate counts them (under a pipeline with FSDP each held block's unsharded gradients, added in
+  reduce_dtype at every micro batch after the first: for 405B on 4,096 ranks over 256 micro batches a fifth of a
+  pipeline rank's step). For shardlab's Llama, attention too: the probe counts SDPA's causal kernel as half the square
+  and its backward as 2.5 forwards, where the meta model's math kernel computes the whole square and 2 (a masked one,
+  as under cp, as the whole square), so the forward at half of the math kernel's FLOPs and forward and backward at
+  7/12 (twice that under CP, whose attention masks by position: the probe counts the whole square); other models'
+  attention kernels may be ones the probe does not count.
 - TP, for shardlab's Llama laid out by its own rules: each block's attention and MLP end in a projection sharded
   over its input dim, whose partial outputs tp reduces in the forward, and begin with ones sharded over their
   output dim, whose input gradients it reduces in the backward: at least 4 collectives of the rank's tokens x dim
@@ -50,23 +50,23 @@ That holds only if each floor is at most what the estimate gives, term by term:
   The step is at least the larger of compute and FSDP (the roofline overlaps them) plus TP's, CP's and EP's
   collectives, stretched by the pipeline's bubble as `roofline.step_time` stretches it, plus AdamW's step over at
   least the model's parameters split every way the layout shards them; pipeline sends only add.
-- memory: parameters, gradients and two AdamW moments, split at most dp_shard x cp x tp x pp ways, and under a
-  pipeline with FSDP the held blocks' unsharded weights and gradients (`fsdp_buffer_bytes`); the gradients or the
-  activations, the larger, where the forward runs without gradients (`peak.beside_state`). Plus the activations
-  (`activations`): what a block's forward leaves alive for each row of a micro batch with the layout's checkpointing
-  (none, op or full; selective checkpoints every ac_every-th block whole), counted on fake CPU tensors as the probe
-  counts them, in param_dtype on one rank, and taken at 1 / (tp x cp) on the rank: each tensor the forward keeps
-  there is its counterpart's share of the tokens, heads or hidden units, or whole. The busiest pp rank holds at
-  least ceil(L / pp) blocks, and at its peak the activations of the micro batches its schedule keeps in flight
-  (`pipeline.in_flight`, one without a pipeline). Without this term most layouts of a large model pass the memory
-  floor (a 405B model's 512-rank layouts without checkpointing, at 111 s the lowest time floors, need terabytes of
-  activations) and are dropped only after a probe each. A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Experts route
+- memory: parameters, gradients (or activations, if larger, where the forward runs without gradients:
+  `peak.beside_state`) and two AdamW moments, split at most dp_shard x cp x tp x pp ways, and under a pipeline with
+  FSDP the held blocks' unsharded weights and gradients (`fsdp_buffer_bytes`). Plus the activations (`activations`):
+  what a block's forward leaves alive for each row of a micro batch with the layout's checkpointing (none, op or full;
+  selective checkpoints every ac_every-th block whole), counted on fake CPU tensors as the probe counts them, in
+  param_dtype on one rank, and taken at 1 / (tp x cp) on the rank: each tensor the forward keeps there is its
+  counterpart's share of the tokens, heads or hidden units, or whole. The busiest pp rank holds at least ceil(L / pp)
+  blocks, and at its peak the activations of the micro batches its schedule keeps in flight (`pipeline.in_flight`, one
+  without a pipeline). Without this term most layouts of a large model pass the memory floor (a 405B model's 512-rank
+  layouts without checkpointing, at 111 s the lowest time floors, need terabytes of activations) and are dropped only
+  after a probe each.
+A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Experts route
 every token evenly there, as in the probe (shardlab's MoE: `balanced_routing`), so each rank computes its tokens' share
 of their work wherever ep puts them; FSDP's floor counts the experts apart (`Block.expert_params`). A model whose
 experts route by data (transformers' MoE layers) cannot run on meta tensors and gets no compute, FSDP or activation
-floor. A recipe's own rules may checkpoint other modules than the model's blocks: what op-level and full
-checkpointing keep or recompute is then not counted.
-"""
+floor. A recipe's own rules may checkpoint other modules than the model's blocks: what op-level and full checkpointing
+keep or recompute is then not counted."""
 
 from __future__ import annotations
 
