@@ -173,3 +173,16 @@ def test_a_gpu_without_float8_is_refused_before_anything_is_built(monkeypatch):
     check_init(tiny(), torch.device("cuda", 0))  # without FP8: no question asked
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _: (9, 0))
     check_init(tiny(fp8="tensorwise"), torch.device("cuda", 0))
+
+
+def test_eager_fp8_on_a_gpu_gets_a_line_saying_to_compile():
+    """FP8 without plan.compile is slower than bf16 on a GPU (its casts run as separate kernels): a run says so in
+    one line, naming the flag. Compiled, on the CPU, or without FP8: nothing."""
+    from shardlab.training.loop import eager_fp8_note
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    note = eager_fp8_note(tiny(fp8="tensorwise"), cuda)
+    assert note is not None and "plan.fp8='tensorwise' without plan.compile" in note and note.endswith("--plan.compile")
+    assert "\n" not in note
+    for cfg, device in ((tiny(fp8="tensorwise", compile=True), cuda), (tiny(fp8="rowwise"), cpu), (tiny(), cuda)):
+        assert eager_fp8_note(cfg, device) is None

@@ -112,7 +112,7 @@ def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
     cfg = cfg.resolve(world)
     from shardlab.models import provider_for
     from shardlab.models.provider import check_layout
-    from shardlab.training.loop import plan_model
+    from shardlab.training.loop import eager_fp8_note, plan_model
 
     provider = provider_for(cfg, recipe.model(cfg))
     check_layout(cfg, provider)
@@ -135,6 +135,8 @@ def _run(command: str, recipe_path: str | None, args: list[str]) -> int:
     _check_run(cfg)
     max_restarts = flags.max_restarts
     started_here = ERROR_FILE_ENV in os.environ or RAY_RANK_ENV in os.environ  # a rank `relaunch` or Ray started
+    if rank == 0 and not started_here and (note := eager_fp8_note(cfg)):
+        print(note, file=sys.stderr, flush=True)
     if flags.launcher == "ray" and launched and rank == 0 and not started_here:
         print(
             "shardlab: --launcher ray is ignored: an outside launcher (torchrun, srun) started this process",
