@@ -65,6 +65,7 @@ def test_the_config_names_the_provider(qwen3_dir):
     assert (p.n_layers, p.vocab_size, p.dim) == (3, 512, 64)
 
 
+@pytest.mark.world  # a fresh interpreter importing torch and transformers: the full suite's tier
 def test_transformers_model_classes_import_torchao_without_a_word():
     """transformers' model classes import torchao where it is installed, whose import logs warnings about torch's
     pytree registry and its CPU build: shardlab imports them quietly, so an estimate or a run prints none of it."""
