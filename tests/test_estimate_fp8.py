@@ -86,6 +86,24 @@ def test_compiled_a_float8_cast_reads_its_source_twice_and_writes_its_result_onc
     assert moved[False] > 5 * moved[True]
 
 
+def test_compiled_a_float8_linear_moves_its_casts_fused_and_its_bias_add_whole():
+    """torchao's Float8Linear (bias on) compiled: its input's and weight's casts, two passes over each source writing
+    a byte per element, and its bias add as eager runs it (reads the output and the bias, writes the output)."""
+    import torch
+    from torchao.float8 import convert_to_float8_training
+
+    from shardlab.estimate.recorder import Recorder
+
+    linear = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(128, 256).to(torch.bfloat16)))[0]
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    recorder = Recorder({}, fused_casts=True)
+    with recorder:
+        out = linear(x)
+    casts = sum(2 * t.nbytes + t.numel() for t in (x, linear.weight))
+    moved = sum(m * n for (f, m, kind), n in recorder.ops.items() if kind == "memory")
+    assert moved == casts + 2 * out.nbytes + linear.bias.nbytes
+
+
 def test_a_compiled_fp8_step_counts_its_casts_fused_and_nothing_else_changes():
     """Under plan.compile the probe counts FP8's casts as compiled blocks run them: less traffic than eager, the same
     FLOPs, matmuls and collectives; a bf16 plan's probe is the same compiled or not (only the casts are fused)."""

@@ -188,7 +188,7 @@ class Recorder(TorchDispatchMode):
             "attention" if packet in ATTENTION else "fp8_matmul" if flops and float8 else
             "matmul" if flops else "memory"
         )  # fmt: skip
-        if self.fused_casts and op_kind == "memory" and not float8 and _in_float8_code():
+        if self.fused_casts and op_kind == "memory" and not float8 and _in_float8_cast():
             fused = self._fused_cast(packet, inputs, outputs)
             if fused is None:
                 return out
@@ -278,15 +278,18 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
             yield leaf
 
 
-FLOAT8_CODE = os.path.join("torchao", "float8", "")
-"""Where torchao's float8 training code lives (its casts; imported only where plan.fp8 asks for it)."""
+FLOAT8_CASTS = tuple(
+    os.path.join("torchao", "float8", name) for name in ("float8_scaling_utils.py", "float8_utils.py",
+                                                          "float8_training_tensor.py")
+)  # fmt: skip
+"""torchao's files holding its float8 casts (amax, scale, the scaled cast); not its linear's own ops (a bias add)."""
 
 
-def _in_float8_code() -> bool:
-    """Whether torchao's float8 code dispatched the op under way (one of its casts, or its matmul's own ops)."""
+def _in_float8_cast() -> bool:
+    """Whether one of torchao's float8 casts dispatched the op under way."""
     frame = sys._getframe(2)
     while frame is not None:
-        if FLOAT8_CODE in frame.f_code.co_filename:
+        if frame.f_code.co_filename.endswith(FLOAT8_CASTS):
             return True
         frame = frame.f_back
     return False
