@@ -208,9 +208,12 @@ class Recorder(TorchDispatchMode):
         if any(t.dtype in FLOAT8 for t in outputs):  # the cast's result: the second pass
             read, self._cast_source = self._cast_source, None
             return (source if read is None else read) + sum(t.nbytes for t in outputs)
-        if self._cast_source is None and source:
-            self._cast_source = source  # the first op reading the whole source: what each pass reads
-        return source if packet is aten.abs else None
+        if packet is aten.abs:  # a cast's amax pass: what each of its passes reads
+            self._cast_source = source
+            return source
+        if self._cast_source is None and source:  # a cast by a scale given (no amax): its first op reads the source
+            self._cast_source = source
+        return None
 
     def begin(self) -> None:
         """The ops from here on are one of identical iterations (`training.loss.chunks_counted_by`)."""
