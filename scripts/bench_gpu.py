@@ -3,6 +3,9 @@
     python scripts/bench_gpu.py                       # recipes/llama3_1b.py, 30 steps, eager then compiled
     python scripts/bench_gpu.py --steps 50 --variants compile --seq-len 4096 --global-batch 2
     python scripts/bench_gpu.py --fp8 tensorwise      # the same in FP8 (torchao; compute capability >= 8.9)
+    python scripts/bench_gpu.py --recipe recipes/hf_causal_lm.py --variants compile -- --model.hf-path DIR \
+        --model.from-scratch --mesh.dp-shard 1 --mesh.tp 1 --plan.no-sequence-parallel --plan.no-loss-parallel
+                                                      # a transformers model's shape; after --: the recipe's flags
 
 Each variant is one `python -m shardlab` run of the recipe (the real CLI: plan, apply, step, metrics).
 Reported per variant: median tokens/s and step time over the steps after `--warmup` (compile happens in the
@@ -26,7 +29,7 @@ def run(variant: str, args: argparse.Namespace) -> dict:
     _, rows = run_shardlab(args.recipe, [
         *VARIANTS[variant], "--train.steps", str(args.steps), "--train.seq-len", str(args.seq_len),
         "--train.global-batch", str(args.global_batch), "--plan.activation-checkpoint", args.ac, "--log.every", "1",
-        "--checkpoint.resume", "none", "--plan.fp8", args.fp8,
+        "--checkpoint.resume", "none", "--plan.fp8", args.fp8, *args.flags,
     ])  # fmt: skip
     timed = [r for r in rows if r["step"] > args.warmup]
     if not timed:
@@ -55,6 +58,7 @@ def main() -> None:
     parser.add_argument("--fp8", default="none", choices=["none", "tensorwise", "rowwise", "rowwise_with_gw_hp"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", type=Path, help="also write the rows here as JSON")
+    parser.add_argument("flags", nargs="*", help="after --: more flags for every run (the recipe's own, e.g. a model)")
     args = parser.parse_args()
     import torch
 
