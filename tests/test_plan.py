@@ -333,12 +333,17 @@ FSDP = [
     (
         MeshSpec(dp_replicate=2, dp_shard=2),
         PlanConfig(),
-        FsdpPlan(axes=("dp_replicate", "dp_shard"), units=UNITS, reshard_after_forward=True, param_dtype="float32", reduce_dtype="float32", cpu_offload=False, last_kept=True, resharding="default"),
+        FsdpPlan(axes=("dp_replicate", "dp_shard"), units=UNITS, reshard_after_forward=True, param_dtype="float32", reduce_dtype="float32", cpu_offload=False, last_kept=True, resharding="default", all_reduce_once=True),
+    ),
+    (  # micro batches summed in bf16 would round where fp32 gradients did not: each all-reduces
+        MeshSpec(dp_replicate=2, dp_shard=2),
+        PlanConfig(param_dtype="bfloat16", reduce_dtype="bfloat16"),
+        FsdpPlan(axes=("dp_replicate", "dp_shard"), units=UNITS, reshard_after_forward=True, param_dtype="bfloat16", reduce_dtype="bfloat16", cpu_offload=False, last_kept=True, resharding="default"),
     ),
     (  # pure replication (DDP-like) is HSDP with a size-1 shard axis: nothing to free after forward
         MeshSpec(dp_replicate=2, dp_shard=1),
         PlanConfig(),
-        FsdpPlan(axes=("dp_replicate", "dp_shard"), units=UNITS, reshard_after_forward=False, param_dtype="float32", reduce_dtype="float32", cpu_offload=False, last_kept=True, resharding="one shard: nothing to free"),
+        FsdpPlan(axes=("dp_replicate", "dp_shard"), units=UNITS, reshard_after_forward=False, param_dtype="float32", reduce_dtype="float32", cpu_offload=False, last_kept=True, resharding="one shard: nothing to free", all_reduce_once=True),
     ),
     (  # one rank with mixed precision still needs fully_shard (for MixedPrecisionPolicy), which keeps its gathers
         MeshSpec(dp_shard=1),

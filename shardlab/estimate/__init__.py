@@ -166,6 +166,8 @@ def estimate(
     shape, the number of micro batches at the same rows) probe once; compare_checkpointing=False skips the forward
     with the other checkpointing choice (activations_other is then the layout's own activations).
 
+    Without a pipeline, every collective and op the probe's micro batch ran runs in each of the m micro batches,
+    but HSDP's all-reduce of the gradients over the replicas, which the step runs once (`FsdpPlan.all_reduce_once`).
     A pipelined layout is probed as its busiest pp rank (the most blocks): one pipeline micro batch through each
     of that rank's stages. Per step: m micro batches; FSDP's collectives, and its ops copying weights in and out of
     their buffers, as often as torch's schedule order makes them happen (`_runs`, `per_step`); the activations of
@@ -241,7 +243,7 @@ def estimate_from(
         held = in_flight(pipe.schedule, cfg.mesh.pp, pipe.stages_per_rank, micro)
     extra_blocks = (held - 1) * (blocks or 0)  # activations of the other micro batches in flight: blocks only
     if pipe is None:
-        collectives = [_times(c, micro) for c in p.collectives]
+        collectives = [_times(c, 1 if _once_per_step(c, plan) else micro) for c in p.collectives]
     else:
         key = (pipe.schedule, cfg.mesh.pp, pipe.stages_per_rank, micro, len(pipe.stages), rank)
         if actions is None or key not in actions:
@@ -418,6 +420,13 @@ def _pipeline_sends(cfg: Config, plan: Plan, micro: int, dim: int) -> list[Colle
         for phase, n in (("forward", forward), ("backward", backward))
         if n
     ]
+
+
+def _once_per_step(c: Collective, plan: Plan) -> bool:
+    """Whether `c`, run by each micro batch the probe saw, runs once per step without a pipeline: HSDP's all-reduce
+    of the gradients over the replicas, where the step sums the micro batches' shards first (`all_reduce_once`)."""
+    once = plan.fsdp is not None and plan.fsdp.all_reduce_once
+    return once and c.axis == "dp_replicate" and c.kind == "all_reduce"
 
 
 def _times(c: Collective, runs: int) -> Collective:

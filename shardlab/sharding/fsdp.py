@@ -33,6 +33,12 @@ class FsdpPlan(Frozen):
     """The last unit stays gathered from its forward to its backward, which follows at once (the model's output
     layer; rules.fsdp_last_kept): one all-gather a step fewer, the same peak memory. Without resharding after
     forward every unit stays gathered anyway."""
+    all_reduce_once: bool = False
+    """HSDP accumulating micro batches without a pipeline: each micro batch's gradients are reduce-scattered over
+    dp_shard and summed in reduce_dtype, and all-reduced over dp_replicate (the replicas, often across nodes) once,
+    in the last micro batch's backward, not in each (`shardlab.parallel.accumulation`): 1 / m of that traffic.
+    Only where reduce_dtype is float32, so the sum rounds no more than the fp32 gradients it replaces; a pipeline's
+    schedule reduces once anyway."""
 
 
 def fsdp_plan(
@@ -81,6 +87,7 @@ def fsdp_plan(
         param_dtype=options.param_dtype,
         reduce_dtype=options.reduce_dtype,
         cpu_offload=options.cpu_offload,
+        all_reduce_once=mesh.dp_replicate > 1 and mesh.pp == 1 and options.reduce_dtype == "float32",
     )
 
 

@@ -104,7 +104,8 @@ def table(plan: Plan, collapse: bool = True, groups: Mapping[str, str] | None = 
             "",
             f"FSDP over {' x '.join(f.axes)}: {len(f.units)} units + root ({', '.join(units)}); "
             f"reshard_after_forward={f.reshard_after_forward}{notes_text} param={f.param_dtype} reduce={f.reduce_dtype} "
-            f"cpu_offload={f.cpu_offload}",
+            f"cpu_offload={f.cpu_offload}"
+            + ("; micro batches all-reduced over dp_replicate once per step" if f.all_reduce_once else ""),
         ]
     if plan.pipeline is not None:
         out += ["", *_pipeline_text(plan)]

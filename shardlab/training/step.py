@@ -29,6 +29,7 @@ from shardlab.data.loader import Batch
 from shardlab.models import provider_for
 from shardlab.models.llama.moe import moe_layers, router_stats
 from shardlab.models.provider import ModelProvider, logits_of
+from shardlab.parallel.accumulation import all_reduced_if
 from shardlab.parallel.device_mesh import flat_view
 from shardlab.parallel.fp8 import refresh_scales
 from shardlab.sharding.context import cp_positions
@@ -155,6 +156,7 @@ def make_step(
     provider = provider or provider_for(cfg)
     moe, forward = provider.moe, provider.forward
     skip_nonfinite = cfg.train.on_nonfinite == "skip"
+    once = micro_batches > 1 and plan.fsdp is not None and plan.fsdp.all_reduce_once  # HSDP: the replicas' reduction
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         model, opt = state.model, state.optim
@@ -190,11 +192,13 @@ def make_step(
                 if routers is not None:
                     routers.after_pipeline()
             else:
-                for x, y, p in zip(inputs.chunk(micro_batches), labels.chunk(micro_batches), chunks(at, micro_batches)):
-                    loss = forward_backward(
-                        model, x, y, scale, plan.loss_parallel, positions=p, extra_loss=routers and routers.loss,
-                        forward=forward,
-                    )  # fmt: skip
+                pieces = zip(inputs.chunk(micro_batches), labels.chunk(micro_batches), chunks(at, micro_batches))
+                for i, (x, y, p) in enumerate(pieces):
+                    with all_reduced_if(model, i == micro_batches - 1) if once else contextlib.nullcontext():
+                        loss = forward_backward(
+                            model, x, y, scale, plan.loss_parallel, positions=p, extra_loss=routers and routers.loss,
+                            forward=forward,
+                        )  # fmt: skip
                     loss_sum += local_value(loss).to(torch.float64)
         match_param_layouts(model)
         grad_norm = clip_grad_norm(model, max_norm, stage_group)

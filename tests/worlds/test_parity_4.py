@@ -1,10 +1,12 @@
 """Parity on 4 CPU ranks (gloo) against one process (fp32, layouts.STEPS steps, loss and grad norm within 1e-5):
 HSDP 2x2 and FSDP 2 x TP 2 (+SP, loss parallel; none / full / selective /
 op), gradient accumulation, FSDP 4; bf16 mixed precision stays close; sharded init is refused on CPU. Held-out
-evaluation gives the one-process numbers on FSDP 2 x TP 2 (+SP, loss parallel) and PP 2 x FSDP 2."""
+evaluation gives the one-process numbers on FSDP 2 x TP 2 (+SP, loss parallel) and PP 2 x FSDP 2. HSDP accumulating
+micro batches all-reduces over the replicas as often as with one micro batch."""
 
 import msgspec
 import pytest
+import torch.distributed as dist
 
 from shardlab.config import EvalConfig, MeshSpec
 from shardlab.training.loop import build_model, train
@@ -62,7 +64,30 @@ def run_eval(rank, world_size):
     return out
 
 
-CHECKS = [placements, run, run_bf16, sharded_init_needs_cuda, run_eval]
+def all_reduces(rank, world_size):
+    """The all-reduces each group of ranks ran over a run of HSDP 2 x 2, by the group's ranks: in one micro batch
+    per step and in 2 (the plan's all_reduce_once)."""
+    return {micro: _all_reduces(with_micro_batch(tiny(HSDP), 2 // micro), world_size) for micro in (1, 2)}
+
+
+def _all_reduces(cfg, world_size: int) -> dict[str, int]:
+    seen: dict[str, int] = {}
+    original = dist.all_reduce
+
+    def counted(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
+        seen[str(ranks)] = seen.get(str(ranks), 0) + 1
+        return original(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = counted
+    try:
+        train(cfg, write=False)
+    finally:
+        dist.all_reduce = original
+    return seen
+
+
+CHECKS = [placements, run, run_bf16, sharded_init_needs_cuda, run_eval, all_reduces]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +104,14 @@ def test_placements_match_plan(world4):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_matches_single_process(world4, reference, layout):
     assert_matches(world4.value(run)[layout], reference, layout)
+
+
+@pytest.mark.world
+def test_hsdp_micro_batches_all_reduce_over_the_replicas_once_per_step(world4):
+    """HSDP 2 x 2 with 2 micro batches all-reduces over its replicas (ranks 0 and 2 on rank 0) what one micro batch
+    does, once per FSDP unit and step, where each micro batch reduced its own before; every other group the same."""
+    counts = world4.value(all_reduces)
+    assert counts[1]["[0, 2]"] > 0 and counts[1] == counts[2], counts
 
 
 @pytest.mark.world
