@@ -218,23 +218,25 @@ def test_an_hsdp_measurement_is_fsdps_with_its_replicas_all_reduces(name):
 
 def test_hsdp_micro_batches_all_reduce_over_the_replicas_once_per_step():
     """HSDP accumulating micro batches reduce-scatters each one's gradients but all-reduces over the replicas once
-    per step (`FsdpPlan.all_reduce_once`): 2 micro batches cost the all-reduce of one and twice its reduce-scatters.
-    A plan that all-reduced each micro batch (a reduce_dtype below float32, or a pipeline's) is priced per micro batch.
-    """
-    provider, dev, probes = None, device("h100"), {}
+    per step (`FsdpPlan.all_reduce_once`): 2 micro batches cost the all-reduce of one and twice its reduce-scatters;
+    a plan that all-reduces each micro batch (reduce_dtype below float32) is priced per micro batch."""
+    dev, probes = device("h100"), {}
 
-    def priced(micro: int, reduce_dtype: str = "float32") -> dict:
-        base = Config(model=SMALL, plan=PlanConfig(param_dtype="bfloat16", reduce_dtype=reduce_dtype),
-                      train=TrainConfig(global_batch=8, seq_len=64))  # fmt: skip
+    def priced(micro: int, once: bool = True) -> dict:
+        base = Config(model=SMALL, plan=PlanConfig(param_dtype="bfloat16", reduce_dtype="float32"),
+                      train=TrainConfig(global_batch=4 * micro, seq_len=64))  # fmt: skip
         cfg = lay(MeshSpec(dp_replicate=2, dp_shard=2), micro=micro).config(base).resolve(4)
-        plan = plan_model(cfg)[1]
-        assert plan.fsdp.all_reduce_once == (reduce_dtype == "float32")
-        e = estimate(cfg, plan, None, dev, provider or provider_for(cfg), probes, compare_checkpointing=False)
+        plan = plan_model(cfg)[1]  # one row per micro batch
+        assert plan.fsdp.all_reduce_once
+        plan = msgspec.structs.replace(plan, fsdp=msgspec.structs.replace(plan.fsdp, all_reduce_once=once))
+        e = estimate(cfg, plan, None, dev, provider_for(cfg), probes, compare_checkpointing=False)
         return {(c.axis, c.kind): (c.count, c.bytes) for c in e.collectives if c.phase == "backward"}
 
-    one, two = priced(1), priced(2)
-    reduced = ("dp_replicate", "all_reduce")
+    one, two, each = priced(1), priced(2), priced(2, once=False)
+    reduced, scattered = ("dp_replicate", "all_reduce"), ("dp_shard", "reduce_scatter")
     assert one[reduced][0] > 0 and two[reduced] == one[reduced]
-    scattered = one["dp_shard", "reduce_scatter"]
-    assert two["dp_shard", "reduce_scatter"] == (2 * scattered[0], 2 * scattered[1])
-    assert priced(2, reduce_dtype="bfloat16")[reduced][0] == 2 * one[reduced][0]
+    assert two[scattered] == each[scattered] == (2 * one[scattered][0], 2 * one[scattered][1])
+    assert each[reduced] == (2 * one[reduced][0], 2 * one[reduced][1])
+    bf16 = PlanConfig(param_dtype="bfloat16", reduce_dtype="bfloat16")
+    cfg = lay(MeshSpec(dp_replicate=2, dp_shard=2), micro=2).config(Config(model=SMALL, plan=bf16)).resolve(4)
+    assert not plan_model(cfg)[1].fsdp.all_reduce_once  # a bf16 sum over micro batches would round more
