@@ -498,6 +498,52 @@ def test_a_model_with_experts_gets_floors_below_its_estimates():
 
 
 @pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
+def test_what_expert_parallelism_adds_to_the_traffic_is_below_what_each_layouts_probe_records():
+    """Dispatching a rank's tokens to the experts' ranks and back moves bytes that one rank holding every expert does
+    not: counted at ep 2 (`Block.ep_memory_bytes`, per token of the rank's, at one row too where its block runs the
+    same ops there), as much again at ep 4, and counted for each block and token of a layout's rank (1 / tp of them
+    under tp), the floor of the ops without FLOPs stays at most what the probe of each layout's rank records: at ep 2
+    and 4, with one row per micro batch and with two, with checkpointing, cp and tp."""
+    from shardlab.estimate.devices import device
+    from shardlab.estimate.floors import Floors
+    from shardlab.estimate.probe import measure, probe
+    from shardlab.models.llama.provider import LlamaProvider
+
+    moe = msgspec.structs.replace(WIDE, n_layers=4, ffn_dim=4096, moe=MoEConfig(n_experts=4, expert_ffn_dim=4096))
+    c = cfg(moe, global_batch=16, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
+    dev, provider = device("h100"), LlamaProvider(moe)
+    floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False, splits=("ep",))
+    without = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
+    b = floors.block
+    assert b.ep_memory_bytes > 0 and b.ep_one_row_memory_bytes == b.ep_memory_bytes
+
+    def moved(blocks: int, rows: int) -> int:  # on rank 0 of ep 4 (of dp_shard 4): its ops without FLOPs, not FSDP's
+        run = (
+            Layout(mesh=MeshSpec(dp_shard=4, ep=4), activation_checkpoint="none", micro_batches=1)
+            .config(msgspec.structs.replace(c, train=msgspec.structs.replace(c.train, global_batch=4 * rows)))
+            .resolve(4)
+        )
+        (only,) = measure(run, provider=provider.with_layers(blocks)).runs
+        return sum(m for f, m, kind, role, _ in only.sequence if kind == "memory" and not role)
+
+    per_row = (moved(2, 3) - moved(1, 3)) - (moved(2, 2) - moved(1, 2))  # one block, one more row
+    assert per_row - b.memory_bytes * c.train.seq_len >= b.ep_memory_bytes * c.train.seq_len  # at ep 4 as at ep 2
+    layouts = [
+        Layout(mesh=MeshSpec(dp_shard=16, ep=4), activation_checkpoint="none", micro_batches=1),  # one row
+        Layout(mesh=MeshSpec(dp_shard=8, cp=2, ep=2), activation_checkpoint="full", micro_batches=1),  # two
+        Layout(mesh=MeshSpec(dp_shard=8, tp=2, ep=4), activation_checkpoint="op", micro_batches=1),
+    ]  # fmt: skip
+    for layout in layouts:
+        m = layout.mesh
+        tokens = c.train.global_batch // m.size("dp") * c.train.seq_len // m.cp
+        added = (floors.memory_seconds(c, layout) - without.memory_seconds(c, layout)) * floors.bandwidth
+        assert added == pytest.approx(moe.n_layers * tokens * b.ep_memory_bytes / m.tp), layout.describe()
+        p = probe(layout.config(c).resolve(16), provider=provider)
+        recorded = layout.micro_batches * sum(m * n for f, m, n, _ in p.ops if not f)
+        assert floors.memory_seconds(c, layout) * floors.bandwidth <= recorded, layout.describe()
+
+
+@pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
 def test_a_transformers_model_gets_floors_below_its_estimates():
     """transformers' masks read a value, which meta tensors cannot give: its blocks are counted on fake tensors
     instead, so the search gets its compute, FSDP and activation floors (none before: every layout was estimated),

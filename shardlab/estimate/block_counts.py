@@ -89,6 +89,15 @@ class Block(Frozen):
     per token of the rank (whole-sequence work over fewer tokens)."""
     cp_one_row_memory_bytes: float = 0.0
     """The same at one row per micro batch, counted at cp 2 with one row."""
+    ep_memory_bytes: float = 0.0
+    """Bytes per token of a rank's tokens its ops without FLOPs move beyond memory_bytes under expert parallelism,
+    counted at ep 2 of dp_shard 2 with 2 and 3 rows (0: not counted): dispatching its tokens to the experts' ranks
+    and back (sorting them by expert, packing and unpacking the all-to-alls' buffers), work over the rank's own
+    tokens, as much at any larger ep (the same at ep 4 for Mixtral 8x7B)."""
+    ep_one_row_memory_bytes: float = 0.0
+    """The same at one row per micro batch: ep_memory_bytes where ep 2's block moves at one row what the line through
+    2 and 3 rows gives, and no less than its slope (what the rank's experts' weights add does not grow with the
+    rows, and shrinks at a larger ep); else 0."""
 
 
 def count_block(
@@ -102,17 +111,18 @@ def count_block(
     """One block's numbers: models of 2 and 1 blocks, one sequence each, counted by torch's FlopCounterMode;
     its memory-bound ops and what its forward keeps alive, per row (`_per_row`). own_rules: the recipe's rules may
     checkpoint other modules than the model's blocks (only what no checkpointing keeps is counted). splits: the
-    axes (tp, cp) some layout searched splits the blocks over, whose rank 0 at size 2 in `cfg` (a config of the
+    axes (tp, cp, ep) some layout searched splits the blocks over, whose rank 0 at size 2 in `cfg` (a config of the
     model under its plan `options`) is probed for what each adds to the traffic (none under own rules; tp not where
-    the model cannot split in 2): 6 runs each (1 and 2 blocks at 1, 2 and 3 rows), left out where no layout needs
-    them. The counts are independent runs, all side by side on the cores (`run_forked`): one batch, so no core
+    the model cannot split in 2, ep not without an even number of experts): 6 runs each (1 and 2 blocks at 1, 2 and
+    3 rows), left out where no layout needs them. The counts are independent runs, all side by side on the cores (`run_forked`): one batch, so no core
     waits for another's last run before the next."""
     modes = () if own_rules else ("op", "full")
     calls: dict[tuple, partial] = {}
     for ac in (None, *modes):  # the FLOPs, and what op-level and full checkpointing recompute
         calls |= {("flops", ac, n): partial(_count, provider.with_layers(n), seq_len, options, ac) for n in (1, 2)}
     even = all(size % 2 == 0 for size in provider.tp_divisors().values())
-    splits = () if own_rules else tuple(a for a in splits if a == "cp" or (a == "tp" and even))
+    moe = provider.moe is not None and provider.moe.n_experts % 2 == 0
+    splits = () if own_rules else tuple(a for a in splits if a == "cp" or (a == "tp" and even) or (a == "ep" and moe))
     if splits and cfg is None:
         raise ValueError("count_block: the traffic tp and cp add needs the config they split (cfg)")
     for n, rows in PER_ROW:
@@ -148,14 +158,18 @@ def count_block(
         else:
             kept.append((mode, alive / seq_len))
             again.append((mode, max(moved - memory[0], 0.0) / seq_len))
-    excess = {}  # one block per row of a rank's sequences at size 2, beyond half of it on one rank (as the probe
-    for axis in splits:  # at size 1 counts memory_bytes), per token of the rank's
-        c = {key[1:]: value for key, value in counted.items() if key[0] == axis}
+    excess = {}  # one block per row of a rank's sequences at size 2, beyond its share of what one rank does (as the
+    for axis in splits:  # probe at size 1 counts memory_bytes: half under tp and cp, all of its own rows under ep),
+        c = {key[1:]: value for key, value in counted.items() if key[0] == axis}  # per token of the rank's
         if memory[0] and None not in c.values():
-            tokens = seq_len // (2 if axis == "cp" else 1)
-            two = (c[2, 3][0] - c[1, 3][0]) - (c[2, 2][0] - c[1, 2][0])
-            excess[axis] = max(two - memory[0] / 2, 0.0) / tokens
-            excess[axis, 1] = max(c[2, 1][0] - c[1, 1][0] - memory[0] / 2, 0.0) / tokens
+            tokens, share = seq_len // (2 if axis == "cp" else 1), 1.0 if axis == "ep" else 0.5
+            block = {rows: c[2, rows][0] - c[1, rows][0] for rows in (1, 2, 3)}
+            two = block[3] - block[2]
+            excess[axis] = max(two - memory[0] * share, 0.0) / tokens
+            if axis != "ep":
+                excess[axis, 1] = max(block[1] - memory[0] * share, 0.0) / tokens
+            elif block[2] - block[1] == two and block[1] >= two:  # the same ops at one row: a block's experts' weights
+                excess[axis, 1] = excess[axis]  # (fewer per rank at a larger ep) only add to it; else none counted
     return Block(train_flops=per_token[0], attention_flops=attention * per_token[1],
                  attention_forward_flops=attention_forward * per_token[2], params=round(per_token[3] * seq_len),
                  expert_params=round((per_token[4] - per_token[3]) * seq_len),
@@ -163,7 +177,8 @@ def count_block(
                  kept=tuple(kept), recompute_memory_bytes=tuple(again), head_flops=max(head_flops, 0.0),
                  head_memory_bytes=head / seq_len, tp_memory_bytes=excess.get("tp", 0.0),
                  cp_memory_bytes=excess.get("cp", 0.0), tp_one_row_memory_bytes=excess.get(("tp", 1), 0.0),
-                 cp_one_row_memory_bytes=excess.get(("cp", 1), 0.0),
+                 cp_one_row_memory_bytes=excess.get(("cp", 1), 0.0), ep_memory_bytes=excess.get("ep", 0.0),
+                 ep_one_row_memory_bytes=excess.get(("ep", 1), 0.0),
                  op_recompute_flops=recompute.get("op", 0.0), recompute_flops=recompute.get("full", 0.0))  # fmt: skip
 
 
@@ -268,11 +283,11 @@ def _memory_bytes(
 
 def _split_traffic(provider: ModelProvider, cfg: Config, rows: int, axis: str) -> tuple[int] | None:
     """Bytes the ops without FLOPs of one micro batch of `rows` sequences move on rank 0 of 2 ranks of `axis` (tp or
-    cp) alone, laid out by the provider's rules as the probe lays them out (FSDP's own copies aside); None where the
-    model refuses that layout."""
-    mesh = MeshSpec(dp_shard=1, **{axis: 2})
-    run = msgspec.structs.replace(cfg, mesh=mesh, train=msgspec.structs.replace(cfg.train, global_batch=rows,
-                                                                                micro_batch=None))  # fmt: skip
+    cp alone; ep of dp_shard 2, from which it borrows its ranks), laid out by the provider's rules as the probe lays
+    them out (FSDP's own copies aside); None where the model refuses that layout."""
+    mesh = MeshSpec(dp_shard=2, ep=2) if axis == "ep" else MeshSpec(dp_shard=1, **{axis: 2})
+    train = msgspec.structs.replace(cfg.train, global_batch=rows * mesh.size("dp"), micro_batch=None)
+    run = msgspec.structs.replace(cfg, mesh=mesh, train=train)
     try:
         run = run.resolve(2)
         check_layout(run, provider)

@@ -17,9 +17,9 @@ That holds only if each floor is at most what the estimate gives, term by term:
   precision computes), with the blocks checkpointed as the layout's (op or full; a recomputed block under selective as
   under full), and taken at 1 / (tp x cp) on the rank. Each such op of one rank has its counterpart on every layout's
   rank, on its share of the tokens, heads or hidden units; a layout's own ops (casts, redistributions) only add. Two
-  of them are counted: what tp and cp add on a rank, counted once at size 2 with 2 and 3 rows for every layout of 2
-  rows or more (`Block.tp_memory_bytes`, `Block.cp_memory_bytes`) and with one row for those of one (tp's taken to
-  shrink as 1 / tp there), and FSDP's copies of the blocks' weights out of the gathered buffer and of their gradients
+  of them are counted: what tp, cp and ep add on a rank, counted once at size 2 with 2 and 3 rows for every layout of
+  2 rows or more (`Block.tp_memory_bytes`, `Block.cp_memory_bytes`, `Block.ep_memory_bytes`) and with one row for those
+  of one (tp's taken to shrink as 1 / tp there), and FSDP's copies of the blocks' weights out of the gathered buffer and of their gradients
   into the reduced one, once per micro batch (per step with a pipeline); and the adds accumulating the micro batches'
   gradients, as the estimate counts them (under a pipeline with FSDP each held block's unsharded gradients, added in
   reduce_dtype at every micro batch after the first: for 405B on 4,096 ranks over 256 micro batches a fifth of a
@@ -337,12 +337,12 @@ class Floors(Frozen):
         else:  # blocks recomputed whole (full, selective)
             extra = rank.recomputed * again.get("full", b.memory_forward_bytes)
         moved = rank.blocks * b.memory_bytes + extra
-        if rows // layout.micro_batches > 1:  # what tp and cp add on each rank
-            moved += rank.blocks * (b.tp_memory_bytes * m.tp * (m.tp > 1) + b.cp_memory_bytes * (m.cp > 1))
-        else:  # at one row, what tp 2 adds shrinks as 1 / tp at most (what cp adds per token of the rank: as at 2 rows)
-            moved += rank.blocks * (b.tp_one_row_memory_bytes * 2 * (m.tp > 1) + b.cp_one_row_memory_bytes * (m.cp > 1))
-        if rank.head:
-            moved += b.head_memory_bytes
+        one = rows // layout.micro_batches == 1  # what tp, cp, ep add on a rank; at one row tp 2's shrinks as 1 / tp
+        tp = b.tp_one_row_memory_bytes * 2 if one else b.tp_memory_bytes * m.tp
+        cp = b.cp_one_row_memory_bytes if one else b.cp_memory_bytes
+        ep = b.ep_one_row_memory_bytes if one else b.ep_memory_bytes
+        moved += rank.blocks * (tp * (m.tp > 1) + cp * (m.cp > 1) + ep * (m.ep > 1))
+        moved += b.head_memory_bytes if rank.head else 0.0
         copies = 0.0
         if m.size("batch") > 1 and uses_fsdp(cfg, m):
             # FSDP copies each block's gradients into the buffer it reduces (read in param_dtype, written in

@@ -146,7 +146,7 @@ def search(
         m = estimate_memory(plan)
         return m.total + fsdp_buffer_bytes(plan), 0 if m.on_host else m.grads
 
-    splits = tuple(axis for axis in ("tp", "cp") if any(layout.mesh.size(axis) > 1 for layout in layouts))
+    splits = tuple(axis for axis in ("tp", "cp", "ep") if any(layout.mesh.size(axis) > 1 for layout in layouts))
     own_rules = rules_of(cfg) is not None
     floors = {  # per plan.fp8 choice: its matmul peak, its gathers' bytes, its casts' traffic
         f: Floors.of(c, provider, model, dev, own_rules, store=store, blocks=blocks, splits=splits)
