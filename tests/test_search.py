@@ -603,7 +603,8 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
     rank counted at tp 2: with sequence parallelism the floor is within 30% of the probe's traffic). Without it the floor of a large model misses a sixth of its step (its eager norms and adds). CP's
     floor (K and V gathered, their gradients reduce-scattered) is at most the probe's cp collectives, TP's (the
     blocks' reductions, once more in a recomputed block) at most its tp collectives. What the
-    blocks' forwards keep, counted the same way, is at most the activations the probe finds alive, with every
+    blocks' forwards keep, counted the same way (under SP with each block's inputs gathered whole over tp, which
+    its linears or op-level's policy keep), is at most the activations the probe finds alive, with every
     checkpointing mode. The FLOPs are at most the probe's and within 10%: a block checkpointed whole recomputes its
     forward up to the last tensor its backward needs (torch's checkpoint stops there), not its last projection,
     which the floor counted and which put the floor of 70B's fastest layout above its estimate."""
@@ -624,6 +625,8 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
         (dict(param_dtype="bfloat16", reduce_dtype="float32"), MeshSpec(dp_shard=2, tp=8), "full", 8),  # one row
         (dict(sequence_parallel=False), MeshSpec(dp_shard=4, cp=2, tp=2), "selective", 4),
         (dict(param_dtype="bfloat16", reduce_dtype="float32"), MeshSpec(dp_shard=2, cp=4, tp=2), "op", 8),
+        (dict(param_dtype="bfloat16", reduce_dtype="float32"), MeshSpec(dp_shard=4, tp=4), "none"),
+        (dict(param_dtype="bfloat16", reduce_dtype="float32"), MeshSpec(dp_shard=8, tp=2), "selective"),
     ]  # fmt: skip
     for plan, mesh, ac, *micro in cases:
         c = cfg(deep, global_batch=16, seq_len=4096, **plan)
@@ -637,6 +640,9 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
         if plan.get("sequence_parallel", True) and rows > 1:  # the recomputation's and what TP adds counted: close
             assert floors.memory_seconds(c, layout) * floors.bandwidth > 0.7 * moved, (mesh, ac)
         assert 0 < floors.activations(c, layout) <= p.activation_bytes, (mesh, ac)
+        if plan.get("sequence_parallel", True) and mesh.tp > 1 and ac != "full":  # SP's gathered inputs counted
+            unsplit = msgspec.structs.replace(c, plan=msgspec.structs.replace(c.plan, sequence_parallel=False))
+            assert floors.activations(c, layout) > floors.activations(unsplit, layout), (mesh, ac)
         computed = layout.micro_batches * sum(f * n for f, m, n, _ in p.ops)  # recomputed too, but where it stops
         assert 0.9 * computed < floors.flops(c, layout) <= computed, (mesh, ac)
         run_mesh = layout.config(c).resolve(16).mesh

@@ -56,11 +56,10 @@ That holds only if each floor is at most what the estimate gives, term by term:
   what a block's forward leaves alive for each row of a micro batch with the layout's checkpointing (none, op or full;
   selective checkpoints every ac_every-th block whole), counted on fake CPU tensors as the probe counts them, in
   param_dtype on one rank, and taken at 1 / (tp x cp) on the rank: each tensor the forward keeps there is its
-  counterpart's share of the tokens, heads or hidden units, or whole. The busiest pp rank holds at least ceil(L / pp)
-  blocks, and at its peak the activations of the micro batches its schedule keeps in flight (`pipeline.in_flight`, one
-  without a pipeline). Without this term most layouts of a large model pass the memory floor (a 405B model's 512-rank
-  layouts without checkpointing, at 111 s the lowest time floors, need terabytes of activations) and are dropped only
-  after a probe each.
+  counterpart's share of the tokens, heads or hidden units, or whole; under TP with sequence parallelism shardlab's
+  Llama's blocks also keep their attention's (and dense MLP's) input gathered whole over tp. The busiest pp rank holds
+  at least ceil(L / pp) blocks, and at its peak the activations of the micro batches its schedule keeps in flight
+  (`pipeline.in_flight`, one without a pipeline).
 A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Experts route
 every token evenly there, as in the probe (shardlab's MoE: `balanced_routing`), so each rank computes its tokens' share
 of their work wherever ep puts them; FSDP's floor counts the experts apart (`Block.expert_params`). A model whose
@@ -423,18 +422,19 @@ class Floors(Frozen):
         return int(held * self.micro_batch_activations(cfg, layout))
 
     def micro_batch_activations(self, cfg: Config, layout: Layout) -> float:
-        """Bytes the blocks' forwards of one micro batch leave alive on the busiest rank at least."""
+        """Bytes the blocks' forwards of one micro batch leave alive on the busiest rank at least (SP's gathered inputs:
+        kept by their linears or op-level's policy; none in op's count on one rank, the norms' outputs in none's)."""
         if self.block is None or not self.block.kept:
             return 0.0
         m, kept = layout.mesh, dict(self.block.kept)
         blocks, ac = self._held_blocks(m.pp), layout.activation_checkpoint
-        if ac == "selective":  # at most one in ac_every of any run of blocks is checkpointed
-            whole = -(-blocks // cfg.plan.ac_every)
-            per_token = (blocks - whole) * kept["none"] + whole * kept.get("full", 0.0)
-        else:
-            per_token = blocks * kept.get(ac, 0.0)
-        rows = cfg.train.global_batch // m.size("dp") // layout.micro_batches
-        return rows * cfg.train.seq_len * per_token / (m.tp * m.cp)
+        whole = -(-blocks // cfg.plan.ac_every) if ac == "selective" else blocks * (ac == "full")  # checkpointed
+        per_token = (blocks - whole) * kept.get("op" if ac == "op" else "none", 0.0) + whole * kept.get("full", 0.0)
+        sp = m.tp > 1 and self.tp_dim and cfg.plan.sequence_parallel  # at most one in ac_every blocks checkpointed
+        share = (1.0 if ac == "op" else 1 - 1 / m.tp) if sp else 0.0
+        gathered = (1 if self.expert_rows else 2) * self.tp_dim * _gathered_bytes(cfg) * share * (blocks - whole)
+        tokens = cfg.train.global_batch // m.size("dp") // layout.micro_batches * cfg.train.seq_len // m.cp
+        return tokens * (per_token / m.tp + gathered)
 
 
 def _matmul_peak(cfg: Config, dev: Device) -> float:
