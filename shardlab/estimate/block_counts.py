@@ -114,8 +114,8 @@ def count_block(
     axes (tp, cp, ep) some layout searched splits the blocks over, whose rank 0 at size 2 in `cfg` (a config of the
     model under its plan `options`) is probed for what each adds to the traffic (none under own rules; tp not where
     the model cannot split in 2, ep not without an even number of experts): 6 runs each (1 and 2 blocks at 1, 2 and
-    3 rows), left out where no layout needs them. The counts are independent runs, all side by side on the cores (`run_forked`): one batch, so no core
-    waits for another's last run before the next."""
+    3 rows), left out where no layout needs them. The counts are independent runs, all side by side on the cores
+    (`run_forked`): one batch, so no core waits for another's last run before the next."""
     modes = () if own_rules else ("op", "full")
     calls: dict[tuple, partial] = {}
     for ac in (None, *modes):  # the FLOPs, and what op-level and full checkpointing recompute
@@ -124,7 +124,7 @@ def count_block(
     moe = provider.moe is not None and provider.moe.n_experts % 2 == 0
     splits = () if own_rules else tuple(a for a in splits if a == "cp" or (a == "tp" and even) or (a == "ep" and moe))
     if splits and cfg is None:
-        raise ValueError("count_block: the traffic tp and cp add needs the config they split (cfg)")
+        raise ValueError("count_block: the traffic tp, cp and ep add needs the config they split (cfg)")
     for n, rows in PER_ROW:
         calls["memory", n, rows] = partial(_memory_bytes, provider.with_layers(n), seq_len, rows, options)
         for axis in splits:  # at 2 and 3 rows: one row takes other paths (SP's gather of one sequence is a view)

@@ -18,16 +18,16 @@ That holds only if each floor is at most what the estimate gives, term by term:
   under full), and taken at 1 / (tp x cp) on the rank. Each such op of one rank has its counterpart on every layout's
   rank, on its share of the tokens, heads or hidden units; a layout's own ops (casts, redistributions) only add. Two
   of them are counted: what tp, cp and ep add on a rank, counted once at size 2 with 2 and 3 rows for every layout of
-  2 rows or more (`Block.tp_memory_bytes`, `Block.cp_memory_bytes`, `Block.ep_memory_bytes`) and with one row for those
-  of one (tp's taken to shrink as 1 / tp there), and FSDP's copies of the blocks' weights out of the gathered buffer and of their gradients
-  into the reduced one, once per micro batch (per step with a pipeline); and the adds accumulating the micro batches'
-  gradients, as the estimate counts them (under a pipeline with FSDP each held block's unsharded gradients, added in
-  reduce_dtype at every micro batch after the first: for 405B on 4,096 ranks over 256 micro batches a fifth of a
-  pipeline rank's step). For shardlab's Llama, attention too: the probe counts SDPA's causal kernel as half the square
-  and its backward as 2.5 forwards, where the meta model's math kernel computes the whole square and 2 (a masked one,
-  as under cp, as the whole square), so the forward at half of the math kernel's FLOPs and forward and backward at
-  7/12 (twice that under CP, whose attention masks by position: the probe counts the whole square); other models'
-  attention kernels may be ones the probe does not count.
+  2 rows or more (`Block.tp_memory_bytes`, `Block.cp_memory_bytes`, `Block.ep_memory_bytes`) and with one row for
+  those of one (tp's taken to shrink as 1 / tp there), and FSDP's copies of the blocks' weights out of the gathered
+  buffer and of their gradients into the reduced one, once per micro batch (per step with a pipeline); and the adds
+  accumulating the micro batches' gradients, as the estimate counts them (under a pipeline with FSDP each held block's
+  unsharded gradients, added in reduce_dtype at every micro batch after the first: for 405B on 4,096 ranks over 256
+  micro batches a fifth of a pipeline rank's step). For shardlab's Llama, attention too: the probe counts SDPA's
+  causal kernel as half the square and its backward as 2.5 forwards, where the meta model's math kernel computes the
+  whole square and 2 (a masked one, as under cp, as the whole square), so the forward at half of the math kernel's
+  FLOPs and forward and backward at 7/12 (twice that under CP, whose attention masks by position: the probe counts the
+  whole square); other models' attention kernels may be ones the probe does not count.
 - TP, for shardlab's Llama laid out by its own rules: each block's attention and MLP end in a projection sharded
   over its input dim, whose partial outputs tp reduces in the forward, and begin with ones sharded over their
   output dim, whose input gradients it reduces in the backward: at least 4 collectives of the rank's tokens x dim
@@ -428,9 +428,9 @@ class Floors(Frozen):
             return 0.0
         m, kept = layout.mesh, dict(self.block.kept)
         blocks, ac = self._held_blocks(m.pp), layout.activation_checkpoint
-        whole = -(-blocks // cfg.plan.ac_every) if ac == "selective" else blocks * (ac == "full")  # checkpointed
+        whole = -(-blocks // cfg.plan.ac_every) if ac == "selective" else blocks * (ac == "full")  # at most so many
         per_token = (blocks - whole) * kept.get("op" if ac == "op" else "none", 0.0) + whole * kept.get("full", 0.0)
-        sp = m.tp > 1 and self.tp_dim and cfg.plan.sequence_parallel  # at most one in ac_every blocks checkpointed
+        sp = m.tp > 1 and self.tp_dim and cfg.plan.sequence_parallel  # checkpointed whole: one in ac_every, selective
         share = (1.0 if ac == "op" else 1 - 1 / m.tp) if sp else 0.0
         gathered = (1 if self.expert_rows else 2) * self.tp_dim * _gathered_bytes(cfg) * share * (blocks - whole)
         tokens = cfg.train.global_batch // m.size("dp") // layout.micro_batches * cfg.train.seq_len // m.cp
