@@ -152,6 +152,7 @@ REPLICATED = {  # the HSDP twin (dp_replicate 2), the pp rank probed
     "hsdp 2 x 2 x cp 2, full, kept gathered": (
         SMALL, lay(MeshSpec(dp_replicate=2, dp_shard=2, cp=2), "full", reshard=False), 0,
     ),
+    "hsdp 2 x cp 2 (FSDP over cp alone)": (SMALL, lay(MeshSpec(dp_replicate=2, dp_shard=1, cp=2)), 0),
     "pp 2 x hsdp 2 x 2, interleaved x2, last rank": (
         msgspec.structs.replace(DENSE, n_layers=4),
         lay(MeshSpec(pp=2, dp_replicate=2, dp_shard=2), "selective", 4, "interleaved_1f1b", 2), 1,

@@ -107,6 +107,21 @@ def test_estimate_sums_up():
     assert t.tokens_per_s_per_device == pytest.approx(4 * 64 / 4 / t.step_s)
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_fsdp_over_cp_alone_gathers_as_fsdp_beside_cps_own_collectives(replicas):
+    """With dp_shard 1, FSDP shards over cp's ranks (the dp_shard x cp view is cp's group): its gathers and
+    reductions are FSDP's, overlapped with compute, and CP's K and V gathers are cp's, as with dp_shard 2."""
+    seen = {}
+    for shard, cp in ((1, 4), (2, 2)):
+        c = cfg(MeshSpec(dp_replicate=replicas, dp_shard=shard, cp=cp), n_layers=2).resolve(4 * replicas)
+        e = estimate(c, plan_model(c)[1], dev=device("h100"))
+        seen[shard] = {(x.axis, x.kind, x.phase, x.count) for x in e.collectives if x.axis != "dp_replicate"}
+        cp_own = [x for x in e.collectives if x.axis == "cp"]
+        assert {x.kind for x in cp_own} == {"all_gather", "reduce_scatter"} and e.time.fsdp_comm_s > 0
+        assert e.time.tp_comm_s < e.time.fsdp_comm_s, (shard, cp)  # CP's K and V, exposed: not FSDP's weights
+    assert seen[1] == seen[2]
+
+
 def test_groups_within_a_node_use_nvlink():
     mesh = MeshSpec(dp_shard=64, tp=8).resolve(512)
     h100 = device("h100")

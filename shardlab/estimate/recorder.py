@@ -87,6 +87,8 @@ Role = Literal["", "gather", "regather", "reduce", "recompute"]
 reshard_after_forward=False skips), or in the gradients' reduction; or the step's recomputing checkpointed
 activations (a forward inside the backward). A pipeline runs FSDP's backward gathers and reductions per step or per
 gather, not per micro batch (shardlab.estimate's `per_step`)."""
+FSDP_ROLES = ("gather", "regather", "reduce")
+"""The roles of what FSDP runs."""
 
 
 class Collective(Frozen):
@@ -256,7 +258,8 @@ class Recorder(TorchDispatchMode):
         if kind == "all_gather" and packet not in (c10d._allgather_base_, c10d.allgather_):
             nbytes *= size
         phase: Phase = "backward" if in_backward() else "forward"
-        axis = self.axis_of_group.get((kind, name)) or self.axis_of_group.get(name, f"group of {size}")
+        fsdp = self.axis_of_group.get(("fsdp", name)) if self._role() in FSDP_ROLES else None
+        axis = fsdp or self.axis_of_group.get((kind, name)) or self.axis_of_group.get(name, f"group of {size}")
         key = (axis, kind, phase, size, self.stage)
         self.collectives[key] += 1
         self.collective_bytes[key] += nbytes
@@ -340,7 +343,8 @@ def _flops(packet: Any, args: tuple, kwargs: dict, out: Any) -> int:
 
 
 def axis_names(mesh: DeviceMesh, experts: DeviceMesh | None = None) -> dict[str | tuple[str, str], str]:
-    """Each group's axis name; (kind, group) keys name one kind of collective on a group that several axes share.
+    """Each group's axis name; (kind, group) keys name one kind of collective on a group that several axes share,
+    ("fsdp", group) keys what FSDP runs on a group it shares with an axis (its gathers and reductions).
     experts: the expert mesh the model was parallelized with (`Parallelized.experts`), whose groups are its own."""
     names: dict[str | tuple[str, str], str] = {}
     for view in FLAT_VIEWS:
@@ -349,6 +353,8 @@ def axis_names(mesh: DeviceMesh, experts: DeviceMesh | None = None) -> dict[str 
     for axis in AXES:  # single axes win over views with the same group (a view of one axis of size > 1)
         if mesh[axis].size() > 1:
             names[mesh[axis].get_group().group_name] = axis
+    if mesh["dp_shard"].size() == 1 and mesh["cp"].size() > 1:  # FSDP shards over cp alone: its collectives there
+        names["fsdp", mesh["cp"].get_group().group_name] = "dp_shard_cp"  # are FSDP's (overlapped), not CP's own
     for axis in experts.mesh_dim_names if experts is not None else ():  # the expert mesh's own groups
         if experts[axis].size() > 1:
             names.setdefault(experts[axis].get_group().group_name, axis)

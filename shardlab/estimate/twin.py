@@ -9,7 +9,7 @@ the expert mesh's dp_shard_mod_ep, trivial or not as they were; pp 2 where the p
 first, which then runs the same kinds of stages (the first; the last too under a V-shaped schedule); the global
 batch cut so each micro batch keeps its rows. Many layouts share one twin, hence one probe; twins that differ only
 in their rows per micro batch share two (`Shape`: every other row count is on the line through them), a twin of
-HSDP (dp_replicate 2, FSDP over dp_shard > 1) is its twin of one replica plus the replicas' gradient all-reduces
+HSDP (dp_replicate 2, FSDP over dp_shard x cp > 1) is its twin of one replica plus the replicas' gradient all-reduces
 (`Measurement.replicated`: no probe of its own), and those that differ only in FSDP's resharding after forward
 share one (the one that reshards, without the backward's gathers for the one that does not). A pipelined twin's
 rank is the sum of its stages, each its own module: every looped and V-shaped twin, and the first rank of a twin
@@ -258,14 +258,14 @@ def _measurement(
 
 
 def _one_replica(cfg: Config) -> Config | None:
-    """The twin `cfg` of HSDP (dp_replicate > 1, FSDP sharding over dp_shard) with one replica, the same rows per
+    """The twin `cfg` of HSDP (dp_replicate > 1, FSDP sharding over dp_shard x cp) with one replica, the same rows per
     rank: its measurement gives `cfg`'s (`Measurement.replicated`). None for other twins, and where experts have a
     mesh of their own (ep > 1) whose FSDP shards them over one rank (dp_shard_mod_ep 1): FSDP reduce-scatters
     nothing there, so the one replica's run has no collective that the replicas' all-reduce of the experts'
     gradients follows."""
     m = cfg.mesh
     alone = m.ep > 1 and m.experts.dp_shard_mod_ep == 1
-    if m.dp_replicate == 1 or m.dp_shard == 1 or alone or not uses_fsdp(cfg, m):
+    if m.dp_replicate == 1 or m.size("dp_shard_cp") == 1 or alone or not uses_fsdp(cfg, m):
         return None
     mesh = msgspec.structs.replace(m, dp_replicate=1)
     train = _train(cfg, cfg.train.global_batch // m.dp_replicate)
