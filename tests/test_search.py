@@ -273,9 +273,9 @@ def test_a_pipelines_blocks_do_at_least_what_a_block_of_the_same_local_shapes_do
     than the K-th fastest, each block of each keeping, computing and communicating what a block of a layout of the
     same local shapes (`_block_key`), pipelined or not, was estimated to (`Estimate.block`); what it keeps, scaled
     (`kept_at_least`), bounds other shapes' blocks too: at a larger tp, or with fewer or more rows. Over every
-    schedule, resharding and stage count of 2 x 2 ranks, of 4 pp ranks, and of 2 x 2 with TP 2, no estimate is below
-    these bounds, and they are tighter than the floor alone. A model probed whole gives no such block (its blocks'
-    mean includes the rest)."""
+    schedule, resharding and stage count (up to 2 a rank) of 2 x 2 ranks, of 4 pp ranks, and of 2 x 2 with TP 2, no
+    estimate is below these bounds, and they are tighter than the floor alone. A model probed whole gives no such
+    block (its blocks' mean includes the rest)."""
     from shardlab.estimate import estimate_memory, fsdp_buffer_bytes
     from shardlab.estimate.devices import device
     from shardlab.estimate.floors import Floors
@@ -297,8 +297,8 @@ def test_a_pipelines_blocks_do_at_least_what_a_block_of_the_same_local_shapes_do
     for fixed, rows_of, schedules in meshes:
         for layout in layouts(c, 4, fixed={**fixed, "cp": 1})[0]:
             rows = c.train.global_batch // layout.mesh.size("dp") // layout.micro_batches
-            if schedules is not None and layout.pp_schedule not in schedules:
-                continue
+            if (schedules is not None and layout.pp_schedule not in schedules) or layout.pp_stages_per_rank > 2:
+                continue  # 4 stages a rank of pp 2 are 8 stages of 13 blocks, probed whole as pp 4's 2 a rank are
             if layout.activation_checkpoint in ("none", "full") and rows in rows_of:
                 run = layout.config(c).resolve(4)
                 plan = plan_model(run)[1]
