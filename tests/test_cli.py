@@ -556,7 +556,9 @@ def test_search_ranks_the_layouts_that_fit_and_writes_the_winner(tmp_path, capsy
     assert main([*args, "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
     steps = [c["step_s"] for c in found["best"]]
-    assert steps == sorted(steps) and len(steps) == 3  # FSDP resharding or not, TP; siblings they beat are skipped
+    assert steps == sorted(steps) and len(steps) == 2  # FSDP keeping its weights gathered, TP: the siblings they
+    assert {c["layout"]["mesh"]["tp"] for c in found["best"]} == {1, 2}  # beat (resharding, ...) are skipped
+    assert not found["best"][0]["layout"]["reshard_after_forward"]
     best = found["best"][0]["layout"]
     from shardlab.cli.recipe import load_recipe
 

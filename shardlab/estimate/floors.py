@@ -19,8 +19,8 @@ That holds only if each floor is at most what the estimate gives, term by term:
   rank, on its share of the tokens, heads or hidden units; a layout's own ops (casts, redistributions) only add. Two
   of them are counted: what tp, cp and ep add on a rank, counted once at size 2 with 2 and 3 rows for every layout of
   2 rows or more (`Block.tp_memory_bytes`, `Block.cp_memory_bytes`, `Block.ep_memory_bytes`) and with one row for
-  those of one (tp's taken to shrink as 1 / tp there), and FSDP's copies of the blocks' weights out of the gathered
-  buffer and of their gradients into the reduced one, once per micro batch (per step with a pipeline); and the adds
+  those of one (tp's taken to shrink as 1 / tp there), and FSDP's copies of the blocks' weights into and out of the
+  gathered buffer at each gather and of their gradients into the reduced one (per step with a pipeline); and the adds
   accumulating the micro batches' gradients, as the estimate counts them (under a pipeline with FSDP each held block's
   unsharded gradients, added in reduce_dtype at every micro batch after the first: for 405B on 4,096 ranks over 256
   micro batches a fifth of a pipeline rank's step). For shardlab's Llama, attention too: the probe counts SDPA's
@@ -330,27 +330,27 @@ class Floors(Frozen):
         rank = rank or self._ranks(cfg, layout)[0]
         rows = cfg.train.global_batch // m.size("dp")  # over every micro batch
         tokens = rows * cfg.train.seq_len // m.cp
-        again = dict(b.recompute_memory_bytes)  # what checkpointing's recomputation adds, per block
-        if layout.activation_checkpoint == "op":
-            extra = rank.blocks * again.get("op", 0.0)
-        else:  # blocks recomputed whole (full, selective)
-            extra = rank.recomputed * again.get("full", b.memory_forward_bytes)
-        moved = rank.blocks * b.memory_bytes + extra
+        again = dict(b.recompute_memory_bytes)  # what recomputation adds per block: op-level, or blocks run again whole
+        extra = (rank.blocks * again.get("op", 0.0) if layout.activation_checkpoint == "op"
+                 else rank.recomputed * again.get("full", b.memory_forward_bytes))  # fmt: skip
+        moved = rank.blocks * b.memory_bytes + extra + (b.head_memory_bytes if rank.head else 0.0)
         one = rows // layout.micro_batches == 1  # what tp, cp, ep add on a rank; at one row tp 2's shrinks as 1 / tp
         tp = b.tp_one_row_memory_bytes * 2 if one else b.tp_memory_bytes * m.tp
         cp = b.cp_one_row_memory_bytes if one else b.cp_memory_bytes
         ep = b.ep_one_row_memory_bytes if one else b.ep_memory_bytes
         moved += rank.blocks * (tp * (m.tp > 1) + cp * (m.cp > 1) + ep * (m.ep > 1))
-        moved += b.head_memory_bytes if rank.head else 0.0
         copies = 0.0
         if m.size("batch") > 1 and uses_fsdp(cfg, m):
             # FSDP copies each block's gradients into the buffer it reduces (read in param_dtype, written in
-            # reduce_dtype), and where it shards them, each gathered block out of its flat buffer (its weights read
-            # and written in param_dtype): once per micro batch without a pipeline, once per step at least with one
+            # reduce_dtype); where it shards them, at each gather (`fsdp_runs`; per step at least with a pipeline)
+            # its shard into a buffer the gathered block's size, then the block out of it (read and written)
             param, reduce = _gathered_bytes(cfg), DTYPE_BYTES[cfg.plan.reduce_dtype]
-            times = 1 if m.pp > 1 else layout.micro_batches
-            gathered = 2 * param if m.dp_shard * m.cp > 1 else 0
-            copies = times * rank.blocks * b.params / m.tp * (gathered + param + reduce)
+            gathers, reductions = self.fsdp_runs(layout) if m.pp == 1 else (1, 1)
+            per_gather = 3 * param  # tp's one-row count holds the weights' own traffic (no FSDP at tp 2 alone): with
+            if one and m.tp > 1:  # it, the copies out of the buffer alone, once per micro batch
+                gathers, per_gather = reductions, 2 * param
+            gathered = gathers * per_gather if m.dp_shard * m.cp > 1 else 0
+            copies = rank.blocks * b.params / m.tp * (gathered + reductions * (param + reduce))
         return (tokens * moved / m.tp + copies + self.accumulated_bytes(cfg, layout, rank)) / self.bandwidth
 
     def accumulated_bytes(self, cfg: Config, layout: Layout, rank: _Rank) -> float:
