@@ -415,6 +415,43 @@ def test_the_floor_counts_the_adds_accumulating_the_micro_batches_gradients():
         assert floors.accumulated_bytes(c, one, floors._ranks(c, one)[0]) == 0
 
 
+def test_the_pipelines_sends_are_floored_by_the_pp_rank_sending_fewest():
+    """Each micro batch's residual stream crosses every stage boundary between two pp ranks, forward and backward:
+    the floor counts what the pp rank sending fewest sends, in param_dtype, where the estimate prices the busiest
+    rank's sends (`_pipeline_sends`): never more, and the same where every rank sends alike (two pp ranks, each
+    schedule) and in the same dtype."""
+    from shardlab.estimate import _pipeline_sends
+    from shardlab.estimate.comm_floors import pp_seconds
+    from shardlab.estimate.devices import device
+    from shardlab.estimate.floors import Floors
+    from shardlab.estimate.roofline import collective_seconds
+    from shardlab.training.loop import plan_model
+
+    model, dev = msgspec.structs.replace(MODEL, n_layers=8), device("h100")
+    floors = Floors(block=None, tp_dim=0, param_bytes=0, param_numel=0, n_layers=8, rate=1.0, stage_dim=model.dim)
+    bf16 = dict(param_dtype="bfloat16")
+    for mesh, schedule, plan in (
+        (MeshSpec(pp=2, dp_shard=2), "1f1b", bf16),
+        (MeshSpec(pp=2, dp_shard=1, tp=2), "interleaved_1f1b", {}),  # sequence parallelism splits what a stage sends
+        (MeshSpec(pp=2, cp=2, dp_shard=2), "zbv_zero_bubble", bf16),
+        (MeshSpec(pp=4, dp_shard=2), "interleaved_zero_bubble", bf16),  # a middle rank sends 4 a micro batch: 3
+        (MeshSpec(pp=4, dp_shard=1, tp=2), "zbv_zero_bubble", {}),  # the first rank 2, a middle one 4
+    ):
+        c = cfg(model, global_batch=16, seq_len=64, **plan)
+        v = 1 if schedule == "1f1b" else 2
+        layout = Layout(mesh=mesh, activation_checkpoint="none", micro_batches=4, pp_schedule=schedule,
+                        pp_stages_per_rank=v, reshard_after_forward=False)  # fmt: skip
+        run = layout.config(c).resolve(mesh.world_size)
+        run_plan = plan_model(run)[1]
+        priced = sum(collective_seconds(x, run_plan.mesh, dev) for x in _pipeline_sends(run, run_plan, 4, model.dim))
+        floor = pp_seconds(floors, c, layout, dev)
+        assert 0 < floor <= priced, (mesh, schedule)
+        if mesh.pp == 2:
+            assert floor == pytest.approx(priced, rel=1e-12), (mesh, schedule)
+    flat = Layout(mesh=MeshSpec(dp_shard=8), activation_checkpoint="none", micro_batches=1)
+    assert pp_seconds(floors, c, flat, dev) == 0
+
+
 @pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
 def test_the_fsdp_floor_counts_the_gathers_each_schedule_runs():
     """FSDP's floor is at most the data-parallel collectives of the layout's estimate and within a fifth of them.
@@ -458,6 +495,7 @@ def test_a_model_with_experts_gets_floors_below_its_estimates():
     mesh's dp_shard_mod_ep), TP, CP, EP's all-to-alls and activations, each at most what its layout's estimate gives,
     under expert, tensor, context and pipeline parallelism. Without ep, FSDP gathers every expert: its floor is
     most of the estimate's."""
+    from shardlab.estimate.comm_floors import ep_seconds, tp_seconds
     from shardlab.estimate.devices import device
     from shardlab.estimate.floors import Floors
     from shardlab.estimate.roofline import DP_AXES, collective_seconds
@@ -492,9 +530,9 @@ def test_a_model_with_experts_gets_floors_below_its_estimates():
             layout.describe()
         )
         if layout.mesh.tp > 1:
-            assert 0 < floors.tp_seconds(c, layout, dev) <= seconds["tp"], layout.describe()
+            assert 0 < tp_seconds(floors, c, layout, dev) <= seconds["tp"], layout.describe()
         if layout.mesh.ep > 1:
-            assert 0 < floors.ep_seconds(c, layout, dev) <= seconds["ep"], layout.describe()
+            assert 0 < ep_seconds(floors, c, layout, dev) <= seconds["ep"], layout.describe()
 
 
 @pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
@@ -608,6 +646,7 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
     checkpointing mode. The FLOPs are at most the probe's and within 10%: a block checkpointed whole recomputes its
     forward up to the last tensor its backward needs (torch's checkpoint stops there), not its last projection,
     which the floor counted and which put the floor of 70B's fastest layout above its estimate."""
+    from shardlab.estimate.comm_floors import cp_seconds, tp_seconds
     from shardlab.estimate.devices import device
     from shardlab.estimate.floors import Floors
     from shardlab.estimate.probe import probe
@@ -647,9 +686,9 @@ def test_the_floors_of_the_ops_without_flops_of_activations_and_of_cp_are_below_
         assert 0.9 * computed < floors.flops(c, layout) <= computed, (mesh, ac)
         run_mesh = layout.config(c).resolve(16).mesh
         cp = layout.micro_batches * sum(collective_seconds(x, run_mesh, dev) for x in p.collectives if x.axis == "cp")
-        assert (0 < floors.cp_seconds(c, layout, dev) <= cp) if mesh.cp > 1 else cp == 0, (mesh, ac)
+        assert (0 < cp_seconds(floors, c, layout, dev) <= cp) if mesh.cp > 1 else cp == 0, (mesh, ac)
         tp = layout.micro_batches * sum(collective_seconds(x, run_mesh, dev) for x in p.collectives if x.axis == "tp")
-        assert (0 < floors.tp_seconds(c, layout, dev) <= tp) if mesh.tp > 1 else tp == 0, (mesh, ac)
+        assert (0 < tp_seconds(floors, c, layout, dev) <= tp) if mesh.tp > 1 else tp == 0, (mesh, ac)
     assert len(blocks) == 2  # the two plans' blocks
 
 

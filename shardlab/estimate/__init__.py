@@ -34,7 +34,7 @@ from shardlab.estimate.roofline import (
 )
 from shardlab.models import provider_for
 from shardlab.models.provider import ModelProvider
-from shardlab.sharding.pipeline import in_flight, stage_shape
+from shardlab.sharding.pipeline import in_flight, stage_sends, stage_shape
 from shardlab.sharding.plan import ParamPlan, Plan
 from shardlab.sharding.rules import Rules
 from shardlab.training.pipeline_schedule import stage_actions
@@ -409,12 +409,9 @@ def _pipeline_sends(cfg: Config, plan: Plan, micro: int, dim: int) -> list[Colle
     """The busiest pp rank's sends per step: each micro batch's output to the next stage (forward) and its input
     gradient to the previous one (backward), where that stage is on another rank (`probe.stage_boundary`)."""
     pipe = plan.pipeline
-    ranks = [s.pp_rank for s in pipe.stages]
-    busiest = busiest_pp_rank(plan)
     shape, dtype = stage_boundary(cfg, plan, cfg.train.global_batch // cfg.mesh.size("dp") // micro, dim)
     nbytes = math.prod(shape) * dtype.itemsize
-    forward = sum(1 for s in pipe.stages_of(busiest) if s.index + 1 < len(ranks) and ranks[s.index + 1] != busiest)
-    backward = sum(1 for s in pipe.stages_of(busiest) if s.index > 0 and ranks[s.index - 1] != busiest)
+    forward, backward = stage_sends(cfg.mesh.pp, pipe.stages_per_rank, pipe.schedule)[busiest_pp_rank(plan)]
     return [
         Collective(axis="pp", kind="send", phase=phase, count=n * micro, bytes=n * micro * nbytes, group_size=2)
         for phase, n in (("forward", forward), ("backward", backward))

@@ -28,28 +28,16 @@ That holds only if each floor is at most what the estimate gives, term by term:
   whole square and 2 (a masked one, as under cp, as the whole square), so the forward at half of the math kernel's
   FLOPs and forward and backward at 7/12 (twice that under CP, whose attention masks by position: the probe counts the
   whole square); other models' attention kernels may be ones the probe does not count.
-- TP, for shardlab's Llama laid out by its own rules: each block's attention and MLP end in a projection sharded
-  over its input dim, whose partial outputs tp reduces in the forward, and begin with ones sharded over their
-  output dim, whose input gradients it reduces in the backward: at least 4 collectives of the rank's tokens x dim
-  (all-reduces, or under sequence parallelism all-gathers and reduce-scatters, twice as many of half the traffic),
-  1 more for each recomputed block (the attention's: torch's checkpoint stops recomputing after the last tensor the
-  backward needs, before the MLP's reduction), on the critical path as the roofline puts them.
-- CP, for shardlab's Llama laid out by its own rules: each block's attention all-gathers K and V over cp (the whole
-  sequence of the rank's rows and kv heads, 1 / tp of them, in param_dtype) and reduce-scatters their gradients in
-  the backward; a recomputed block gathers them again. On the critical path, as the roofline puts every collective
-  but the data-parallel ones.
-- EP, for shardlab's MoE laid out by its own rules: each block's experts get their tokens' rows (top_k of each, fewer
-  under a capacity) by an all-to-all over ep and send them back by another, in the forward, again in a recomputed
-  block, and in the backward; every tp rank routes all of its group's tokens. On the critical path, as CP's.
+- TP's, CP's and EP's collectives, and the pipeline's sends, on the critical path (`comm_floors`).
 - FSDP: the rank's block weights gathered in param_dtype and their gradients reduce-scattered in reduce_dtype, over
   dp_shard x cp at that group's bandwidth (experts' split over ep and at most tp, over the expert mesh's
   dp_shard_mod_ep), as often as the estimate runs them (`Floors.fsdp_runs`: with a pipeline and resharding after
   forward, once per micro batch and once more, whatever the schedule).
   On ranks that time-share cores, the compute of the busiest rank and of the one holding the last stage are
   combined as the estimate combines them (`roofline.shared_compute`).
-  The step is at least the larger of compute and FSDP (the roofline overlaps them) plus TP's, CP's and EP's
-  collectives, stretched by the pipeline's bubble as `roofline.step_time` stretches it, plus AdamW's step over at
-  least the model's parameters split every way the layout shards them; pipeline sends only add.
+  The step is at least the larger of compute and FSDP (the roofline overlaps them) plus the collectives on the
+  critical path, stretched by the pipeline's bubble as `roofline.step_time` stretches it, plus AdamW's step over at
+  least the model's parameters split every way the layout shards them.
 - memory: parameters, gradients (or activations, if larger, where the forward runs without gradients:
   `peak.beside_state`) and two AdamW moments, split at most dp_shard x cp x tp x pp ways, and under a pipeline with
   FSDP the held blocks' unsharded weights and gradients (`fsdp_buffer_bytes`). Plus the activations (`activations`):
@@ -78,6 +66,7 @@ import torch
 from shardlab._base import Frozen
 from shardlab.config import Config, MeshSpec
 from shardlab.estimate.block_counts import Block, count_block
+from shardlab.estimate.comm_floors import exposed_seconds, gathered_bytes, pp_seconds
 from shardlab.estimate.device import Device
 from shardlab.estimate.layouts import Layout, uses_fsdp
 from shardlab.estimate.peak import beside_state
@@ -150,6 +139,8 @@ class Floors(Frozen):
     expert_rows: float = 0.0
     """Rows of the residual stream each token sends to its experts and back per block (top_k, fewer under a
     capacity; 0: no EP floor)."""
+    stage_dim: int = 0
+    """The residual stream's width, which pipeline stages send each other (0: no floor for the sends)."""
 
     @classmethod
     def of(
@@ -187,7 +178,7 @@ class Floors(Frozen):
         moe = provider.moe if llama else None
         expert_rows = moe.top_k * min(1.0, moe.capacity_factor or 1.0) if moe is not None else 0.0
         return cls(block=block, tp_dim=provider.dim if llama else 0, kv_dim=kv_dim, expert_rows=expert_rows,
-                   param_bytes=param_bytes, param_numel=param_numel,
+                   param_bytes=param_bytes, param_numel=param_numel, stage_dim=provider.dim,
                    n_layers=provider.n_layers, rate=_matmul_peak(cfg, dev) * best,
                    bandwidth=dev.hbm_tb_s * 1e12 * best_memory)  # fmt: skip
 
@@ -225,14 +216,8 @@ class Floors(Frozen):
         compute = max(seconds)
         if dev.busy_speed and len(seconds) == 2:  # as the estimate paces ranks that time-share cores
             compute = shared_compute(*seconds, m.pp, m.world_size // m.pp, dev.busy_speed)
-        collectives = 0.0
-        if m.tp > 1 and self.tp_dim:
-            collectives += self.tp_seconds(cfg, layout, dev)
-        if m.cp > 1 and self.kv_dim:
-            collectives += self.cp_seconds(cfg, layout, dev)
-        if m.ep > 1 and self.expert_rows:
-            collectives += self.ep_seconds(cfg, layout, dev)
-        return max(compute, self.fsdp_seconds(cfg, layout, dev)) + max(collectives, comm)
+        exposed = max(exposed_seconds(self, cfg, layout, dev), comm) + pp_seconds(self, cfg, layout, dev)
+        return max(compute, self.fsdp_seconds(cfg, layout, dev)) + exposed
 
     def _compute_seconds(self, cfg: Config, layout: Layout, rank: _Rank) -> float:
         """Seconds one pp rank computes per step at least: its FLOPs (`flops`) at the best rate and its ops without
@@ -266,9 +251,9 @@ class Floors(Frozen):
         layer); otherwise a rank of ceil(L / pp) blocks, at least the average rank's compute."""
         m = layout.mesh
         if m.pp == 1:
-            return (_Rank(self.n_layers, self._recomputed(cfg, layout), True),)
+            return (_Rank(self.n_layers, self.recomputed(cfg, layout), True),)
         if cfg.plan.pp_balance != "blocks" or cfg.plan.pp_split:
-            return (_Rank(self._held_blocks(m.pp), self._recomputed(cfg, layout), None),)
+            return (_Rank(self.held_blocks(m.pp), self.recomputed(cfg, layout), None),)
         return _split_ranks(self.n_layers, m.pp, layout.pp_stages_per_rank, layout.pp_schedule,
                             layout.activation_checkpoint, cfg.plan.ac_every)  # fmt: skip
 
@@ -279,13 +264,13 @@ class Floors(Frozen):
         if self.block is None or shards == 1:
             return 0.0
         gathers, reductions = self.fsdp_runs(layout)
-        per_weight = gathers * _gathered_bytes(cfg) + reductions * DTYPE_BYTES[cfg.plan.reduce_dtype]
-        weights = self._held_blocks(m.pp) * self.block.params / m.tp
+        per_weight = gathers * gathered_bytes(cfg) + reductions * DTYPE_BYTES[cfg.plan.reduce_dtype]
+        weights = self.held_blocks(m.pp) * self.block.params / m.tp
         bandwidth = (dev.nvlink_gb_s if shards * m.tp <= GPUS_PER_NODE else dev.network_gb_s) * 1e9
         dense = weights * per_weight * (shards - 1) / shards / bandwidth
         if not self.block.expert_params:
             return dense
-        experts, groups = self._held_blocks(m.pp) * self.block.expert_params / (m.ep * m.tp), m.experts.dp_shard_mod_ep
+        experts, groups = self.held_blocks(m.pp) * self.block.expert_params / (m.ep * m.tp), m.experts.dp_shard_mod_ep
         moved = experts * per_weight * (groups - 1) / groups  # over the expert mesh's FSDP axis (none where it is 1)
         return dense + moved / axis_bandwidth(m, "dp_shard_mod_ep", dev)
 
@@ -302,24 +287,24 @@ class Floors(Frozen):
             return m * (2 if again else 1), m
         return m + 1 if again else 1, 1
 
-    def _held_blocks(self, pp: int) -> int:
+    def held_blocks(self, pp: int) -> int:
         """Blocks the busiest pp rank holds: at least ceil(L / pp)."""
         return -(-self.n_layers // pp)
 
-    def _recomputed(self, cfg: Config, layout: Layout) -> int:
+    def recomputed(self, cfg: Config, layout: Layout) -> int:
         """Blocks whose forward runs again at least: every held one under full checkpointing; under selective, those
         whose index in the whole model is a multiple of ac_every, of which each of the busiest rank's stages (v
         runs of consecutive blocks, ceil(L / pp) in all) holds at least (its blocks - ac_every + 1) / ac_every;
         none counted otherwise (op-level checkpointing recomputes part of a block: `Block.op_recompute_flops`)."""
         ac, pp, k = layout.activation_checkpoint, layout.mesh.pp, cfg.plan.ac_every
         if ac == "full":
-            return self._held_blocks(pp)
+            return self.held_blocks(pp)
         if ac != "selective":
             return 0
         if pp == 1:
             return -(-self.n_layers // k)
         v = layout.pp_stages_per_rank
-        return max(0, -(-(self._held_blocks(pp) - v * (k - 1)) // k))
+        return max(0, -(-(self.held_blocks(pp) - v * (k - 1)) // k))
 
     def memory_seconds(self, cfg: Config, layout: Layout, rank: _Rank | None = None) -> float:
         """Seconds per step the ops without FLOPs take at least on a pp rank (part of `time`; default: the busiest,
@@ -344,7 +329,7 @@ class Floors(Frozen):
             # FSDP copies each block's gradients into the buffer it reduces (read in param_dtype, written in
             # reduce_dtype); where it shards them, at each gather (`fsdp_runs`; per step at least with a pipeline)
             # its shard into a buffer the gathered block's size, then the block out of it (read and written)
-            param, reduce = _gathered_bytes(cfg), DTYPE_BYTES[cfg.plan.reduce_dtype]
+            param, reduce = gathered_bytes(cfg), DTYPE_BYTES[cfg.plan.reduce_dtype]
             gathers, reductions = self.fsdp_runs(layout) if m.pp == 1 else (1, 1)
             per_gather = 3 * param  # tp's one-row count holds the weights' own traffic (no FSDP at tp 2 alone): with
             if one and m.tp > 1:  # it, the copies out of the buffer alone, once per micro batch
@@ -372,37 +357,6 @@ class Floors(Frozen):
             return (micro - 1) * 3 * numel * self.param_bytes / self.param_numel
         return (micro - 1) * 3 * self.param_bytes / (m.dp_shard * m.cp * m.tp)
 
-    def tp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
-        """Seconds per step the blocks' TP reductions take at least (as all-reduces: an all-gather and a
-        reduce-scatter under sequence parallelism move as much)."""
-        m = layout.mesh
-        blocks, recomputed = self._held_blocks(m.pp), self._recomputed(cfg, layout)
-        tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
-        all_reduced = tokens * self.tp_dim * _gathered_bytes(cfg) * (4 * blocks + recomputed)  # fp8: inputs gathered
-        return all_reduced * 2 * (m.tp - 1) / m.tp / axis_bandwidth(m, "tp", dev)
-
-    def cp_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
-        """Seconds per step CP's K and V gathers (and their gradients' reduce-scatters) take at least."""
-        m = layout.mesh
-        blocks, recomputed = self._held_blocks(m.pp), self._recomputed(cfg, layout)
-        rows = cfg.train.global_batch // m.size("dp")  # over every micro batch
-        kv = rows * cfg.train.seq_len * self.kv_dim // m.tp * DTYPE_BYTES[cfg.plan.param_dtype]  # K or V, gathered
-        speed = dict(dev.collective_speed)
-        per_byte = (m.cp - 1) / m.cp / axis_bandwidth(m, "cp", dev)  # a ring moves (n - 1) / n of the buffer
-        gathers = 2 * (blocks + recomputed) * kv * per_byte / speed.get("all_gather", 1.0)
-        return gathers + 2 * blocks * kv * per_byte / speed.get("reduce_scatter", 1.0)
-
-    def ep_seconds(self, cfg: Config, layout: Layout, dev: Device) -> float:
-        """Seconds per step expert parallelism's all-to-alls take at least: each MoE block sends its tokens' rows
-        to their experts and back, in the forward (again where recomputed) and the backward; every tp rank routes
-        all of its group's tokens (the MoE layer takes whole tensors)."""
-        m = layout.mesh
-        blocks, recomputed = self._held_blocks(m.pp), self._recomputed(cfg, layout)
-        tokens = cfg.train.global_batch // m.size("dp") * cfg.train.seq_len // m.cp
-        rows = tokens * self.expert_rows * self.tp_dim * DTYPE_BYTES[cfg.plan.param_dtype]
-        per_byte = (m.ep - 1) / m.ep / axis_bandwidth(m, "ep", dev) / dict(dev.collective_speed).get("all_to_all", 1.0)
-        return (4 * blocks + 2 * recomputed) * rows * per_byte
-
     def memory(self, cfg: Config, layout: Layout) -> int:
         """Bytes at the peak of `layout` (the estimate's) at least: what its plan fixes (state, a quarter of it
         gradients, and FSDP buffers, `estimate.search`'s `state`) and `activations` (`peak.beside_state`)."""
@@ -410,7 +364,7 @@ class Floors(Frozen):
         state = state_at_least(self.param_bytes, m)
         if m.pp == 1 or not uses_fsdp(cfg, m) or self.block is None:
             return beside_state((state, state // 4), self.activations(cfg, layout), layout.forward_without_grads)
-        held = self._held_blocks(m.pp) * self.block.params // m.tp
+        held = self.held_blocks(m.pp) * self.block.params // m.tp
         buffers = held * (DTYPE_BYTES[cfg.plan.param_dtype] + DTYPE_BYTES[cfg.plan.reduce_dtype])
         return state + buffers + self.activations(cfg, layout)
 
@@ -427,12 +381,12 @@ class Floors(Frozen):
         if self.block is None or not self.block.kept:
             return 0.0
         m, kept = layout.mesh, dict(self.block.kept)
-        blocks, ac = self._held_blocks(m.pp), layout.activation_checkpoint
+        blocks, ac = self.held_blocks(m.pp), layout.activation_checkpoint
         whole = -(-blocks // cfg.plan.ac_every) if ac == "selective" else blocks * (ac == "full")  # at most so many
         per_token = (blocks - whole) * kept.get("op" if ac == "op" else "none", 0.0) + whole * kept.get("full", 0.0)
         sp = m.tp > 1 and self.tp_dim and cfg.plan.sequence_parallel  # checkpointed whole: one in ac_every, selective
         share = (1.0 if ac == "op" else 1 - 1 / m.tp) if sp else 0.0
-        gathered = (1 if self.expert_rows else 2) * self.tp_dim * _gathered_bytes(cfg) * share * (blocks - whole)
+        gathered = (1 if self.expert_rows else 2) * self.tp_dim * gathered_bytes(cfg) * share * (blocks - whole)
         tokens = cfg.train.global_batch // m.size("dp") // layout.micro_batches * cfg.train.seq_len // m.cp
         return tokens * (per_token / m.tp + gathered)
 
@@ -442,9 +396,3 @@ def _matmul_peak(cfg: Config, dev: Device) -> float:
     if cfg.plan.fp8 != "none" and dev.fp8_tflops is not None:
         return max(dev.bf16_tflops, dev.fp8_tflops) * 1e12
     return dev.bf16_tflops * 1e12
-
-
-def _gathered_bytes(cfg: Config) -> int:
-    """Bytes per element FSDP gathers of a weight, and TP of an activation, at least: under tensorwise FP8 a byte
-    (FSDP gathers the FP8 linears' weights in float8, TP their inputs; at most all of them), else param_dtype's."""
-    return 1 if cfg.plan.fp8 == "tensorwise" else DTYPE_BYTES[cfg.plan.param_dtype]

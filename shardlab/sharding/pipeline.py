@@ -175,6 +175,15 @@ def stage_ranks(pp: int, stages_per_rank: int, schedule: Schedule) -> tuple[int,
     return tuple(s % pp for s in range(n))
 
 
+def stage_sends(pp: int, stages_per_rank: int, schedule: Schedule) -> tuple[tuple[int, int], ...]:
+    """Per pp rank, the sends one micro batch makes from it: its stages' outputs whose next stage another rank runs
+    (forward), and its stages' input gradients whose previous stage another rank runs (backward)."""
+    owner = stage_ranks(pp, stages_per_rank, schedule)
+    n = len(owner)
+    return tuple((sum(owner[s] == r != owner[s + 1] for s in range(n - 1)),
+                  sum(owner[s] == r != owner[s - 1] for s in range(1, n))) for r in range(pp))  # fmt: skip
+
+
 def _first_block(name: str, block_of: dict[str, int]) -> int | None:
     """The first of the blocks (fqn -> index) holding parameter `name` (a block is a dotted prefix of it), or None:
     looked up by each prefix, not tried block by block (a 126-block model has a thousand names)."""
