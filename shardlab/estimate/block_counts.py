@@ -172,8 +172,11 @@ def count_block(
             block = {rows: c[2, rows][0] - c[1, rows][0] for rows in (1, 2, 3)}
             two = block[3] - block[2]
             excess[axis] = max(two - memory[0] * share, 0.0) / tokens
-            if axis != "ep":
-                excess[axis, 1] = max(block[1] - memory[0] * share, 0.0) / tokens
+            if axis != "ep":  # what the line through 2 and 3 rows moves at none is the weights' own traffic, at the
+                # count's size 2 alone: FSDP's over its group (cp's), the experts' whole (no ep); tp's (of the dense
+                # weights, split as tp splits them) is left in where there are no experts
+                fixed = max(block[2] - 2 * two, 0) if axis == "cp" or per_token[4] > per_token[3] else 0
+                excess[axis, 1] = max(block[1] - fixed - memory[0] * share, 0.0) / tokens
             elif block[2] - block[1] == two and block[1] >= two:  # the same ops at one row: a block's experts' weights
                 excess[axis, 1] = excess[axis]  # (fewer per rank at a larger ep) only add to it; else none counted
     return Block(train_flops=per_token[0], attention_flops=attention * per_token[1],
