@@ -82,13 +82,15 @@ class Block(Frozen):
     block's; sequence parallelism's gathers and scatters rearrange the rank's whole tokens, which one row gathers
     as a view)."""
     tp_one_row_memory_bytes: float = 0.0
-    """The same at one row per micro batch (its gathers take other paths), counted at tp 2 with one row."""
+    """The same at one row per micro batch (its gathers take other paths), counted at tp 2 with one row; where the
+    model has experts, less what does not grow with the rows there (the weights' own traffic, every expert whole)."""
     cp_memory_bytes: float = 0.0
     """The same for context parallelism, per token of a cp rank's tokens, counted at cp 2 (0: not counted): what
     it moves on each rank beyond its share (K and V gathered whole, among others), at least as much at any larger cp
     per token of the rank (whole-sequence work over fewer tokens)."""
     cp_one_row_memory_bytes: float = 0.0
-    """The same at one row per micro batch, counted at cp 2 with one row."""
+    """The same at one row per micro batch, counted at cp 2 with one row, less what does not grow with the rows there
+    (the weights' own traffic, FSDP's over cp's two ranks)."""
     ep_memory_bytes: float = 0.0
     """Bytes per token of a rank's tokens its ops without FLOPs move beyond memory_bytes under expert parallelism,
     counted at ep 2 of dp_shard 2 with 2 and 3 rows (0: not counted): dispatching its tokens to the experts' ranks
