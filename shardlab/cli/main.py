@@ -7,6 +7,7 @@ process, before torchrun starts anything; what fails later, on the ranks, comes 
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import sys
@@ -325,4 +326,8 @@ def run() -> None:
 
     if os.environ.get(ERROR_FILE_ENV):
         leave(code)
+    if sys.argv[1:2] in (["plan"], ["estimate"], ["search"]):
+        # They have written all they write, and the exit's last collection would walk what they built (a search's
+        # fake tensors and caches: about 1 s of 8B on 8 ranks' 10 s) to free nothing the exit does not.
+        gc.freeze()
     sys.exit(code)
