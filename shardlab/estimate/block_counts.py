@@ -84,6 +84,10 @@ class Block(Frozen):
     tp_one_row_memory_bytes: float = 0.0
     """The same at one row per micro batch (its gathers take other paths), counted at tp 2 with one row; where the
     model has experts, less what does not grow with the rows there (the weights' own traffic, every expert whole)."""
+    tp_one_row_without_weights: bool = False
+    """Whether tp_one_row_memory_bytes leaves the weights' own traffic out (where the model has experts). Where it
+    holds it (dense weights, split as tp splits them, on a rank without FSDP), the floor counts FSDP's copies at one
+    row under tp as the copies out of its buffer alone, so as not to count that traffic twice."""
     cp_memory_bytes: float = 0.0
     """The same for context parallelism, per token of a cp rank's tokens, counted at cp 2 (0: not counted): what
     it moves on each rank beyond its share (K and V gathered whole, among others), at least as much at any larger cp
@@ -146,6 +150,7 @@ def count_block(
     if one is None or two is None:  # no compute floor
         return None
     per_token = [(b - a) / seq_len for a, b in zip(one, two, strict=True)]
+    experts = per_token[4] > per_token[3]  # parameters beyond those FSDP gathers whole
     head_flops = one[0] / seq_len - per_token[0]
     recompute = {}
     for ac in modes:  # else none counted
@@ -177,7 +182,7 @@ def count_block(
             if axis != "ep":  # what the line through 2 and 3 rows moves at none is the weights' own traffic, at the
                 # count's size 2 alone: FSDP's over its group (cp's), the experts' whole (no ep); tp's (of the dense
                 # weights, split as tp splits them) is left in where there are no experts
-                fixed = max(block[2] - 2 * two, 0) if axis == "cp" or per_token[4] > per_token[3] else 0
+                fixed = max(block[2] - 2 * two, 0) if axis == "cp" or experts else 0
                 excess[axis, 1] = max(block[1] - fixed - memory[0] * share, 0.0) / tokens
             elif block[2] - block[1] == two and block[1] >= two:  # the same ops at one row: a block's experts' weights
                 excess[axis, 1] = excess[axis]  # (fewer per rank at a larger ep) only add to it; else none counted
@@ -188,6 +193,7 @@ def count_block(
                  kept=tuple(kept), recompute_memory_bytes=tuple(again), head_flops=max(head_flops, 0.0),
                  head_memory_bytes=head / seq_len, tp_memory_bytes=excess.get("tp", 0.0),
                  cp_memory_bytes=excess.get("cp", 0.0), tp_one_row_memory_bytes=excess.get(("tp", 1), 0.0),
+                 tp_one_row_without_weights=experts,
                  cp_one_row_memory_bytes=excess.get(("cp", 1), 0.0), ep_memory_bytes=excess.get("ep", 0.0),
                  ep_one_row_memory_bytes=excess.get(("ep", 1), 0.0),
                  op_recompute_flops=recompute.get("op", 0.0), recompute_flops=recompute.get("full", 0.0))  # fmt: skip

@@ -331,9 +331,9 @@ class Floors(Frozen):
             # its shard into a buffer the gathered block's size, then the block out of it (read and written)
             param, reduce = gathered_bytes(cfg), DTYPE_BYTES[cfg.plan.reduce_dtype]
             gathers, reductions = self.fsdp_runs(layout) if m.pp == 1 else (1, 1)
-            per_gather = 3 * param  # tp's one-row count of dense weights holds their own traffic (no FSDP at tp 2
-            if one and m.tp > 1 and not b.expert_params:  # alone): with it, the copies out of the buffer alone, once
-                gathers, per_gather = reductions, 2 * param  # per micro batch
+            per_gather = 3 * param  # where tp's one-row count holds the weights' own traffic, the copies out of
+            if one and m.tp > 1 and not b.tp_one_row_without_weights:  # the buffer alone, once per micro batch
+                gathers, per_gather = reductions, 2 * param
             gathered = gathers * per_gather if m.dp_shard * m.cp > 1 else 0
             copies = rank.blocks * b.params / m.tp * (gathered + reductions * (param + reduce))
         return (tokens * moved / m.tp + copies + self.accumulated_bytes(cfg, layout, rank)) / self.bandwidth
