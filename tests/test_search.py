@@ -639,6 +639,51 @@ def test_a_transformers_model_gets_floors_below_its_estimates():
         assert floors.activations(c, layout) > 0 and floors.memory(c, layout) <= e.peak, layout.describe()
 
 
+@pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
+@pytest.mark.parametrize("family", ["qwen2", "gpt_neox"])
+def test_a_transformers_models_tp_and_cp_floors_are_below_what_each_layouts_probe_records(family):
+    """A dense transformers decoder split by its TP plan as Megatron does (Qwen2's q/k/v with biases; GPT-NeoX's
+    attention and MLP side by side on the block's input) gets shardlab's Llama's TP floor (4 reductions of the
+    residual stream per block, 1 more where recomputed) and CP's (K and V gathered): each at most the tp and cp
+    collectives its layout's probe records, with and without sequence parallelism and with each checkpointing mode;
+    and the activations its blocks keep, SP's gathered inputs included, at most what the probe finds alive. Stacked
+    experts (their MoE block takes whole tensors) get no TP floor."""
+    pytest.importorskip("transformers")
+    from shardlab.estimate.comm_floors import cp_seconds, tp_seconds
+    from shardlab.estimate.devices import device
+    from shardlab.estimate.floors import Floors
+    from shardlab.estimate.probe import probe
+    from shardlab.estimate.roofline import collective_seconds
+    from shardlab.models.provider import check_layout
+    from shardlab.models.transformers.provider import HFCausalLM
+
+    shape = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+    provider = HFCausalLM.from_dict({"model_type": family, **shape}, family)
+    assert provider.tp_reduced_dim == 1024 and provider.kv_dim == 512
+    moe = HFCausalLM.from_dict({"model_type": "mixtral", **shape, "num_local_experts": 4}, "mixtral")
+    assert moe.tp_reduced_dim == 0 and moe.kv_dim == 512
+    dev, blocks = device("h100"), {}
+    cases = [
+        (True, MeshSpec(dp_shard=4, tp=2), "none", 1), (True, MeshSpec(dp_shard=4, tp=2), "full", 2),
+        (False, MeshSpec(dp_shard=4, tp=2), "selective", 2), (True, MeshSpec(dp_shard=2, cp=2, tp=2), "op", 2),
+        (False, MeshSpec(dp_shard=4, cp=2), "full", 2),
+    ]  # fmt: skip
+    for sp, mesh, ac, micro in cases:
+        sp = sp and family != "gpt_neox"  # its blocks hand the attention their input by position: SP is refused
+        c = cfg(global_batch=16, seq_len=1024, param_dtype="bfloat16", reduce_dtype="float32", sequence_parallel=sp)
+        floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False, blocks=blocks)
+        layout = Layout(mesh=mesh, activation_checkpoint=ac, micro_batches=micro)
+        run = layout.config(c).resolve(8)
+        check_layout(run, provider)
+        p = probe(run, provider=provider)
+        cp = micro * sum(collective_seconds(x, run.mesh, dev) for x in p.collectives if x.axis == "cp")
+        assert (0 < cp_seconds(floors, c, layout, dev) <= cp) if mesh.cp > 1 else cp == 0, (sp, mesh, ac)
+        tp = micro * sum(collective_seconds(x, run.mesh, dev) for x in p.collectives if x.axis == "tp")
+        assert (0 < tp_seconds(floors, c, layout, dev) <= tp) if mesh.tp > 1 else tp == 0, (sp, mesh, ac)
+        assert 0 < floors.activations(c, layout) <= p.activation_bytes, (sp, mesh, ac)
+
+
 def test_a_sibling_checkpointing_more_or_with_fewer_rows_never_needs_more_memory():
     """What lets the search drop a layout where a sibling checkpointing every block, or running one sequence per
     micro batch, did not fit."""

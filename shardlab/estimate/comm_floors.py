@@ -1,15 +1,17 @@
 """What a layout's collectives on the critical path take per step at least (`Floors.busy` adds them to the larger
 of compute and FSDP's), each from the layout's shape alone and at most what the estimate prices:
-- TP, for shardlab's Llama laid out by its own rules: each block's attention and MLP end in a projection sharded
+- TP, for a model whose own rules split its blocks as Megatron does (`ModelProvider.tp_reduced_dim`: shardlab's
+  Llama, and transformers' dense decoders by their TP plans): each block's attention and MLP end in a projection sharded
   over its input dim, whose partial outputs tp reduces in the forward, and begin with ones sharded over their
   output dim, whose input gradients it reduces in the backward: at least 4 collectives of the rank's tokens x dim
   (all-reduces, or under sequence parallelism all-gathers and reduce-scatters, twice as many of half the traffic),
   1 more for each recomputed block (the attention's: torch's checkpoint stops recomputing after the last tensor the
   backward needs, before the MLP's reduction), on the critical path as the roofline puts them.
-- CP, for shardlab's Llama laid out by its own rules: each block's attention all-gathers K and V over cp (the whole
-  sequence of the rank's rows and kv heads, 1 / tp of them, in param_dtype) and reduce-scatters their gradients in
-  the backward; a recomputed block gathers them again. On the critical path, as the roofline puts every collective
-  but the data-parallel ones.
+- CP, for a model laid out by its own rules whose attention is shardlab's (`ModelProvider.kv_dim`: shardlab's Llama
+  and transformers models): each block's attention all-gathers K and V over cp (the whole sequence of the rank's
+  rows and kv heads, 1 / tp of them, in param_dtype) and reduce-scatters their gradients in the backward; a
+  recomputed block gathers them again. On the critical path, as the roofline puts every collective but the
+  data-parallel ones.
 - EP, for shardlab's MoE laid out by its own rules: each block's experts get their tokens' rows (top_k of each, fewer
   under a capacity) by an all-to-all over ep and send them back by another, in the forward, again in a recomputed
   block, and in the backward; every tp rank routes all of its group's tokens. On the critical path, as CP's.

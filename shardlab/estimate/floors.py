@@ -44,8 +44,9 @@ That holds only if each floor is at most what the estimate gives, term by term:
   what a block's forward leaves alive for each row of a micro batch with the layout's checkpointing (none, op or full;
   selective checkpoints every ac_every-th block whole), counted on fake CPU tensors as the probe counts them, in
   param_dtype on one rank, and taken at 1 / (tp x cp) on the rank: each tensor the forward keeps there is its
-  counterpart's share of the tokens, heads or hidden units, or whole; under TP with sequence parallelism shardlab's
-  Llama's blocks also keep their attention's (and dense MLP's) input gathered whole over tp. The busiest pp rank holds
+  counterpart's share of the tokens, heads or hidden units, or whole; under TP with sequence parallelism the blocks
+  of a model split as Megatron does (`ModelProvider.tp_reduced_dim`) also keep their attention's (and dense MLP's)
+  input gathered whole over tp. The busiest pp rank holds
   at least ceil(L / pp) blocks, and at its peak the activations of the micro batches its schedule keeps in flight
   (`pipeline.in_flight`, one without a pipeline).
 A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Experts route
@@ -173,11 +174,11 @@ class Floors(Frozen):
             counted[key] = count() if store is None else store.block(cfg.train.seq_len, cfg.plan, own_rules, splits,
                                                                       count)  # fmt: skip
         block = counted[key]
-        llama = isinstance(provider, LlamaProvider) and block is not None and not own_rules
-        kv_dim = provider.cfg.n_kv_heads * provider.cfg.head_dim if llama else 0
-        moe = provider.moe if llama else None
+        own = block is not None and not own_rules  # the provider's rules lay the blocks out, as it says
+        moe = provider.moe if own and isinstance(provider, LlamaProvider) else None
         expert_rows = moe.top_k * min(1.0, moe.capacity_factor or 1.0) if moe is not None else 0.0
-        return cls(block=block, tp_dim=provider.dim if llama else 0, kv_dim=kv_dim, expert_rows=expert_rows,
+        tp_dim, kv_dim = (provider.tp_reduced_dim, provider.kv_dim) if own else (0, 0)
+        return cls(block=block, tp_dim=tp_dim, kv_dim=kv_dim, expert_rows=expert_rows,
                    param_bytes=param_bytes, param_numel=param_numel, stage_dim=provider.dim,
                    n_layers=provider.n_layers, rate=_matmul_peak(cfg, dev) * best,
                    bandwidth=dev.hbm_tb_s * 1e12 * best_memory)  # fmt: skip

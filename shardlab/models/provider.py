@@ -100,6 +100,20 @@ class ModelProvider(abc.ABC):
         """shardlab's MoE layers, whose routers the step balances; None for every other model."""
         return None
 
+    @property
+    def tp_reduced_dim(self) -> int:
+        """The residual stream's width where the provider's own rules split every block over tp as Megatron does
+        (its attention and its MLP each in projections split by their output, then one split by its input): tp
+        reduces it at least twice in each block's forward and twice in its backward, which the search counts as a
+        floor (`shardlab.estimate.comm_floors`). 0: they may split otherwise (no such floor)."""
+        return 0
+
+    @property
+    def kv_dim(self) -> int:
+        """The width of K (and of V) over every kv head, which context parallelism's attention gathers per block and
+        token (`shardlab.parallel.context`), for the search's floor. 0: not known (no such floor)."""
+        return 0
+
     @abc.abstractmethod
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs per token as MFU counts them: 6 N (matmul weights a token goes through) + 12 L d S."""

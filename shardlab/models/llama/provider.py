@@ -51,6 +51,14 @@ class LlamaProvider(ModelProvider):
     def moe(self) -> MoEConfig | None:
         return self.cfg.moe
 
+    @property
+    def tp_reduced_dim(self) -> int:
+        return self.cfg.dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.cfg.n_kv_heads * self.cfg.head_dim
+
     def flops_per_token(self, seq_len: int) -> float:
         m = self.cfg
         matmul_params = m.n_active_params - (0 if m.tie_embeddings else m.vocab_size * m.dim)

@@ -30,6 +30,7 @@ from shardlab.models.transformers.rules import (
     blocks_planned,
     hf_rules,
     per_head_norms,
+    rowwise_into_residual,
     unsplittable,
     whole_width_norms,
 )
@@ -203,6 +204,26 @@ class HFCausalLM(ModelProvider):
     def dim(self) -> int:
         return self._text.hidden_size
 
+    @property
+    def tp_reduced_dim(self) -> int:
+        """The hidden size where transformers' plan splits every block as Megatron does: two projections split by
+        their input write the residual stream (the attention's and the MLP's last), and no experts are stacked (their
+        MoE block takes whole tensors)."""
+        model = self.meta_model()
+        if any(is_stacked_experts(m) for m in model.modules()) or rowwise_into_residual(model) < 2:
+            return 0
+        return self.dim
+
+    @property
+    def kv_dim(self) -> int:
+        t = self._text
+        return (getattr(t, "num_key_value_heads", None) or t.num_attention_heads) * self._head_dim
+
+    @property
+    def _head_dim(self) -> int:
+        t = self._text
+        return getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+
     def flops_per_token(self, seq_len: int) -> float:
         model = self.meta_model()
         t = self._text
@@ -214,8 +235,7 @@ class HFCausalLM(ModelProvider):
         if experts and top_k:  # a token goes through top_k of the experts
             stacked = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
             n -= round(stacked * (1 - top_k / experts))
-        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-        return flops_per_token(n, t.num_hidden_layers, t.num_attention_heads * head_dim, seq_len)
+        return flops_per_token(n, t.num_hidden_layers, t.num_attention_heads * self._head_dim, seq_len)
 
     def tp_divisors(self) -> dict[str, int]:
         t = self._text

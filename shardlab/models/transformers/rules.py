@@ -160,6 +160,19 @@ def blocks_planned(model: nn.Module) -> bool:
     return any(matches(g, f) for g in d.tp_plan for f in inside)
 
 
+def rowwise_into_residual(model: nn.Module) -> int:
+    """How many projections of a block transformers' plan splits by their input (rowwise) that write the residual
+    stream (the attention's output, the MLP's down projection): tp reduces each one's output in the forward, and
+    the input gradient of the projections feeding it in the backward."""
+    d = Decoder(model)
+    hidden = model.get_input_embeddings().weight.shape[-1]
+    return sum(
+        1 for f, m in model.named_modules()
+        if f.startswith(f"{d.layers}.0.") and isinstance(m, nn.Linear) and m.out_features == hidden
+        and d.style(d.pattern(f)) == "rowwise"
+    )  # fmt: skip
+
+
 def per_head_norms(model: nn.Module) -> tuple[str, ...]:
     """Norms in the first block with a weight per head ([heads, head_dim]: Cohere's q/k norms), which tensor
     parallelism would have to split with the heads; shardlab keeps norms whole and refuses tp > 1 for these."""
