@@ -51,6 +51,10 @@ class Block(Frozen):
     attention_forward_flops: float
     params: int
     """Its parameters that FSDP gathers whole (numel): all but experts."""
+    attention_causal: bool = False
+    """Whether the attention FLOPs count half the square, as the probe counts a causal kernel (shardlab's Llama's):
+    under cp, whose attention masks by position, the probe counts the whole square, twice that. Else they count
+    what the fake runs' kernels compute, at most the whole square."""
     expert_params: int = 0
     """Its experts' parameters (numel): split over ep (and at most tp), FSDP gathers them over the expert mesh's
     dp_shard_mod_ep."""
@@ -157,17 +161,21 @@ def count_block(
         one_ac, two_ac = counted["flops", 1, ac], counted["flops", 2, ac]
         if one_ac is not None and two_ac is not None:
             recompute[ac] = max((two_ac[0] - one_ac[0]) / seq_len - per_token[0], 0.0)
-    llama = isinstance(provider, LlamaProvider)  # attention as the probe counts it (see the module docstring)
-    attention, attention_forward = (7 / 12, 1 / 2) if llama else (0.0, 0.0)
+    # attention as the probe counts it: shardlab's Llama's from its meta model's math kernel (see floors' docstring),
+    # any other model's as the fake runs below count its kernels (0 where the probe does not count them either)
+    llama = isinstance(provider, LlamaProvider)
+    attention = (7 / 12 * per_token[1], 1 / 2 * per_token[2]) if llama else (0.0, 0.0)
     memory, head, kept, again = (0.0, 0.0), 0.0, [], []
     for mode in ("memory", *modes):  # no memory floor, or none for the modes not counted from the first missing on
         found = _per_row({(n, rows): counted[mode, n, rows] for n, rows in PER_ROW})
         if found is None:
             break
-        (moved, _, alive), (rest, _, _) = found
+        (moved, _, alive, *attended), (rest, *_) = found
         if mode == "memory":
             memory, head = found[0][:2], rest
             kept.append(("none", alive / seq_len))
+            if not llama:
+                attention = (attended[0] / seq_len, attended[1] / seq_len)
         else:
             kept.append((mode, alive / seq_len))
             again.append((mode, max(moved - memory[0], 0.0) / seq_len))
@@ -186,8 +194,8 @@ def count_block(
                 excess[axis, 1] = max(block[1] - fixed - memory[0] * share, 0.0) / tokens
             elif block[2] - block[1] == two and block[1] >= two:  # the same ops at one row: a block's experts' weights
                 excess[axis, 1] = excess[axis]  # (fewer per rank at a larger ep) only add to it; else none counted
-    return Block(train_flops=per_token[0], attention_flops=attention * per_token[1],
-                 attention_forward_flops=attention_forward * per_token[2], params=round(per_token[3] * seq_len),
+    return Block(train_flops=per_token[0], attention_flops=attention[0], attention_forward_flops=attention[1],
+                 attention_causal=llama, params=round(per_token[3] * seq_len),
                  expert_params=round((per_token[4] - per_token[3]) * seq_len),
                  memory_bytes=memory[0] / seq_len, memory_forward_bytes=memory[1] / seq_len,
                  kept=tuple(kept), recompute_memory_bytes=tuple(again), head_flops=max(head_flops, 0.0),
@@ -286,23 +294,24 @@ def _per_row(
 
 def _memory_bytes(
     provider: ModelProvider, seq_len: int, rows: int, options: PlanConfig, ac: str | None = None
-) -> tuple[int, int, int]:
+) -> tuple[int, int, int, int, int]:
     """Bytes read and written by the ops without FLOPs of one training micro batch of `provider`'s model on `rows`
     sequences (`step.forward_backward`), and by its forward, on fake CPU tensors (the kernels the probe sees: CPU's
-    fused attention) with the parameters in param_dtype, its blocks checkpointed as `ac` says (None: not); and the
-    bytes its forward leaves alive."""
+    fused attention) with the parameters in param_dtype, its blocks checkpointed as `ac` says (None: not); the
+    bytes its forward leaves alive; and the FLOPs of its attention kernels, forward and backward and forward."""
     model = _model(provider, options, ac)
     recorder, forward = Recorder({}, fused_casts=options.compile and options.fp8 != "none"), {}
 
     def after_forward() -> None:
-        forward.update(moved=_moved(recorder), alive=recorder.live_bytes(param_storages(model)))
+        forward.update(moved=_moved(recorder), alive=recorder.live_bytes(param_storages(model)),
+                       attended=_attended(recorder))  # fmt: skip
 
     with balanced_routing(), fake_tensors():
         model.to_empty(device="cpu")
         tokens = torch.zeros(rows, seq_len, dtype=torch.long)
         with recorder, chunks_counted_by(recorder):
             forward_backward(model, tokens, tokens, 1.0, False, after_forward, forward=provider.forward)
-    return _moved(recorder), forward["moved"], forward["alive"]
+    return _moved(recorder), forward["moved"], forward["alive"], _attended(recorder), forward["attended"]
 
 
 def _split_traffic(provider: ModelProvider, cfg: Config, rows: int, axis: str) -> tuple[int] | None:
@@ -324,6 +333,10 @@ def _split_traffic(provider: ModelProvider, cfg: Config, rows: int, axis: str) -
 
 def _moved(recorder: Recorder) -> int:
     return sum(moved * count for (flops, moved, _), count in recorder.ops.items() if not flops)
+
+
+def _attended(recorder: Recorder) -> int:
+    return sum(flops * count for (flops, _, kind), count in recorder.ops.items() if kind == "attention")
 
 
 def _single(options: PlanConfig, ac: str) -> PlanConfig:

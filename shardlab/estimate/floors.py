@@ -27,7 +27,8 @@ That holds only if each floor is at most what the estimate gives, term by term:
   causal kernel as half the square and its backward as 2.5 forwards, where the meta model's math kernel computes the
   whole square and 2 (a masked one, as under cp, as the whole square), so the forward at half of the math kernel's
   FLOPs and forward and backward at 7/12 (twice that under CP, whose attention masks by position: the probe counts the
-  whole square); other models' attention kernels may be ones the probe does not count.
+  whole square); other models' attention as the fake runs count the kernels the probe sees (CPU's fused attention;
+  a kernel the probe does not count, none), the same under cp (at most the whole square the probe counts there).
 - TP's, CP's and EP's collectives, and the pipeline's sends, on the critical path (`comm_floors`).
 - FSDP: the rank's block weights gathered in param_dtype and their gradients reduce-scattered in reduce_dtype, over
   dp_shard x cp at that group's bandwidth (experts' split over ep and at most tp, over the expert mesh's
@@ -232,7 +233,7 @@ class Floors(Frozen):
         if b is None:
             return 0.0
         rank = rank or self._ranks(cfg, layout)[0]
-        masked = 2 if m.cp > 1 and self.kv_dim else 1  # CP's attention masks by position: the whole square
+        masked = 2 if m.cp > 1 and self.kv_dim and b.attention_causal else 1  # CP's masks by position: the square
         flops = rank.blocks * (b.train_flops + masked * b.attention_flops) + rank.recomputed * (
             b.recompute_flops + masked * b.attention_forward_flops
         )
