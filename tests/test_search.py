@@ -246,11 +246,13 @@ def test_the_pruned_search_ranks_as_the_exhaustive_one_and_floors_are_below_the_
 
 
 @pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
-def test_every_layout_of_a_search_is_estimated_at_or_above_its_floor():
+@pytest.mark.parametrize("family", ["shardlab", "transformers"])
+def test_every_layout_of_a_search_is_estimated_at_or_above_its_floor(family):
     """What makes the pruned ranking exact, over every layout of 4 ranks of a model of 4 blocks whatever its axes
     (pp, HSDP, tp, cp), checkpointing, micro batches, schedules and resharding: no estimate, the last stage's rank
     probed, is below its floor, in time or memory (the floors' own terms are checked closer, layout by layout, in the
-    tests below)."""
+    tests below). shardlab's Llama, and a transformers Qwen2 of the same shape (its TP and CP floors and its
+    attention's FLOPs as the fake runs count them)."""
     from shardlab.estimate.devices import device
     from shardlab.estimate.floors import Floors
     from shardlab.estimate.search import search
@@ -259,6 +261,14 @@ def test_every_layout_of_a_search_is_estimated_at_or_above_its_floor():
     model = msgspec.structs.replace(WIDE, n_layers=4)
     c = cfg(model, global_batch=8, seq_len=4096, param_dtype="bfloat16", reduce_dtype="float32")
     provider, dev, blocks = LlamaProvider(model), device("h100"), {}
+    if family == "transformers":
+        pytest.importorskip("transformers")
+        from shardlab.models.transformers.provider import HFCausalLM
+
+        m = model
+        shape = dict(vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.ffn_dim, num_hidden_layers=4,
+                     num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads)  # fmt: skip
+        provider = HFCausalLM.from_dict({"model_type": "qwen2", **shape}, "qwen2")
     every = search(c, 4, provider, lambda _: None, dev, 2**40, top=10**6, prune=False, blocks=blocks)
     assert every.bounded == 0 and {b.layout.mesh.pp for b in every.best} == {1, 2, 4}
     floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False, blocks=blocks, splits=("tp", "cp"))
