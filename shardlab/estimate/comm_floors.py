@@ -1,8 +1,8 @@
 """What a layout's collectives on the critical path take per step at least (`Floors.busy` adds them to the larger
 of compute and FSDP's), each from the layout's shape alone and at most what the estimate prices:
 - TP, for a model whose own rules split its blocks as Megatron does (`ModelProvider.tp_reduced_dim`: shardlab's
-  Llama, and transformers' dense decoders by their TP plans): each block's attention and MLP end in a projection sharded
-  over its input dim, whose partial outputs tp reduces in the forward, and begin with ones sharded over their
+  Llama, and transformers' dense decoders by their TP plans): each block's attention and MLP end in a projection
+  sharded over its input dim, whose partial outputs tp reduces in the forward, and begin with ones sharded over their
   output dim, whose input gradients it reduces in the backward: at least 4 collectives of the rank's tokens x dim
   (all-reduces, or under sequence parallelism all-gathers and reduce-scatters, twice as many of half the traffic),
   1 more for each recomputed block (the attention's: torch's checkpoint stops recomputing after the last tensor the

@@ -47,9 +47,8 @@ That holds only if each floor is at most what the estimate gives, term by term:
   param_dtype on one rank, and taken at 1 / (tp x cp) on the rank: each tensor the forward keeps there is its
   counterpart's share of the tokens, heads or hidden units, or whole; under TP with sequence parallelism the blocks
   of a model split as Megatron does (`ModelProvider.tp_reduced_dim`) also keep their attention's (and dense MLP's)
-  input gathered whole over tp. The busiest pp rank holds
-  at least ceil(L / pp) blocks, and at its peak the activations of the micro batches its schedule keeps in flight
-  (`pipeline.in_flight`, one without a pipeline).
+  input gathered whole over tp. The busiest pp rank holds at least ceil(L / pp) blocks, and at its peak the
+  activations of the micro batches its schedule keeps in flight (`pipeline.in_flight`, one without a pipeline).
 A block's numbers are counted once per search, as the difference of meta models of 2 and 1 blocks. Experts route
 every token evenly there, as in the probe (shardlab's MoE: `balanced_routing`), so each rank computes its tokens' share
 of their work wherever ep puts them; FSDP's floor counts the experts apart (`Block.expert_params`). A model whose
