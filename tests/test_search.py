@@ -251,8 +251,9 @@ def test_every_layout_of_a_search_is_estimated_at_or_above_its_floor(family):
     """What makes the pruned ranking exact, over every layout of 4 ranks of a model of 4 blocks whatever its axes
     (pp, HSDP, tp, cp), checkpointing, micro batches, schedules and resharding: no estimate, the last stage's rank
     probed, is below its floor, in time or memory (the floors' own terms are checked closer, layout by layout, in the
-    tests below). shardlab's Llama, and a transformers Qwen2 of the same shape (its TP and CP floors and its
-    attention's FLOPs as the fake runs count them)."""
+    tests below). shardlab's Llama, and a transformers Qwen2 of the same shape: its masks read a value, which meta
+    tensors cannot give, so its block is counted on fake tensors, and it gets compute (attention's FLOPs as the fake
+    runs count them), FSDP, activation, TP and CP floors."""
     from shardlab.estimate.devices import device
     from shardlab.estimate.floors import Floors
     from shardlab.estimate.search import search
@@ -273,8 +274,12 @@ def test_every_layout_of_a_search_is_estimated_at_or_above_its_floor(family):
     assert every.bounded == 0 and {b.layout.mesh.pp for b in every.best} == {1, 2, 4}
     floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False, blocks=blocks, splits=("tp", "cp"))
     assert blocks.keys() == {(c.train.seq_len, msgspec.json.encode(c.plan), False, ("tp", "cp"))}
+    block = floors.block
+    assert block is not None and block.train_flops > 0 and block.attention_flops > 0 and block.params > 0
+    assert (floors.tp_dim, floors.kv_dim) == (model.dim, model.n_kv_heads * model.head_dim)
     for b in every.best:
         assert floors.time(c, b.layout, dev) <= b.step_s and floors.memory(c, b.layout) <= b.peak, b.layout.describe()
+        assert floors.activations(c, b.layout) > 0, b.layout.describe()
 
 
 @pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
@@ -616,48 +621,16 @@ def test_what_tp_and_cp_add_at_one_row_leaves_out_the_weights_own_traffic():
 
 
 @pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
-def test_a_transformers_model_gets_floors_below_its_estimates():
-    """transformers' masks read a value, which meta tensors cannot give: its blocks are counted on fake tensors
-    instead, so the search gets its compute, FSDP and activation floors (none before: every layout was estimated),
-    each at most what its layout's estimate gives, with FSDP, tensor parallelism and a pipeline."""
-    pytest.importorskip("transformers")
-    from shardlab.estimate.devices import device
-    from shardlab.estimate.floors import Floors
-    from shardlab.estimate.twin import estimate_shared
-    from shardlab.models.provider import check_layout
-    from shardlab.models.transformers.provider import HFCausalLM
-    from shardlab.sharding.plan import make_plan
-
-    shape = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
-    provider = HFCausalLM.from_dict({"model_type": "qwen2", **shape}, "qwen2")
-    c = cfg(global_batch=16, seq_len=1024, param_dtype="bfloat16", reduce_dtype="float32")
-    dev, probes = device("h100"), {}
-    floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
-    assert floors.block is not None and floors.block.train_flops > 0 and floors.block.params > 0
-    layouts = [
-        Layout(mesh=MeshSpec(dp_shard=8), activation_checkpoint="none", micro_batches=1),
-        Layout(mesh=MeshSpec(dp_shard=4, tp=2), activation_checkpoint="full", micro_batches=2),
-        Layout(mesh=MeshSpec(pp=2, dp_shard=4), activation_checkpoint="full", micro_batches=2, pp_schedule="1f1b"),
-    ]
-    for layout in layouts:
-        run = layout.config(c).resolve(8)
-        check_layout(run, provider)
-        plan = make_plan(provider.meta_model(), run.mesh, provider.rules(run.plan), run.plan)
-        e = estimate_shared(run, plan, None, dev, provider, probes)
-        assert 0 < floors.time(c, layout, dev) <= e.time.step_s, layout.describe()
-        assert floors.activations(c, layout) > 0 and floors.memory(c, layout) <= e.peak, layout.describe()
-
-
-@pytest.mark.world  # whole searches or many layouts' probes, forked side by side: the full suite's tier
 @pytest.mark.parametrize("family", ["qwen2", "gpt_neox"])
 def test_a_transformers_models_tp_and_cp_floors_are_below_what_each_layouts_probe_records(family):
     """A dense transformers decoder split by its TP plan as Megatron does (Qwen2's q/k/v with biases; GPT-NeoX's
     attention and MLP side by side on the block's input) gets shardlab's Llama's TP floor (4 reductions of the
     residual stream per block, 1 more where recomputed) and CP's (K and V gathered): each at most the tp and cp
-    collectives its layout's probe records, with and without sequence parallelism and with each checkpointing mode;
-    and the activations its blocks keep, SP's gathered inputs included, at most what the probe finds alive. Stacked
-    experts (their MoE block takes whole tensors) get no TP floor."""
+    collectives its layout's probe records, with sequence parallelism (Qwen2's) and without (GPT-NeoX's: its blocks
+    hand the attention their input by position, where SP is refused), with each checkpointing mode; the activations
+    its blocks keep, SP's gathered inputs included, at most what the probe finds alive; and the FLOPs, attention's
+    included, those of the probe (at most them under cp). Stacked experts (their MoE block takes whole tensors) get
+    no TP floor."""
     pytest.importorskip("transformers")
     from shardlab.estimate.comm_floors import cp_seconds, tp_seconds
     from shardlab.estimate.devices import device
@@ -673,27 +646,26 @@ def test_a_transformers_models_tp_and_cp_floors_are_below_what_each_layouts_prob
     assert provider.tp_reduced_dim == 1024 and provider.kv_dim == 512
     moe = HFCausalLM.from_dict({"model_type": "mixtral", **shape, "num_local_experts": 4}, "mixtral")
     assert moe.tp_reduced_dim == 0 and moe.kv_dim == 512
-    dev, blocks = device("h100"), {}
+    dev, sp = device("h100"), family == "qwen2"
+    c = cfg(global_batch=16, seq_len=1024, param_dtype="bfloat16", reduce_dtype="float32", sequence_parallel=sp)
+    floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False)
     cases = [
-        (True, MeshSpec(dp_shard=4, tp=2), "none", 1), (True, MeshSpec(dp_shard=4, tp=2), "full", 2),
-        (False, MeshSpec(dp_shard=4, tp=2), "selective", 2), (True, MeshSpec(dp_shard=2, cp=2, tp=2), "op", 2),
-        (False, MeshSpec(dp_shard=4, cp=2), "full", 2),
+        (MeshSpec(dp_shard=4, tp=2), "none", 1), (MeshSpec(dp_shard=4, tp=2), "full", 2),
+        (MeshSpec(dp_shard=4, tp=2), "selective", 2), (MeshSpec(dp_shard=2, cp=2, tp=2), "op", 2),
+        (MeshSpec(dp_shard=4, cp=2), "full", 2),
     ]  # fmt: skip
-    for sp, mesh, ac, micro in cases:
-        sp = sp and family != "gpt_neox"  # its blocks hand the attention their input by position: SP is refused
-        c = cfg(global_batch=16, seq_len=1024, param_dtype="bfloat16", reduce_dtype="float32", sequence_parallel=sp)
-        floors = Floors.of(c, provider, provider.meta_model(), dev, own_rules=False, blocks=blocks)
+    for mesh, ac, micro in cases:
         layout = Layout(mesh=mesh, activation_checkpoint=ac, micro_batches=micro)
         run = layout.config(c).resolve(8)
         check_layout(run, provider)
         p = probe(run, provider=provider)
         cp = micro * sum(collective_seconds(x, run.mesh, dev) for x in p.collectives if x.axis == "cp")
-        assert (0 < cp_seconds(floors, c, layout, dev) <= cp) if mesh.cp > 1 else cp == 0, (sp, mesh, ac)
+        assert (0 < cp_seconds(floors, c, layout, dev) <= cp) if mesh.cp > 1 else cp == 0, (mesh, ac)
         tp = micro * sum(collective_seconds(x, run.mesh, dev) for x in p.collectives if x.axis == "tp")
-        assert (0 < tp_seconds(floors, c, layout, dev) <= tp) if mesh.tp > 1 else tp == 0, (sp, mesh, ac)
-        assert 0 < floors.activations(c, layout) <= p.activation_bytes, (sp, mesh, ac)
+        assert (0 < tp_seconds(floors, c, layout, dev) <= tp) if mesh.tp > 1 else tp == 0, (mesh, ac)
+        assert 0 < floors.activations(c, layout) <= p.activation_bytes, (mesh, ac)
         computed = micro * sum(f * n for f, m, n, _ in p.ops)  # attention's too, as the fake runs count it
-        assert (0.9 if mesh.cp > 1 else 1) * computed <= floors.flops(c, layout) <= computed, (sp, mesh, ac)
+        assert (0.9 if mesh.cp > 1 else 1) * computed <= floors.flops(c, layout) <= computed, (mesh, ac)
 
 
 def test_a_sibling_checkpointing_more_or_with_fewer_rows_never_needs_more_memory():
