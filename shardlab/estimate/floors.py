@@ -80,7 +80,6 @@ from shardlab.estimate.roofline import (
     shared_compute,
     shared_pipeline_factor,
 )
-from shardlab.models.llama.provider import LlamaProvider
 from shardlab.models.provider import ModelProvider
 from shardlab.sharding.pipeline import bubble_fraction, in_flight, split_stages, stage_ranks
 
@@ -175,7 +174,7 @@ class Floors(Frozen):
                                                                       count)  # fmt: skip
         block = counted[key]
         own = block is not None and not own_rules  # the provider's rules lay the blocks out, as it says
-        moe = provider.moe if own and isinstance(provider, LlamaProvider) else None
+        moe = provider.moe if own else None  # shardlab's MoE alone: None for every other model
         expert_rows = moe.top_k * min(1.0, moe.capacity_factor or 1.0) if moe is not None else 0.0
         tp_dim, kv_dim = (provider.tp_reduced_dim, provider.kv_dim) if own else (0, 0)
         return cls(block=block, tp_dim=tp_dim, kv_dim=kv_dim, expert_rows=expert_rows,
